@@ -1,0 +1,2 @@
+//! The thin shell: every proxy-wasm host call lives in this module.
+#![allow(clippy::disallowed_methods)]

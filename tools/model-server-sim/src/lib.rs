@@ -1,0 +1,1 @@
+//! Simulated model server (placeholder; built in its own change).
