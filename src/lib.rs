@@ -11,8 +11,10 @@
     deny(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)
 )]
 
+pub mod body;
 pub mod config;
 pub mod errors;
+pub mod inflight;
 pub mod metrics;
 pub mod ports;
 pub mod snapshot;
