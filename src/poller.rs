@@ -1,0 +1,263 @@
+//! The poller's pure core: when to scrape which endpoint, what a scrape result means, and the
+//! snapshot it publishes.
+//!
+//! The host role (`host::poller`) drives it:
+//! 1. every tick, `due(now)` lists the endpoints to scrape; the host sends one
+//!    `dispatch_http_call` per endpoint through the ORIGINAL_DST metrics cluster;
+//! 2. each response (or failure) goes to `on_result`;
+//! 3. when `round_complete()` (or at the next tick, whichever comes first) the host publishes
+//!    `snapshot(now)`.
+//!
+//! Rules:
+//! - At most one scrape per endpoint is outstanding. A scrape with no answer after
+//!   `timeout_ms` + [`LOST_CALL_GRACE_MS`] counts as failed (Envoy's own timeout normally fires
+//!   first; this covers a callback that never comes).
+//! - A failed, slow (timed out), non-200 or unparsable scrape increments `failures` and keeps
+//!   the old metrics; any `failures > 0` makes the endpoint stale for the scheduler at once.
+//!   Metrics that parse but contain no known routing metric count as failed: reading them as
+//!   "idle" would send everything to that endpoint.
+//! - Publishing once per round (not per response) bounds snapshot writes to one per interval,
+//!   and each worker decodes at most one snapshot per interval.
+
+use crate::config::Config;
+use crate::metrics::parse_metrics;
+use crate::snapshot::{EndpointStatus, Snapshot};
+
+/// Extra time after the scrape timeout before a missing callback is written off.
+pub const LOST_CALL_GRACE_MS: u64 = 1000;
+
+/// What came back from one scrape.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ScrapeResult<'a> {
+    /// HTTP response with status and body.
+    Response { status: u32, body: &'a [u8] },
+    /// The call failed: reset, connect failure or timeout (Envoy reports 0 headers).
+    Failed,
+}
+
+/// Why a scrape failed, for the log.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ScrapeError {
+    Status(u32),
+    NotUtf8,
+    Metrics(String),
+    Transport,
+}
+
+#[derive(Debug, Clone)]
+struct Target {
+    status: EndpointStatus,
+    /// When the outstanding scrape started, if one is outstanding.
+    outstanding_since: Option<u64>,
+}
+
+#[derive(Debug)]
+pub struct Poller {
+    targets: Vec<Target>,
+    version: u64,
+    timeout_ms: u64,
+}
+
+impl Poller {
+    pub fn new(cfg: &Config) -> Self {
+        let mut p = Poller { targets: Vec::new(), version: 0, timeout_ms: cfg.poller.timeout_ms };
+        p.set_endpoints(cfg.endpoints.iter().map(|e| (e.address.clone(), e.models.clone())).collect());
+        p
+    }
+
+    /// Replaces the endpoint list (static config or discovery), keeping the state of endpoints
+    /// that stay.
+    pub fn set_endpoints(&mut self, endpoints: Vec<(String, Vec<String>)>) {
+        let mut next = Vec::with_capacity(endpoints.len());
+        for (address, models) in endpoints {
+            let kept = self.targets.iter().position(|t| t.status.address == address);
+            let target = match kept {
+                Some(i) => {
+                    let mut t = self.targets.swap_remove(i);
+                    t.status.models = models;
+                    t
+                }
+                None => Target {
+                    status: EndpointStatus { address, models, metrics: None, scraped_ms: 0, failures: 0 },
+                    outstanding_since: None,
+                },
+            };
+            next.push(target);
+        }
+        self.targets = next;
+    }
+
+    /// Endpoints to scrape now. Marks them outstanding; expires calls that never answered.
+    pub fn due(&mut self, now_ms: u64) -> Vec<String> {
+        let mut out = Vec::new();
+        for t in &mut self.targets {
+            if let Some(since) = t.outstanding_since {
+                if now_ms.saturating_sub(since) <= self.timeout_ms + LOST_CALL_GRACE_MS {
+                    continue;
+                }
+                t.status.failures = t.status.failures.saturating_add(1);
+            }
+            t.outstanding_since = Some(now_ms);
+            out.push(t.status.address.clone());
+        }
+        out
+    }
+
+    /// The host could not even start the call (e.g. unknown cluster): count it as failed.
+    pub fn dispatch_failed(&mut self, address: &str) {
+        if let Some(t) = self.targets.iter_mut().find(|t| t.status.address == address) {
+            t.outstanding_since = None;
+            t.status.failures = t.status.failures.saturating_add(1);
+        }
+    }
+
+    /// Records a scrape result. Unknown addresses (removed meanwhile) are ignored.
+    pub fn on_result(
+        &mut self,
+        address: &str,
+        now_ms: u64,
+        result: ScrapeResult<'_>,
+    ) -> Result<(), ScrapeError> {
+        let Some(t) = self.targets.iter_mut().find(|t| t.status.address == address) else {
+            return Ok(());
+        };
+        t.outstanding_since = None;
+        let parsed = match result {
+            ScrapeResult::Failed => Err(ScrapeError::Transport),
+            ScrapeResult::Response { status, .. } if status != 200 => Err(ScrapeError::Status(status)),
+            ScrapeResult::Response { body, .. } => match std::str::from_utf8(body) {
+                Err(_) => Err(ScrapeError::NotUtf8),
+                Ok(text) => parse_metrics(text).map_err(|e| ScrapeError::Metrics(e.to_string())),
+            },
+        };
+        match parsed {
+            Ok(m) => {
+                t.status.metrics = Some(m);
+                t.status.scraped_ms = now_ms;
+                t.status.failures = 0;
+                Ok(())
+            }
+            Err(e) => {
+                t.status.failures = t.status.failures.saturating_add(1);
+                Err(e)
+            }
+        }
+    }
+
+    /// True when no scrape is outstanding.
+    pub fn round_complete(&self) -> bool {
+        self.targets.iter().all(|t| t.outstanding_since.is_none())
+    }
+
+    /// The next snapshot to publish (bumps the version).
+    pub fn snapshot(&mut self, now_ms: u64) -> Snapshot {
+        self.version += 1;
+        Snapshot {
+            version: self.version,
+            published_ms: now_ms,
+            endpoints: self.targets.iter().map(|t| t.status.clone()).collect(),
+        }
+    }
+
+    /// Continues the version sequence after a VM restart, so readers see a change.
+    pub fn resume_version_after(&mut self, version: u64) {
+        self.version = self.version.max(version);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const VLLM: &[u8] = b"# TYPE vllm:num_requests_waiting gauge\n\
+vllm:num_requests_waiting{engine=\"0\",model_name=\"m\"} 3\n\
+vllm:num_requests_running{engine=\"0\",model_name=\"m\"} 5\n\
+vllm:kv_cache_usage_perc{engine=\"0\",model_name=\"m\"} 0.25\n";
+
+    fn cfg() -> Config {
+        Config::from_json(
+            br#"{"version":1,"endpoints":[{"address":"127.0.0.1:8001","models":["m"]},{"address":"127.0.0.1:8002","models":["m"]}],"models":[{"name":"m"}],"poller":{"timeout_ms":100}}"#,
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn a_round_scrapes_everything_once_then_publishes() {
+        let mut p = Poller::new(&cfg());
+        assert_eq!(p.due(1000), vec!["127.0.0.1:8001", "127.0.0.1:8002"]);
+        // Both outstanding: nothing new is due on the next tick.
+        assert!(p.due(1200).is_empty());
+        assert!(!p.round_complete());
+        p.on_result("127.0.0.1:8001", 1010, ScrapeResult::Response { status: 200, body: VLLM }).unwrap();
+        p.on_result("127.0.0.1:8002", 1020, ScrapeResult::Failed).unwrap_err();
+        assert!(p.round_complete());
+        let s = p.snapshot(1020);
+        assert_eq!(s.version, 1);
+        let a = &s.endpoints[0];
+        assert_eq!((a.scraped_ms, a.failures), (1010, 0));
+        assert_eq!(a.metrics.as_ref().unwrap().queue, Some(3.0));
+        assert!(a.is_fresh(1020, 1000));
+        let b = &s.endpoints[1];
+        assert_eq!((b.scraped_ms, b.failures, b.metrics.is_none()), (0, 1, true));
+        assert_eq!(p.snapshot(1030).version, 2);
+    }
+
+    #[test]
+    fn failures_keep_old_metrics_but_make_the_endpoint_stale() {
+        let mut p = Poller::new(&cfg());
+        p.due(0);
+        p.on_result("127.0.0.1:8001", 10, ScrapeResult::Response { status: 200, body: VLLM }).unwrap();
+        p.due(200);
+        assert_eq!(
+            p.on_result("127.0.0.1:8001", 210, ScrapeResult::Response { status: 500, body: b"" }),
+            Err(ScrapeError::Status(500))
+        );
+        p.due(400);
+        assert!(matches!(
+            p.on_result("127.0.0.1:8001", 410, ScrapeResult::Response { status: 200, body: b"garbage\n" }),
+            Err(ScrapeError::Metrics(_))
+        ));
+        p.due(600);
+        assert_eq!(
+            p.on_result("127.0.0.1:8001", 610, ScrapeResult::Response { status: 200, body: b"\xff\xfe" }),
+            Err(ScrapeError::NotUtf8)
+        );
+        let e = p.snapshot(610).endpoints[0].clone();
+        assert_eq!((e.failures, e.scraped_ms), (3, 10));
+        assert!(e.metrics.is_some());
+        assert!(!e.is_fresh(610, 1000));
+        // One good scrape heals it.
+        p.due(800);
+        p.on_result("127.0.0.1:8001", 810, ScrapeResult::Response { status: 200, body: VLLM }).unwrap();
+        assert!(p.snapshot(810).endpoints[0].is_fresh(810, 1000));
+    }
+
+    #[test]
+    fn lost_callbacks_are_written_off_after_timeout_plus_grace() {
+        let mut p = Poller::new(&cfg());
+        p.due(0);
+        // timeout 100 + grace 1000: still outstanding at 1100, written off after.
+        assert!(p.due(1100).is_empty());
+        assert_eq!(p.due(1101).len(), 2);
+        assert!(p.snapshot(1101).endpoints.iter().all(|e| e.failures == 1));
+    }
+
+    #[test]
+    fn endpoint_changes_keep_state_and_ignore_late_results() {
+        let mut p = Poller::new(&cfg());
+        p.due(0);
+        p.on_result("127.0.0.1:8001", 5, ScrapeResult::Response { status: 200, body: VLLM }).unwrap();
+        p.set_endpoints(vec![
+            ("127.0.0.1:8001".into(), vec!["m".into()]),
+            ("127.0.0.1:8003".into(), vec!["m".into()]),
+        ]);
+        // A late answer from a removed endpoint is ignored.
+        p.on_result("127.0.0.1:8002", 6, ScrapeResult::Failed).unwrap();
+        let s = p.snapshot(6);
+        assert_eq!(s.endpoints.len(), 2);
+        assert_eq!(s.endpoints[0].scraped_ms, 5);
+        assert_eq!(s.endpoints[1].address, "127.0.0.1:8003");
+        p.dispatch_failed("127.0.0.1:8003");
+        assert_eq!(p.snapshot(7).endpoints[1].failures, 1);
+    }
+}

@@ -1,0 +1,217 @@
+"""Starts and stops real processes for the end-to-end tests: model-server simulators and Envoy
+with the built .wasm. Everything listens on 127.0.0.1 on free ports; every wait is bounded; every
+process started is stopped (fixtures call stop(), and an atexit hook catches the rest)."""
+from __future__ import annotations
+
+import atexit
+import copy
+import json
+import os
+import select
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import requests
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+WASM = Path(os.environ.get("PICKER_WASM", REPO / "target/wasm32-wasip1/release/inference_picker.wasm"))
+SIM = Path(os.environ.get("PICKER_SIM", REPO / "target/release/model-server-sim"))
+ENVOY = Path(os.environ.get("PICKER_ENVOY", REPO / ".venv/bin/envoy"))
+ENVOY_YAML = REPO / "envoy" / "envoy.yaml"
+
+LLAMA = "meta-llama/Llama-3.1-8B-Instruct"
+QWEN = "Qwen/Qwen2.5-7B-Instruct"
+
+_live: list[subprocess.Popen] = []
+
+
+@atexit.register
+def _kill_leftovers() -> None:
+    for p in _live:
+        if p.poll() is None:
+            p.kill()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _read_line(proc: subprocess.Popen, deadline: float) -> str | None:
+    while time.time() < deadline:
+        r, _, _ = select.select([proc.stdout], [], [], max(0.0, deadline - time.time()))
+        if r:
+            line = proc.stdout.readline()
+            if not line:
+                return None
+            return line.decode(errors="replace").strip()
+    return None
+
+
+class Sim:
+    """One model-server-sim process."""
+
+    def __init__(self, name: str, models=(LLAMA,), loras=(), engine="vllm", extra=()):
+        self.name = name
+        cmd = [str(SIM), "--port", "0", "--name", name, "--engine", engine]
+        for m in models:
+            cmd += ["--model", m]
+        for l in loras:
+            cmd += ["--lora", l]
+        cmd += list(extra)
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        _live.append(self.proc)
+        deadline = time.time() + 20
+        self.port = None
+        while time.time() < deadline:
+            line = _read_line(self.proc, deadline)
+            if line is None:
+                break
+            if line.startswith("READY "):
+                self.port = int(line.split()[1])
+                break
+        if self.port is None:
+            self.stop()
+            raise RuntimeError(f"simulator {name} did not start")
+        self.address = f"127.0.0.1:{self.port}"
+        self.url = f"http://{self.address}"
+
+    def stats(self) -> dict:
+        return requests.get(self.url + "/sim/stats", timeout=5).json()
+
+    def requests_total(self) -> int:
+        return int(self.stats()["requests_total"])
+
+    def fake_load(self, **load) -> None:
+        requests.post(self.url + "/sim/fake-load", json=load, timeout=5).raise_for_status()
+
+    def reset_stats(self) -> None:
+        requests.post(self.url + "/sim/reset-stats", timeout=5).raise_for_status()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=5)
+
+    kill = stop
+
+
+def endpoint(sim: Sim, *models: str) -> dict:
+    return {"address": sim.address, "models": list(models) or [LLAMA]}
+
+
+def picker_config(endpoints: list[dict], models: list[dict] | None = None, **sections) -> dict:
+    cfg = {
+        "version": 1,
+        "endpoints": endpoints,
+        "models": models or [{"name": LLAMA, "adapters": ["sql-lora"]}, {"name": QWEN}],
+        "poller": {"interval_ms": 200, "timeout_ms": 500, "stale_after_ms": 1000},
+    }
+    for k, v in sections.items():
+        cfg[k] = v
+    return cfg
+
+
+class Envoy:
+    """Envoy running envoy/envoy.yaml with its ports, .wasm path and plugin configuration
+    replaced."""
+
+    def __init__(self, config: dict, concurrency: int = 2, base_yaml: Path = ENVOY_YAML):
+        self.port = free_port()
+        self.admin_port = free_port()
+        self.tmp = tempfile.TemporaryDirectory(prefix="picker-envoy-")
+        doc = yaml.safe_load(base_yaml.read_text())
+        doc = render(doc, config, self.port, self.admin_port)
+        path = Path(self.tmp.name) / "envoy.yaml"
+        path.write_text(yaml.safe_dump(doc))
+        self.log_path = Path(self.tmp.name) / "envoy.log"
+        self.proc = subprocess.Popen(
+            [str(ENVOY), "-c", str(path), "--concurrency", str(concurrency), "--use-dynamic-base-id",
+             "-l", "info", "--log-path", str(self.log_path), "--disable-hot-restart"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        _live.append(self.proc)
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.admin = f"http://127.0.0.1:{self.admin_port}"
+        deadline = time.time() + 30
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError("envoy exited:\n" + self.log())
+            try:
+                if requests.get(self.admin + "/ready", timeout=1).status_code == 200:
+                    break
+            except requests.RequestException:
+                pass
+            time.sleep(0.1)
+        else:
+            self.stop()
+            raise RuntimeError("envoy did not become ready:\n" + self.log())
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text()[-5000:]
+        except OSError:
+            return ""
+
+    def chat(self, model: str = LLAMA, content: str = "Hello", headers: dict | None = None,
+             timeout: float = 30, **extra) -> requests.Response:
+        body = {"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": 4}
+        body.update(extra)
+        return requests.post(self.url + "/v1/chat/completions", json=body, headers=headers or {}, timeout=timeout)
+
+    def wait_routable(self, model: str = LLAMA, timeout: float = 15) -> None:
+        """Waits (bounded) until the poller has published fresh metrics and a request routes."""
+        deadline = time.time() + timeout
+        last = None
+        while time.time() < deadline:
+            last = self.chat(model)
+            if last.status_code == 200:
+                return
+            time.sleep(0.1)
+        raise AssertionError(f"no route for {model}: {last.status_code if last else None} "
+                             f"{last.text if last else ''}\n{self.log()}")
+
+    def stats_prometheus(self) -> str:
+        return requests.get(self.admin + "/stats/prometheus", timeout=5).text
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=5)
+        self.tmp.cleanup()
+
+
+def render(doc: dict, config: dict, port: int, admin_port: int) -> dict:
+    """Applies ports, the absolute .wasm path and the plugin configuration to a parsed
+    envoy.yaml (the same structure `make run` uses)."""
+    doc = copy.deepcopy(doc)
+    cfg_json = json.dumps(config)
+    doc["admin"]["address"]["socket_address"]["port_value"] = admin_port
+    doc["static_resources"]["listeners"][0]["address"]["socket_address"]["port_value"] = port
+
+    def visit(node):
+        if isinstance(node, dict):
+            if "vm_config" in node and "configuration" in node:
+                node["vm_config"]["code"]["local"]["filename"] = str(WASM)
+                node["configuration"]["value"] = cfg_json
+            for v in node.values():
+                visit(v)
+        elif isinstance(node, list):
+            for v in node:
+                visit(v)
+
+    visit(doc)
+    return doc
