@@ -1,86 +1,156 @@
 //! The one JSON configuration document, read by both roles (filter and poller).
 //!
-//! Parsed once in `on_configure` with serde (`deny_unknown_fields` everywhere, an explicit
-//! `version`), then validated by [`Config::validate`]. Optional fields have documented defaults,
-//! set per field; there is no blanket `#[serde(default)]` on a struct that could hide a typo.
+//! Parsed once in `on_configure` by [`Config::from_json`]: serde with `deny_unknown_fields`
+//! everywhere and an explicit `version`, then [`Config::validate`], which reports every problem at
+//! once, each with the JSON path of the bad field (`endpoints[2].address`) and a reason. The filter
+//! then builds a [`ModelTable`] once with [`Config::model_table`] and only reads it per request.
+//!
+//! The field reference is `filter-config/README.md`; the JSON Schema is `filter-config/schema.json`,
+//! generated from these types (feature `schema`) and kept equal to them by a test.
+//!
+//! # Adding a field
+//! 1. Add it to its struct with a `///` doc (it becomes the schema description) and, when it is
+//!    optional, a per-field `#[serde(default = "default_x")]` whose value the doc states. Never put a
+//!    blanket `#[serde(default)]` on a struct: it would hide a typo'd field.
+//! 2. Add its checks to that struct's `validate_into`, with a negative test in `config/tests.rs`
+//!    that asserts the exact path and a reason substring. Where a bound is simple (a minimum, a
+//!    non-empty string), mirror it in the schema with a `schemars(...)` attribute naming the same
+//!    constant.
+//! 3. Regenerate the schema: `cargo run -q -p config-schema > filter-config/schema.json`.
+//! 4. Document it in `filter-config/README.md` (a test fails when a schema field is missing there).
+
+mod locate;
+mod model_table;
+#[cfg(test)]
+mod tests;
+
+use hashbrown::HashMap;
+use std::net::SocketAddr;
 
 use serde::{Deserialize, Serialize};
 
+pub use model_table::{ModelTable, Resolved};
+
 /// The only configuration version this build understands.
 pub const CONFIG_VERSION: u32 = 1;
+/// Smallest `poller.interval_ms`: below this the poller itself becomes the load (llm-d #1842 saw
+/// vLLM slow down at 50 ms).
+pub const MIN_INTERVAL_MS: u64 = 10;
+/// Smallest `poller.timeout_ms`. Zero would mean "no timeout" to Envoy, leaving a hung scrape
+/// outstanding forever, so it is not allowed.
+pub const MIN_TIMEOUT_MS: u64 = 1;
+/// Largest `filter.max_body_bytes` (64 MiB). The filter buffers the whole body in every worker's
+/// VM; more than this is a misconfiguration, not a workload.
+pub const MAX_BODY_BYTES_LIMIT: usize = 64 * 1024 * 1024;
 
+/// Configuration of the inference-picker module: the same document for the HTTP filter and the
+/// poller.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct Config {
-    /// Must be 1.
+    /// Version of this document's format. Must be 1.
+    #[cfg_attr(feature = "schema", schemars(extend("const" = CONFIG_VERSION)))]
     pub version: u32,
-    /// The pool's endpoints and the base models each serves.
+    /// The pool's endpoints (model servers) and the base models each serves. At least one.
+    #[cfg_attr(feature = "schema", schemars(length(min = 1)))]
     pub endpoints: Vec<EndpointConfig>,
-    /// The base models the pool serves, with their LoRA adapters.
+    /// The base models the pool serves, with their LoRA adapters. At least one.
+    #[cfg_attr(feature = "schema", schemars(length(min = 1)))]
     pub models: Vec<ModelConfig>,
+    /// How the poller scrapes the endpoints' metrics. Default: every field at its default.
     #[serde(default = "PollerConfig::default")]
     pub poller: PollerConfig,
+    /// How the HTTP filter treats requests. Default: every field at its default.
     #[serde(default = "FilterConfig::default")]
     pub filter: FilterConfig,
 }
 
+/// One model server.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct EndpointConfig {
-    /// `ip:port` of the model server (IPv4 or bracketed IPv6).
+    /// `ip:port` of the model server: an IPv4 address (`10.0.0.7:8000`) or a bracketed IPv6
+    /// address (`[fd00::7]:8000`), port 1-65535. No hostnames: the ORIGINAL_DST cluster routes to
+    /// the literal address in `x-gateway-destination-endpoint`. Unique across endpoints.
+    #[cfg_attr(feature = "schema", schemars(length(min = 1)))]
     pub address: String,
-    /// Names of base models (from `models`) this endpoint serves.
+    /// Names of the base models (from `models[].name`, not adapters) this endpoint serves. At
+    /// least one.
+    #[cfg_attr(feature = "schema", schemars(length(min = 1), inner(length(min = 1))))]
     pub models: Vec<String>,
 }
 
+/// One base model and its LoRA adapters.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct ModelConfig {
-    /// The name clients put in the body's `model`.
+    /// The name clients put in the body's `model`, e.g. `meta-llama/Llama-3.1-8B-Instruct`.
+    /// Unique across models and adapters.
+    #[cfg_attr(feature = "schema", schemars(length(min = 1)))]
     pub name: String,
-    /// LoRA adapters on this base model; any endpoint of the base can load them.
+    /// LoRA adapters on this base model; a request naming one goes to an endpoint of this base.
+    /// Unique across all models. Default: none.
     #[serde(default)]
+    #[cfg_attr(feature = "schema", schemars(inner(length(min = 1))))]
     pub adapters: Vec<String>,
 }
 
+/// The poller: the one VM that scrapes every endpoint's metrics and publishes the snapshot.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct PollerConfig {
-    /// How often each endpoint's /metrics is scraped. Default 200 ms: GIE polls every 50 ms, but
-    /// llm-d #1842 showed that polling that fast slows vLLM itself; the router-local in-flight
-    /// count covers the gap between polls.
+    /// How often each endpoint's metrics are scraped, in ms. At least 10. Default 200: GIE polls
+    /// every 50 ms, but llm-d #1842 showed polling that fast slows vLLM itself; the router-local
+    /// in-flight count covers the gap between polls.
     #[serde(default = "default_interval_ms")]
+    #[cfg_attr(feature = "schema", schemars(range(min = MIN_INTERVAL_MS)))]
     pub interval_ms: u64,
-    /// Timeout of one scrape. Default 1000 ms. A scrape still outstanding is never started again.
+    /// Timeout of one scrape, in ms. At least 1. Default 1000. A scrape still outstanding is
+    /// never started again.
     #[serde(default = "default_timeout_ms")]
+    #[cfg_attr(feature = "schema", schemars(range(min = MIN_TIMEOUT_MS)))]
     pub timeout_ms: u64,
-    /// An endpoint whose last successful scrape is older than this is stale. Default 1000 ms.
+    /// An endpoint whose last successful scrape is older than this, in ms, is stale. At least
+    /// `interval_ms`. Default 1000.
     #[serde(default = "default_stale_after_ms")]
     pub stale_after_ms: u64,
-    /// The Envoy ORIGINAL_DST cluster (use_http_header) that scrapes go through.
+    /// Name of the Envoy ORIGINAL_DST cluster (with `use_http_header`) that scrapes go through.
+    /// Default `inference_pool_metrics`.
     #[serde(default = "default_metrics_cluster")]
+    #[cfg_attr(feature = "schema", schemars(length(min = 1)))]
     pub cluster: String,
-    /// Path of the metrics endpoint on every model server.
+    /// Path of the metrics endpoint on every model server; starts with `/`. Default `/metrics`.
     #[serde(default = "default_metrics_path")]
+    #[cfg_attr(feature = "schema", schemars(regex(pattern = r"^/\S*$")))]
     pub metrics_path: String,
 }
 
+/// What the filter does when no endpoint of the requested model has fresh metrics.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 pub enum FailureMode {
-    /// No fresh metrics: route by in-flight count among the endpoints that serve the model.
+    /// Route by the router-local in-flight count among the endpoints that serve the model.
     FailOpen,
-    /// No fresh metrics: answer 503.
+    /// Answer 503.
     FailClose,
 }
 
+/// The HTTP filter.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct FilterConfig {
-    /// Largest request body buffered, in bytes; larger gets 413. Default 4 MiB. Envoy's own
-    /// per-connection buffer limit must be at least this.
+    /// Largest request body buffered, in bytes; a larger one gets 413. 1 to 67108864 (64 MiB).
+    /// Default 4194304 (4 MiB). Envoy's `per_connection_buffer_limit_bytes` must be at least this,
+    /// or Envoy answers 413 itself first.
     #[serde(default = "default_max_body_bytes")]
+    #[cfg_attr(feature = "schema", schemars(range(min = 1, max = MAX_BODY_BYTES_LIMIT)))]
     pub max_body_bytes: usize,
-    /// What to do when no endpoint has fresh metrics. Default FailClose (503), as GIE.
+    /// What to do when no endpoint has fresh metrics. Default `FailClose` (503), as GIE.
     #[serde(default = "default_failure_mode")]
     pub failure_mode: FailureMode,
 }
@@ -125,11 +195,18 @@ impl Default for FilterConfig {
     }
 }
 
-/// A configuration error: the JSON path of the bad field and what is wrong with it.
+/// A configuration error: the JSON path of the bad field (`endpoints[2].address`, `$` for the
+/// whole document) and what is wrong with it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ConfigError {
     pub path: String,
     pub reason: String,
+}
+
+impl ConfigError {
+    pub fn new(path: impl Into<String>, reason: impl Into<String>) -> Self {
+        Self { path: path.into(), reason: reason.into() }
+    }
 }
 
 impl std::fmt::Display for ConfigError {
@@ -138,32 +215,330 @@ impl std::fmt::Display for ConfigError {
     }
 }
 
+impl std::error::Error for ConfigError {}
+
+/// One log line for all errors: `invalid configuration (2 errors): a: x; b: y`.
+pub fn describe_errors(errors: &[ConfigError]) -> String {
+    let mut out =
+        format!("invalid configuration ({} error{})", errors.len(), if errors.len() == 1 { "" } else { "s" });
+    for (i, e) in errors.iter().enumerate() {
+        out.push_str(if i == 0 { ": " } else { "; " });
+        out.push_str(&e.to_string());
+    }
+    out
+}
+
+/// `parent.name`, or `name` at the root.
+fn field(parent: &str, name: &str) -> String {
+    if parent.is_empty() {
+        name.to_string()
+    } else {
+        format!("{parent}.{name}")
+    }
+}
+
+/// `parent[i]`.
+fn index(parent: &str, i: usize) -> String {
+    format!("{parent}[{i}]")
+}
+
+/// Collects errors so that a validation pass reports all of them, not the first.
+#[derive(Default)]
+struct Errors(Vec<ConfigError>);
+
+impl Errors {
+    fn push(&mut self, path: impl Into<String>, reason: impl Into<String>) {
+        self.0.push(ConfigError::new(path, reason));
+    }
+}
+
+/// Reads only `version`, ignoring every other field, so that a document of another version gets
+/// "unsupported version" rather than a confusing unknown-field error.
+#[derive(Deserialize)]
+struct VersionProbe {
+    version: Option<serde_json::Value>,
+}
+
 impl Config {
-    /// Parses and validates a configuration document.
+    /// Parses and validates a configuration document. On failure, returns every error found: one
+    /// for a document serde cannot read (its path is the field being read when serde stopped), or
+    /// all that [`Config::validate`] finds.
     pub fn from_json(bytes: &[u8]) -> Result<Config, Vec<ConfigError>> {
-        let cfg: Config = serde_json::from_slice(bytes).map_err(|e| {
-            vec![ConfigError {
-                path: format!("line {} column {}", e.line(), e.column()),
-                reason: e.to_string(),
-            }]
-        })?;
+        // serde would also accept a struct written as an array of its fields; the document is an
+        // object. A JSON string here usually means a double-encoded configuration.
+        let found = match bytes.iter().find(|b| !b.is_ascii_whitespace()) {
+            Some(b'{') => None,
+            None => Some("nothing: the configuration is empty"),
+            Some(b'"') => Some("a string (is the configuration JSON-encoded twice?)"),
+            Some(b'[') => Some("an array"),
+            Some(_) => Some("something else"),
+        };
+        if let Some(found) = found {
+            return Err(vec![ConfigError::new(
+                "$",
+                format!("expected a JSON object with \"version\": {CONFIG_VERSION}, found {found}"),
+            )]);
+        }
+        // A probe that does not parse (bad syntax, not an object) falls through to the full parse,
+        // whose error names the place.
+        if let Ok(probe) = serde_json::from_slice::<VersionProbe>(bytes) {
+            match probe.version {
+                None => {
+                    return Err(vec![ConfigError::new(
+                        "version",
+                        format!("missing; this build reads version {CONFIG_VERSION}"),
+                    )])
+                }
+                Some(v) if v.as_u64() != Some(u64::from(CONFIG_VERSION)) => {
+                    return Err(vec![ConfigError::new(
+                        "version",
+                        format!("unsupported version {v}; this build reads only version {CONFIG_VERSION}"),
+                    )])
+                }
+                Some(_) => {}
+            }
+        }
+        let cfg: Config = serde_json::from_slice(bytes).map_err(|e| vec![locate::serde_error(bytes, &e)])?;
         cfg.validate()?;
         Ok(cfg)
     }
 
-    /// Checks what serde cannot: versions, references between fields, ranges, addresses.
+    /// Checks what serde cannot: the version, ranges, address syntax, uniqueness, and references
+    /// between fields. Returns every error, in document order within each section.
     pub fn validate(&self) -> Result<(), Vec<ConfigError>> {
-        let mut errs = Vec::new();
+        let mut errs = Errors::default();
         if self.version != CONFIG_VERSION {
-            errs.push(ConfigError {
-                path: "version".into(),
-                reason: format!("unsupported version {}, this build reads {}", self.version, CONFIG_VERSION),
-            });
+            errs.push(
+                "version",
+                format!(
+                    "unsupported version {}; this build reads only version {CONFIG_VERSION}",
+                    self.version
+                ),
+            );
         }
-        if errs.is_empty() {
+        let names = self.validate_models(&mut errs);
+        self.validate_endpoints(&names, &mut errs);
+        self.poller.validate_into("poller", &mut errs);
+        self.filter.validate_into("filter", &mut errs);
+        if errs.0.is_empty() {
             Ok(())
         } else {
-            Err(errs)
+            Err(errs.0)
         }
     }
+
+    /// Builds the name → base model → endpoints lookup the filter uses per request. Build it once,
+    /// after [`Config::validate`] succeeded (on an invalid config the first of duplicates wins).
+    pub fn model_table(&self) -> ModelTable {
+        ModelTable::build(self)
+    }
+
+    /// Checks `models` and returns every model and adapter name with what it is, for the checks of
+    /// `endpoints[].models`.
+    fn validate_models<'a>(&'a self, errs: &mut Errors) -> HashMap<&'a str, NameKind> {
+        let mut names: HashMap<&str, NameKind> = HashMap::new();
+        if self.models.is_empty() {
+            errs.push("models", "at least one model is required");
+        }
+        // Base names first, so that an adapter named like a later base model is still caught.
+        for (i, m) in self.models.iter().enumerate() {
+            let path = field(&index("models", i), "name");
+            if let Some(reason) = name_problem(&m.name) {
+                errs.push(path, reason);
+                continue;
+            }
+            match names.get(m.name.as_str()) {
+                Some(NameKind::Base(first)) => errs
+                    .push(path, format!("duplicate model name {:?}, first at models[{first}].name", m.name)),
+                _ => {
+                    names.insert(&m.name, NameKind::Base(i));
+                }
+            }
+        }
+        for (i, m) in self.models.iter().enumerate() {
+            let model_path = index("models", i);
+            for (j, a) in m.adapters.iter().enumerate() {
+                let path = index(&field(&model_path, "adapters"), j);
+                if let Some(reason) = name_problem(a) {
+                    errs.push(path, reason);
+                    continue;
+                }
+                match names.get(a.as_str()) {
+                    Some(NameKind::Base(b)) => errs.push(
+                        field(&index("models", *b), "name"),
+                        format!("model name {a:?} is also an adapter name, at {path}"),
+                    ),
+                    Some(NameKind::Adapter { model, adapter }) => errs.push(
+                        path,
+                        format!("duplicate adapter name {a:?}, first at models[{model}].adapters[{adapter}]"),
+                    ),
+                    None => {
+                        names.insert(a, NameKind::Adapter { model: i, adapter: j });
+                    }
+                }
+            }
+        }
+        names
+    }
+
+    fn validate_endpoints(&self, names: &HashMap<&str, NameKind>, errs: &mut Errors) {
+        if self.endpoints.is_empty() {
+            errs.push("endpoints", "at least one endpoint is required");
+        }
+        let mut seen: HashMap<SocketAddr, usize> = HashMap::new();
+        let mut served = vec![false; self.models.len()];
+        for (i, ep) in self.endpoints.iter().enumerate() {
+            let ep_path = index("endpoints", i);
+            let addr_path = field(&ep_path, "address");
+            match parse_endpoint_address(&ep.address) {
+                Err(reason) => errs.push(addr_path, reason),
+                Ok(addr) => {
+                    if let Some(first) = seen.get(&addr) {
+                        errs.push(
+                            addr_path,
+                            format!("duplicate address {}, first at endpoints[{first}].address", ep.address),
+                        );
+                    } else {
+                        seen.insert(addr, i);
+                    }
+                }
+            }
+            let models_path = field(&ep_path, "models");
+            if ep.models.is_empty() {
+                errs.push(&models_path, "an endpoint must serve at least one model");
+            }
+            for (j, name) in ep.models.iter().enumerate() {
+                let path = index(&models_path, j);
+                if ep.models.iter().take(j).any(|earlier| earlier == name) {
+                    errs.push(path, format!("model {name:?} is listed twice"));
+                    continue;
+                }
+                match names.get(name.as_str()) {
+                    Some(NameKind::Base(m)) => {
+                        if let Some(s) = served.get_mut(*m) {
+                            *s = true;
+                        }
+                    }
+                    Some(NameKind::Adapter { model, .. }) => {
+                        let base = self.models.get(*model).map_or("", |m| m.name.as_str());
+                        errs.push(
+                            path,
+                            format!(
+                                "{name:?} is an adapter of {base:?}; list the base model, adapters follow it"
+                            ),
+                        )
+                    }
+                    None => errs.push(path, format!("unknown model {name:?}: not a models[].name")),
+                }
+            }
+        }
+        // A model no endpoint serves would answer every request with 503: almost surely a typo.
+        // Only reported when the names themselves are fine, so that one typo gives one error.
+        for (i, m) in self.models.iter().enumerate() {
+            let is_first_of_name = matches!(names.get(m.name.as_str()), Some(NameKind::Base(b)) if *b == i);
+            if is_first_of_name && !served.get(i).copied().unwrap_or(true) && !self.endpoints.is_empty() {
+                errs.push(
+                    field(&index("models", i), "name"),
+                    format!("no endpoint serves model {:?}", m.name),
+                );
+            }
+        }
+    }
+}
+
+impl PollerConfig {
+    fn validate_into(&self, at: &str, errs: &mut Errors) {
+        if self.interval_ms < MIN_INTERVAL_MS {
+            errs.push(
+                field(at, "interval_ms"),
+                format!("must be at least {MIN_INTERVAL_MS}, got {}", self.interval_ms),
+            );
+        }
+        if self.timeout_ms < MIN_TIMEOUT_MS {
+            errs.push(
+                field(at, "timeout_ms"),
+                format!(
+                    "must be at least {MIN_TIMEOUT_MS} (0 would mean no timeout), got {}",
+                    self.timeout_ms
+                ),
+            );
+        }
+        if self.stale_after_ms < self.interval_ms {
+            errs.push(
+                field(at, "stale_after_ms"),
+                format!(
+                    "must be at least interval_ms ({}), got {}: every endpoint would be stale between polls",
+                    self.interval_ms, self.stale_after_ms
+                ),
+            );
+        }
+        if self.cluster.is_empty() {
+            errs.push(field(at, "cluster"), "must not be empty");
+        }
+        if self.metrics_path.is_empty() {
+            errs.push(field(at, "metrics_path"), "must not be empty");
+        } else if !self.metrics_path.starts_with('/') {
+            errs.push(field(at, "metrics_path"), format!("must start with '/', got {:?}", self.metrics_path));
+        } else if self.metrics_path.chars().any(|c| c.is_whitespace() || c.is_control()) {
+            errs.push(
+                field(at, "metrics_path"),
+                format!("must not contain whitespace or control characters, got {:?}", self.metrics_path),
+            );
+        }
+    }
+}
+
+impl FilterConfig {
+    fn validate_into(&self, at: &str, errs: &mut Errors) {
+        if !(1..=MAX_BODY_BYTES_LIMIT).contains(&self.max_body_bytes) {
+            errs.push(
+                field(at, "max_body_bytes"),
+                format!("must be in 1..={MAX_BODY_BYTES_LIMIT} (64 MiB), got {}", self.max_body_bytes),
+            );
+        }
+    }
+}
+
+/// What a name in `models` is.
+#[derive(Debug, Clone, Copy)]
+enum NameKind {
+    /// `models[i].name`.
+    Base(usize),
+    /// `models[model].adapters[adapter]`.
+    Adapter { model: usize, adapter: usize },
+}
+
+/// Why a model or adapter name is unusable, if it is.
+fn name_problem(name: &str) -> Option<String> {
+    if name.is_empty() {
+        Some("must not be empty".to_string())
+    } else if name.trim() != name {
+        // The body's `model` is matched exactly; a stray space would make the name unreachable.
+        Some(format!("{name:?} has leading or trailing whitespace"))
+    } else {
+        None
+    }
+}
+
+/// Parses `ip:port` as the ORIGINAL_DST cluster needs it: a literal IPv4 or bracketed IPv6
+/// address, a port in 1-65535, no hostname, no IPv6 zone.
+pub fn parse_endpoint_address(s: &str) -> Result<SocketAddr, String> {
+    let addr: SocketAddr = s.parse().map_err(|_| {
+        format!(
+            "{s:?} is not ip:port (IPv4 like 10.0.0.7:8000 or IPv6 like [fd00::7]:8000); hostnames are not \
+             allowed because the ORIGINAL_DST cluster routes to the literal address"
+        )
+    })?;
+    if addr.port() == 0 {
+        return Err(format!("{s:?}: port must be in 1-65535"));
+    }
+    if addr.ip().is_unspecified() {
+        return Err(format!("{s:?}: the unspecified address cannot be routed to"));
+    }
+    if let SocketAddr::V6(v6) = addr {
+        if v6.scope_id() != 0 {
+            return Err(format!("{s:?}: IPv6 zone ids are not supported"));
+        }
+    }
+    Ok(addr)
 }

@@ -1,0 +1,507 @@
+//! One test per validation rule, each asserting the exact path and a substring of the reason,
+//! plus the serde-level errors (unknown fields, wrong types, wrong version) and collect-all.
+
+use serde_json::{json, Value};
+
+use super::*;
+
+/// A valid document: three endpoints, a base model with two adapters, a second model on one
+/// endpoint. Tests change one thing and expect exactly the errors that change causes.
+fn base() -> Value {
+    json!({
+        "version": 1,
+        "endpoints": [
+            {"address": "10.0.0.1:8000", "models": ["llama"]},
+            {"address": "10.0.0.2:8000", "models": ["llama"]},
+            {"address": "[fd00::3]:8000", "models": ["llama", "qwen"]}
+        ],
+        "models": [
+            {"name": "llama", "adapters": ["sql-lora", "chat-lora"]},
+            {"name": "qwen"}
+        ]
+    })
+}
+
+fn parse(v: &Value) -> Result<Config, Vec<ConfigError>> {
+    Config::from_json(&serde_json::to_vec(v).unwrap())
+}
+
+fn errors(v: &Value) -> Vec<ConfigError> {
+    match parse(v) {
+        Ok(_) => panic!("expected errors for {v}"),
+        Err(e) => e,
+    }
+}
+
+fn errors_str(doc: &str) -> Vec<ConfigError> {
+    match Config::from_json(doc.as_bytes()) {
+        Ok(_) => panic!("expected errors for {doc}"),
+        Err(e) => e,
+    }
+}
+
+/// Exactly one error, at `path`, whose reason contains `reason`.
+#[track_caller]
+fn assert_only(errs: &[ConfigError], path: &str, reason: &str) {
+    assert_eq!(errs.len(), 1, "expected one error, got {errs:#?}");
+    assert_eq!(errs[0].path, path, "{errs:#?}");
+    assert!(errs[0].reason.contains(reason), "reason {:?} lacks {reason:?}", errs[0].reason);
+}
+
+/// Among the errors, one at `path` whose reason contains `reason`.
+#[track_caller]
+fn assert_has(errs: &[ConfigError], path: &str, reason: &str) {
+    assert!(
+        errs.iter().any(|e| e.path == path && e.reason.contains(reason)),
+        "no error at {path} containing {reason:?} in {errs:#?}"
+    );
+}
+
+/// `v` with the value at JSON pointer `pointer` set (a missing last key is added).
+fn with(mut v: Value, pointer: &str, value: Value) -> Value {
+    if let Some(slot) = v.pointer_mut(pointer) {
+        *slot = value;
+    } else {
+        let (parent, key) = pointer.rsplit_once('/').unwrap();
+        v.pointer_mut(parent).unwrap().as_object_mut().unwrap().insert(key.to_string(), value);
+    }
+    v
+}
+
+#[test]
+fn base_is_valid_and_defaults_apply() {
+    let cfg = parse(&base()).unwrap();
+    assert_eq!(cfg.poller, PollerConfig::default());
+    assert_eq!(cfg.poller.interval_ms, 200);
+    assert_eq!(cfg.poller.timeout_ms, 1000);
+    assert_eq!(cfg.poller.stale_after_ms, 1000);
+    assert_eq!(cfg.poller.cluster, "inference_pool_metrics");
+    assert_eq!(cfg.poller.metrics_path, "/metrics");
+    assert_eq!(cfg.filter.max_body_bytes, 4 * 1024 * 1024);
+    assert_eq!(cfg.filter.failure_mode, FailureMode::FailClose);
+    assert!(cfg.models[1].adapters.is_empty());
+}
+
+// ---- version ----
+
+#[test]
+fn wrong_version_is_reported_before_anything_else() {
+    // A version-2 document may have fields this build does not know: the version error must come
+    // first, not "unknown field".
+    let mut v = with(base(), "/version", json!(2));
+    v["scheduler"] = json!({"weights": {}});
+    assert_only(&errors(&v), "version", "unsupported version 2; this build reads only version 1");
+}
+
+#[test]
+fn version_as_string_or_missing() {
+    assert_only(&errors(&with(base(), "/version", json!("1"))), "version", "unsupported version \"1\"");
+    let mut v = base();
+    v.as_object_mut().unwrap().remove("version");
+    assert_only(&errors(&v), "version", "missing");
+}
+
+#[test]
+fn validate_checks_version_of_a_built_config() {
+    let mut cfg = parse(&base()).unwrap();
+    cfg.version = 0;
+    assert_only(&cfg.validate().unwrap_err(), "version", "unsupported version 0");
+}
+
+// ---- endpoints ----
+
+#[test]
+fn no_endpoints() {
+    // Both models are then served by no endpoint; that rule stays quiet when there are no
+    // endpoints at all, so the one error is the real cause.
+    assert_only(&errors(&with(base(), "/endpoints", json!([]))), "endpoints", "at least one endpoint");
+}
+
+#[test]
+fn hostname_address() {
+    let v = with(base(), "/endpoints/1/address", json!("vllm-0.default.svc:8000"));
+    assert_only(&errors(&v), "endpoints[1].address", "hostnames are not allowed");
+}
+
+#[test]
+fn malformed_addresses() {
+    for bad in ["10.0.0.9", "10.0.0.9:", "10.0.0.9:65536", "fd00::9:8000", "10.0.0.09:80", " 10.0.0.9:80", ""]
+    {
+        let v = with(base(), "/endpoints/2/address", json!(bad));
+        assert_only(&errors(&v), "endpoints[2].address", "is not ip:port");
+    }
+}
+
+#[test]
+fn port_zero() {
+    let v = with(base(), "/endpoints/0/address", json!("10.0.0.1:0"));
+    assert_only(&errors(&v), "endpoints[0].address", "port must be in 1-65535");
+}
+
+#[test]
+fn unspecified_address() {
+    let v = with(base(), "/endpoints/0/address", json!("0.0.0.0:8000"));
+    assert_only(&errors(&v), "endpoints[0].address", "unspecified address");
+    let v = with(base(), "/endpoints/0/address", json!("[::]:8000"));
+    assert_only(&errors(&v), "endpoints[0].address", "unspecified address");
+}
+
+#[test]
+fn ipv6_zone_id() {
+    let v = with(base(), "/endpoints/2/address", json!("[fe80::1%2]:8000"));
+    assert_only(&errors(&v), "endpoints[2].address", "zone ids are not supported");
+}
+
+#[test]
+fn good_addresses() {
+    for good in ["127.0.0.1:1", "10.1.2.3:65535", "[::1]:8000", "[2001:db8::7]:443"] {
+        assert!(parse(&with(base(), "/endpoints/2/address", json!(good))).is_ok(), "{good}");
+    }
+}
+
+#[test]
+fn duplicate_address() {
+    let v = with(base(), "/endpoints/2/address", json!("10.0.0.1:8000"));
+    assert_only(
+        &errors(&v),
+        "endpoints[2].address",
+        "duplicate address 10.0.0.1:8000, first at endpoints[0].address",
+    );
+}
+
+#[test]
+fn duplicate_address_in_another_spelling() {
+    // [fd00::3] and [fd00:0:0::3] are the same socket address: compared parsed, not as text.
+    let mut v = base();
+    v["endpoints"].as_array_mut().unwrap().push(json!({"address": "[fd00:0:0::3]:8000", "models": ["qwen"]}));
+    assert_only(&errors(&v), "endpoints[3].address", "first at endpoints[2].address");
+}
+
+#[test]
+fn endpoint_without_models() {
+    let v = with(base(), "/endpoints/0/models", json!([]));
+    assert_only(&errors(&v), "endpoints[0].models", "at least one model");
+}
+
+#[test]
+fn endpoint_names_unknown_model() {
+    let v = with(base(), "/endpoints/2/models", json!(["llama", "mistral"]));
+    // qwen is then served by no endpoint: that is the second, expected error.
+    let errs = errors(&v);
+    assert_has(&errs, "endpoints[2].models[1]", "unknown model \"mistral\"");
+    assert_has(&errs, "models[1].name", "no endpoint serves model \"qwen\"");
+    assert_eq!(errs.len(), 2, "{errs:#?}");
+}
+
+#[test]
+fn endpoint_names_an_adapter() {
+    let v = with(base(), "/endpoints/1/models", json!(["sql-lora"]));
+    assert_only(&errors(&v), "endpoints[1].models[0]", "\"sql-lora\" is an adapter of \"llama\"");
+}
+
+#[test]
+fn endpoint_lists_a_model_twice() {
+    let v = with(base(), "/endpoints/0/models", json!(["llama", "llama"]));
+    assert_only(&errors(&v), "endpoints[0].models[1]", "listed twice");
+}
+
+// ---- models ----
+
+#[test]
+fn no_models() {
+    // Every endpoint's models then name unknown models; the root cause is reported too.
+    let errs = errors(&with(base(), "/models", json!([])));
+    assert_has(&errs, "models", "at least one model");
+    assert_has(&errs, "endpoints[0].models[0]", "unknown model \"llama\"");
+}
+
+#[test]
+fn empty_model_name() {
+    let v = with(base(), "/models/1/name", json!(""));
+    // The endpoint that named "qwen" now names an unknown model; the empty name itself is not
+    // also reported as unserved.
+    let errs = errors(&v);
+    assert_has(&errs, "models[1].name", "must not be empty");
+    assert_has(&errs, "endpoints[2].models[1]", "unknown model \"qwen\"");
+    assert_eq!(errs.len(), 2, "{errs:#?}");
+}
+
+#[test]
+fn model_name_with_whitespace() {
+    let v = with(base(), "/models/1/name", json!("qwen "));
+    assert_has(&errors(&v), "models[1].name", "leading or trailing whitespace");
+}
+
+#[test]
+fn duplicate_model_name() {
+    let mut v = base();
+    v["models"].as_array_mut().unwrap().push(json!({"name": "qwen"}));
+    assert_only(&errors(&v), "models[2].name", "duplicate model name \"qwen\", first at models[1].name");
+}
+
+#[test]
+fn model_name_collides_with_adapter() {
+    // "qwen" is a base model and also an adapter of llama.
+    let v = with(base(), "/models/0/adapters", json!(["sql-lora", "qwen"]));
+    assert_only(
+        &errors(&v),
+        "models[1].name",
+        "model name \"qwen\" is also an adapter name, at models[0].adapters[1]",
+    );
+}
+
+#[test]
+fn duplicate_adapter_across_models() {
+    let v = with(base(), "/models/1/adapters", json!(["chat-lora"]));
+    assert_only(
+        &errors(&v),
+        "models[1].adapters[0]",
+        "duplicate adapter name \"chat-lora\", first at models[0].adapters[1]",
+    );
+}
+
+#[test]
+fn duplicate_adapter_within_a_model() {
+    let v = with(base(), "/models/0/adapters", json!(["sql-lora", "chat-lora", "sql-lora"]));
+    assert_only(&errors(&v), "models[0].adapters[2]", "first at models[0].adapters[0]");
+}
+
+#[test]
+fn empty_adapter_name() {
+    let v = with(base(), "/models/0/adapters", json!(["sql-lora", ""]));
+    assert_only(&errors(&v), "models[0].adapters[1]", "must not be empty");
+}
+
+#[test]
+fn model_served_by_no_endpoint() {
+    let v = with(base(), "/endpoints/2/models", json!(["llama"]));
+    assert_only(&errors(&v), "models[1].name", "no endpoint serves model \"qwen\"");
+}
+
+// ---- poller ----
+
+#[test]
+fn poller_interval_bounds() {
+    let v = with(base(), "/poller", json!({"interval_ms": 9}));
+    assert_only(&errors(&v), "poller.interval_ms", "must be at least 10, got 9");
+    // 10 is the smallest allowed.
+    assert!(parse(&with(base(), "/poller", json!({"interval_ms": 10}))).is_ok());
+}
+
+#[test]
+fn poller_timeout_zero() {
+    let v = with(base(), "/poller", json!({"timeout_ms": 0}));
+    assert_only(&errors(&v), "poller.timeout_ms", "must be at least 1");
+    assert!(parse(&with(base(), "/poller", json!({"timeout_ms": 1}))).is_ok());
+}
+
+#[test]
+fn poller_stale_shorter_than_interval() {
+    let v = with(base(), "/poller", json!({"interval_ms": 500, "stale_after_ms": 499}));
+    assert_only(&errors(&v), "poller.stale_after_ms", "must be at least interval_ms (500), got 499");
+    // Equal is allowed.
+    assert!(parse(&with(base(), "/poller", json!({"interval_ms": 500, "stale_after_ms": 500}))).is_ok());
+}
+
+#[test]
+fn poller_interval_above_default_stale_needs_stale_too() {
+    // interval 2000 with the default stale_after_ms of 1000: the default does not follow.
+    let v = with(base(), "/poller", json!({"interval_ms": 2000}));
+    assert_only(&errors(&v), "poller.stale_after_ms", "must be at least interval_ms (2000), got 1000");
+}
+
+#[test]
+fn poller_empty_cluster() {
+    let v = with(base(), "/poller", json!({"cluster": ""}));
+    assert_only(&errors(&v), "poller.cluster", "must not be empty");
+}
+
+#[test]
+fn poller_metrics_path() {
+    let v = with(base(), "/poller", json!({"metrics_path": ""}));
+    assert_only(&errors(&v), "poller.metrics_path", "must not be empty");
+    let v = with(base(), "/poller", json!({"metrics_path": "metrics"}));
+    assert_only(&errors(&v), "poller.metrics_path", "must start with '/'");
+    let v = with(base(), "/poller", json!({"metrics_path": "/met rics"}));
+    assert_only(&errors(&v), "poller.metrics_path", "whitespace");
+}
+
+// ---- filter ----
+
+#[test]
+fn max_body_bytes_bounds() {
+    let v = with(base(), "/filter", json!({"max_body_bytes": 0}));
+    assert_only(&errors(&v), "filter.max_body_bytes", "must be in 1..=67108864");
+    let v = with(base(), "/filter", json!({"max_body_bytes": 64 * 1024 * 1024 + 1}));
+    assert_only(&errors(&v), "filter.max_body_bytes", "got 67108865");
+    assert!(parse(&with(base(), "/filter", json!({"max_body_bytes": 64 * 1024 * 1024}))).is_ok());
+    assert!(parse(&with(base(), "/filter", json!({"max_body_bytes": 1}))).is_ok());
+}
+
+#[test]
+fn failure_mode_values() {
+    let cfg = parse(&with(base(), "/filter", json!({"failure_mode": "FailOpen"}))).unwrap();
+    assert_eq!(cfg.filter.failure_mode, FailureMode::FailOpen);
+}
+
+// ---- serde-level errors, with their paths ----
+
+#[test]
+fn unknown_top_level_field() {
+    let mut v = base();
+    v["endpoint"] = json!([]);
+    assert_only(&errors(&v), "endpoint", "unknown field `endpoint`, expected one of");
+}
+
+#[test]
+fn unknown_nested_field() {
+    let doc = r#"{
+        "version": 1,
+        "endpoints": [{"address": "10.0.0.1:8000", "models": ["m"]}],
+        "models": [{"name": "m"}],
+        "poller": {"interval_ms": 100, "intervalms": 50}
+    }"#;
+    let errs = errors_str(doc);
+    assert_only(&errs, "poller.intervalms", "unknown field `intervalms`, expected one of `interval_ms`");
+    // serde's position is kept in the reason.
+    assert!(errs[0].reason.contains("line 5"), "{errs:?}");
+}
+
+#[test]
+fn unknown_field_in_an_array_element() {
+    let doc = r#"{"version": 1,
+        "endpoints": [{"address": "10.0.0.1:8000", "models": ["m"]},
+                      {"adress": "10.0.0.2:8000", "models": ["m"]}],
+        "models": [{"name": "m", "adaptors": []}]}"#;
+    assert_only(&errors_str(doc), "endpoints[1].adress", "unknown field `adress`");
+}
+
+#[test]
+fn unknown_field_with_an_odd_name() {
+    let doc = r#"{"version": 1, "filter": {"max body": 1}, "endpoints": [], "models": []}"#;
+    assert_only(&errors_str(doc), "filter[\"max body\"]", "unknown field `max body`");
+}
+
+#[test]
+fn wrong_type_names_the_field() {
+    let v = with(base(), "/poller", json!({"interval_ms": "200"}));
+    assert_only(&errors(&v), "poller.interval_ms", "invalid type: string \"200\", expected u64");
+    let v = with(base(), "/models/0/adapters", json!(["sql-lora", 3]));
+    assert_only(&errors(&v), "models[0].adapters[1]", "invalid type: integer `3`, expected a string");
+    let v = with(base(), "/poller", json!({"interval_ms": -1}));
+    assert_only(&errors(&v), "poller.interval_ms", "invalid value: integer `-1`");
+}
+
+#[test]
+fn unknown_enum_variant() {
+    let v = with(base(), "/filter", json!({"failure_mode": "Failopen"}));
+    assert_only(
+        &errors(&v),
+        "filter.failure_mode",
+        "unknown variant `Failopen`, expected `FailOpen` or `FailClose`",
+    );
+}
+
+#[test]
+fn missing_required_field_names_the_object() {
+    let v = with(base(), "/endpoints/1", json!({"models": ["llama"]}));
+    assert_only(&errors(&v), "endpoints[1]", "missing field `address`");
+    let mut v = base();
+    v.as_object_mut().unwrap().remove("models");
+    assert_only(&errors(&v), "$", "missing field `models`");
+}
+
+#[test]
+fn duplicate_key() {
+    let doc = r#"{"version": 1, "endpoints": [], "models": [], "models": []}"#;
+    assert_only(&errors_str(doc), "models", "duplicate field `models`");
+}
+
+#[test]
+fn syntax_error_keeps_line_and_column() {
+    let doc = "{\"version\": 1,\n \"endpoints\": [,]}";
+    let errs = errors_str(doc);
+    assert_eq!(errs.len(), 1);
+    assert_eq!(errs[0].path, "endpoints[0]");
+    assert!(errs[0].reason.contains("line 2 column"), "{errs:?}");
+}
+
+#[test]
+fn syntax_errors_point_into_the_document() {
+    // A trailing comma inside the second endpoint: the path is that endpoint.
+    let doc = r#"{"version": 1, "endpoints": [{"address": "10.0.0.1:80", "models": ["m"]},
+        {"address": "10.0.0.2:80", "models": ["m"],}], "models": [{"name": "m"}]}"#;
+    assert_only(&errors_str(doc), "endpoints[1]", "trailing comma");
+    // A missing value after a key.
+    let doc = r#"{"version": 1, "poller": {"interval_ms": }}"#;
+    assert_only(&errors_str(doc), "poller.interval_ms", "expected value");
+    // Truncated: the path is where the document ended.
+    let doc = r#"{"version": 1, "models": [{"name": "m""#;
+    assert_only(&errors_str(doc), "models[0].name", "EOF while parsing");
+}
+
+#[test]
+fn empty_document() {
+    assert_only(&errors_str(""), "$", "found nothing: the configuration is empty");
+    assert_only(&errors_str(" \n"), "$", "found nothing: the configuration is empty");
+}
+
+#[test]
+fn not_an_object() {
+    // A double-encoded document arrives as one JSON string.
+    assert_only(
+        &errors_str(r#""{\"version\": 1}""#),
+        "$",
+        "found a string (is the configuration JSON-encoded twice?)",
+    );
+    assert_only(&errors_str("[1, [], []]"), "$", "found an array");
+}
+
+// ---- collect-all ----
+
+#[test]
+fn all_errors_are_reported_at_once() {
+    let v = with(base(), "/endpoints/0/address", json!("localhost:8000"));
+    let v = with(v, "/poller", json!({"interval_ms": 5, "metrics_path": "metrics"}));
+    let v = with(v, "/filter", json!({"max_body_bytes": 0}));
+    let errs = errors(&v);
+    let paths: Vec<&str> = errs.iter().map(|e| e.path.as_str()).collect();
+    // Sections in order: models, endpoints, poller, filter.
+    assert_eq!(
+        paths,
+        ["endpoints[0].address", "poller.interval_ms", "poller.metrics_path", "filter.max_body_bytes"]
+    );
+}
+
+#[test]
+fn describe_errors_is_one_line() {
+    let errs = vec![ConfigError::new("a", "x"), ConfigError::new("b[0]", "y")];
+    assert_eq!(describe_errors(&errs), "invalid configuration (2 errors): a: x; b[0]: y");
+    assert_eq!(describe_errors(&errs[..1]), "invalid configuration (1 error): a: x");
+}
+
+// ---- robustness: the error path never panics ----
+
+#[test]
+fn every_truncation_of_a_valid_document_is_an_error_with_a_path() {
+    let doc = serde_json::to_string_pretty(&with(base(), "/poller", json!({"interval_ms": 100}))).unwrap();
+    for cut in 0..doc.len() {
+        let errs = errors_str(&doc[..cut]);
+        assert_eq!(errs.len(), 1, "cut at {cut}: {errs:?}");
+        assert!(!errs[0].path.is_empty(), "cut at {cut}");
+    }
+}
+
+proptest::proptest! {
+    #[test]
+    fn arbitrary_input_never_panics(doc in r#"\{[{}\[\]",:\\ a-z0-9.]{0,64}"#) {
+        // Starts with `{` so that most inputs get past the object check into serde and the locator.
+        // Only the outcome's shape is checked: Ok, or errors that each have a path and a reason.
+        if let Err(errs) = Config::from_json(doc.as_bytes()) {
+            proptest::prop_assert!(!errs.is_empty());
+            for e in errs {
+                proptest::prop_assert!(!e.path.is_empty() && !e.reason.is_empty());
+            }
+        }
+    }
+}
