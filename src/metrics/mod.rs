@@ -5,6 +5,11 @@
 
 use serde::{Deserialize, Serialize};
 
+pub mod engine;
+pub mod prom;
+
+pub use engine::{parse_metrics, parse_metrics_with_stats, MetricsError, ParseStats};
+
 /// Which engine produced the metrics (detected from the metric names).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
 #[serde(rename_all = "lowercase")]
@@ -32,10 +37,12 @@ pub struct EndpointMetrics {
     /// KV-cache use in [0, 1].
     #[serde(rename = "kv", default, skip_serializing_if = "Option::is_none")]
     pub kv_usage: Option<f64>,
-    /// KV block size in tokens (`vllm:cache_config_info{block_size}`).
+    /// KV block size in tokens (`vllm:cache_config_info{block_size}`, SGLang's page size,
+    /// TensorRT-LLM's tokens per block).
     #[serde(rename = "bs", default, skip_serializing_if = "Option::is_none")]
     pub block_size: Option<u32>,
-    /// KV blocks on the GPU (`vllm:cache_config_info{num_gpu_blocks}`).
+    /// KV blocks on the GPU (`vllm:cache_config_info{num_gpu_blocks}`), summed over the server's
+    /// data-parallel engines.
     #[serde(rename = "nb", default, skip_serializing_if = "Option::is_none")]
     pub num_gpu_blocks: Option<u64>,
     /// LoRA slots (`vllm:lora_requests_info{max_lora}`).
