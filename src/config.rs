@@ -6,6 +6,8 @@
 
 use serde::{Deserialize, Serialize};
 
+pub use crate::scheduler::config::SchedulerConfig;
+
 /// The only configuration version this build understands.
 pub const CONFIG_VERSION: u32 = 1;
 
@@ -22,6 +24,9 @@ pub struct Config {
     pub poller: PollerConfig,
     #[serde(default = "FilterConfig::default")]
     pub filter: FilterConfig,
+    /// Scorer weights, prefix/session/guard settings and model rewrites (see `crate::scheduler`).
+    #[serde(default = "SchedulerConfig::default")]
+    pub scheduler: SchedulerConfig,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -160,6 +165,9 @@ impl Config {
                 reason: format!("unsupported version {}, this build reads {}", self.version, CONFIG_VERSION),
             });
         }
+        errs.extend(self.scheduler.validate(&|name| {
+            self.models.iter().any(|m| m.name == name || m.adapters.iter().any(|a| a == name))
+        }));
         if errs.is_empty() {
             Ok(())
         } else {

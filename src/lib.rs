@@ -17,6 +17,7 @@ pub mod errors;
 pub mod inflight;
 pub mod metrics;
 pub mod ports;
+pub mod scheduler;
 pub mod snapshot;
 
 mod host;
