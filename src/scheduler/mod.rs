@@ -33,6 +33,8 @@ pub mod kv;
 pub mod lora;
 pub mod models;
 pub mod picker;
+pub mod prefix;
+pub mod prefix_shared;
 pub mod queue;
 pub mod session;
 
@@ -49,6 +51,8 @@ use crate::snapshot::{EndpointStatus, Snapshot};
 
 use self::config::{SchedulerConfig, Weights};
 use self::models::ModelTable;
+use self::prefix::LocalIndex;
+use self::prefix_shared::{endpoint_key, SharedPrefix};
 
 pub use self::session::{parse_session_token, session_token_for};
 
@@ -114,6 +118,8 @@ pub struct Pick {
     pub overloaded: usize,
     /// Prefix score of the primary (fraction of the prompt's blocks it is believed to hold).
     pub prefix_score: f64,
+    /// Blocks hashed from the prompt (0 for a prompt shorter than one block).
+    pub prefix_blocks: usize,
 }
 
 impl Pick {
@@ -176,6 +182,12 @@ pub struct Scheduler {
     failure_mode: FailureMode,
     models: ModelTable,
     model_weights: HashMap<String, Weights>,
+    /// This worker's per-endpoint prefix indexes.
+    local: LocalIndex,
+    /// Shape of the cross-worker prefix table (the data lives in the shared store).
+    shared: SharedPrefix,
+    /// Reused buffer for the request's block hashes.
+    hashes: Vec<u64>,
 }
 
 impl Scheduler {
@@ -188,6 +200,9 @@ impl Scheduler {
             failure_mode: cfg.filter.failure_mode,
             models: ModelTable::new(cfg),
             model_weights,
+            local: LocalIndex::default(),
+            shared: SharedPrefix::new(sc.prefix.shared_shards, sc.prefix.shared_entries_per_shard),
+            hashes: Vec::new(),
             cfg: sc,
         }
     }
@@ -218,7 +233,7 @@ impl Scheduler {
         req: &PickRequest<'_>,
         snapshot: &Snapshot,
         inflight: &InflightCounts,
-        _store: &dyn SharedStore,
+        store: &dyn SharedStore,
         rng: &mut dyn Rng,
         now_ms: u64,
     ) -> Result<Pick, Rejection> {
@@ -267,7 +282,26 @@ impl Scheduler {
         let overloaded = guard::overloaded(&cands, &self.cfg.guard);
         let eligible: Vec<bool> = overloaded.iter().map(|o| !o).collect();
 
-        // 4. Scorers.
+        // 4. Scorers. Prefix first: hash, then local and cross-worker matches.
+        let mut hashes = std::mem::take(&mut self.hashes);
+        let pc = &self.cfg.prefix;
+        prefix::block_hashes(
+            req.prompt,
+            prefix::seed(target, req.cache_salt),
+            pc.block_chars,
+            pc.max_blocks,
+            &mut hashes,
+        );
+        self.local.sync(snapshot.version, &mut snapshot.endpoints.iter().map(|e| e.address.as_str()));
+        let lookup = if hashes.is_empty() { Default::default() } else { self.shared.lookup(store, &hashes) };
+        let px: Vec<f64> = cands
+            .iter()
+            .map(|c| {
+                let local = self.local.matched(c.address, &hashes);
+                let shared = if lookup.hits.is_empty() { 0 } else { lookup.matched(endpoint_key(c.address)) };
+                prefix::score(local.max(shared), hashes.len())
+            })
+            .collect();
         let q = queue::scores(&cands);
         let kv = kv::scores(&cands);
         let inf = inflight::scores(&cands);
@@ -278,7 +312,7 @@ impl Scheduler {
             let get = |v: &[f64]| v.get(i).copied().unwrap_or(0.0);
             let ok = eligible.get(i).copied().unwrap_or(false);
             let mut b = Breakdown {
-                prefix: 0.0,
+                prefix: if ok { get(&px) } else { 0.0 },
                 queue: get(&q),
                 kv_cache: get(&kv),
                 inflight: get(&inf),
@@ -313,6 +347,15 @@ impl Scheduler {
         let prefix_score = rows.get(p).map(|b| b.prefix).unwrap_or(0.0);
         let debug_scores = self.cfg.debug_scores.then(|| debug_string(&cands, &rows, &overloaded));
 
+        // 7. The primary now holds this prompt's blocks.
+        if let Some(c) = primary_cand {
+            let cap = prefix::capacity(&self.cfg.prefix, c.metrics, snapshot.endpoints.len());
+            self.local.record(c.address, &hashes, cap);
+            self.shared.record(store, &hashes, endpoint_key(c.address), &lookup);
+        }
+        let prefix_blocks = hashes.len();
+        self.hashes = hashes;
+
         Ok(Pick {
             session_token: session_token_for(&primary),
             primary,
@@ -326,6 +369,7 @@ impl Scheduler {
             healthy: healthy.len(),
             overloaded: overloaded.iter().filter(|o| **o).count(),
             prefix_score,
+            prefix_blocks,
         })
     }
 
@@ -365,6 +409,7 @@ impl Scheduler {
             healthy: 0,
             overloaded: 0,
             prefix_score: 0.0,
+            prefix_blocks: 0,
         })
     }
 }

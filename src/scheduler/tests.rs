@@ -301,3 +301,175 @@ proptest! {
         }
     }
 }
+
+/// A long chat prompt: `turns` user/assistant exchanges of ~1 KiB each, deterministic.
+fn conversation(id: u32, turns: usize) -> String {
+    let mut s = String::from("system\nYou are a helpful assistant.\u{1e}");
+    for t in 0..turns {
+        s.push_str(&format!("user\nconversation {id} question {t}: "));
+        s.push_str(&"lorem ipsum dolor sit amet ".repeat(40));
+        s.push_str(&format!("\u{1e}assistant\nanswer {t} for {id}\u{1e}"));
+    }
+    s
+}
+
+fn equal_pool(n: usize) -> Snapshot {
+    snap((1..=n).map(|i| ep(&format!("10.0.0.{i}:8000"), &["llama"], 2.0, 0.3)).collect())
+}
+
+#[test]
+fn conversation_follows_its_prefix_across_workers() {
+    // Two workers (two Scheduler instances, two RNG streams) share one store, as Envoy workers
+    // share proxy-wasm shared data. Turn 1 lands on worker A; turn 2 on worker B, which has an
+    // empty local index. The pool is equally loaded, so only the prefix can decide.
+    let store = MemStore::new();
+    let sn = equal_pool(8);
+    let inf = InflightCounts::default();
+    let mut a = Scheduler::new(&config(""));
+    let mut b = Scheduler::new(&config(""));
+    let mut followed = 0;
+    for conv in 0..20 {
+        let t1 = conversation(conv, 2);
+        let t2 = conversation(conv, 4);
+        let r1 = PickRequest { model: "llama", prompt: &t1, ..Default::default() };
+        let p1 = a.pick(&r1, &sn, &inf, &store, &mut SplitMix64::new(u64::from(conv)), NOW).unwrap();
+        assert_eq!(p1.prefix_score, 0.0);
+        let r2 = PickRequest { model: "llama", prompt: &t2, ..Default::default() };
+        let p2 = b.pick(&r2, &sn, &inf, &store, &mut SplitMix64::new(1000 + u64::from(conv)), NOW).unwrap();
+        if p2.primary == p1.primary {
+            followed += 1;
+            // t1 has 2312 bytes = 9 blocks of 256 (checkpoints 1, 2, 4, 8); t2 has 4588 bytes
+            // = 17 blocks (checkpoints up to 16): worker B sees checkpoint 8 → 8/17.
+            assert!((p2.prefix_score - 8.0 / 17.0).abs() < 1e-9, "{}", p2.prefix_score);
+        }
+    }
+    assert_eq!(followed, 20);
+}
+
+#[test]
+fn without_the_shared_table_other_workers_lose_the_prefix() {
+    // The same scenario with shared_shards 0: worker B routes turn 2 by load alone (ties broken
+    // at random over 8 endpoints), so most conversations move. This is what the table fixes.
+    let store = MemStore::new();
+    let sn = equal_pool(8);
+    let inf = InflightCounts::default();
+    let cfg = config(r#","scheduler":{"prefix":{"shared_shards":0}}"#);
+    let (mut a, mut b) = (Scheduler::new(&cfg), Scheduler::new(&cfg));
+    let mut followed = 0;
+    for conv in 0..20 {
+        let (t1, t2) = (conversation(conv, 2), conversation(conv, 4));
+        let p1 = a
+            .pick(
+                &PickRequest { model: "llama", prompt: &t1, ..Default::default() },
+                &sn,
+                &inf,
+                &store,
+                &mut SplitMix64::new(u64::from(conv)),
+                NOW,
+            )
+            .unwrap();
+        let p2 = b
+            .pick(
+                &PickRequest { model: "llama", prompt: &t2, ..Default::default() },
+                &sn,
+                &inf,
+                &store,
+                &mut SplitMix64::new(1000 + u64::from(conv)),
+                NOW,
+            )
+            .unwrap();
+        followed += usize::from(p1.primary == p2.primary);
+        // The same worker still follows (local index, exact).
+        let p3 = a
+            .pick(
+                &PickRequest { model: "llama", prompt: &t2, ..Default::default() },
+                &sn,
+                &inf,
+                &store,
+                &mut SplitMix64::new(7),
+                NOW,
+            )
+            .unwrap();
+        assert_eq!(p3.primary, p1.primary);
+    }
+    assert!(followed < 10, "{followed}");
+    assert_eq!(store.key_count(), 0);
+}
+
+#[test]
+fn hot_spot_guard_moves_affinity_off_an_overloaded_endpoint() {
+    let store = MemStore::new();
+    let mut s = Scheduler::new(&config(""));
+    let t1 = conversation(1, 2);
+    let t2 = conversation(1, 3);
+    let sn = equal_pool(4);
+    let p1 = s
+        .pick(
+            &PickRequest { model: "llama", prompt: &t1, ..Default::default() },
+            &sn,
+            &Default::default(),
+            &store,
+            &mut SplitMix64::new(1),
+            NOW,
+        )
+        .unwrap();
+    // At 30 in flight the holder is busier but not overloaded (gap 28 <= 64): affinity wins.
+    // t1 is 2312 bytes = 9 full blocks of 256, t2 3450 bytes = 13 blocks, sharing the first 9.
+    // Holder: prefix (local, exact) 9/13 = 0.692×3 + queue 1×2 + kv 0.7×2 +
+    // inflight (1/31)×1 ≈ 5.51; others: 0 + 2 + 1.4 + 1 = 4.4.
+    let inf = InflightCounts::decode(format!("{}=30", p1.primary).as_bytes());
+    let r2 = PickRequest { model: "llama", prompt: &t2, ..Default::default() };
+    let mut s2 = s.clone();
+    let store2 = MemStore::new();
+    let p3 = s2.pick(&r2, &sn, &inf, &store2, &mut SplitMix64::new(1), NOW).unwrap();
+    assert_eq!(p3.primary, p1.primary);
+    assert!((p3.prefix_score - 9.0 / 13.0).abs() < 1e-9, "{}", p3.prefix_score);
+    // At 100 in flight (load 100 vs 2 elsewhere: gap 98 > 64 and 100 > 1.5×2) it is
+    // overloaded: its prefix score is forced to 0 and the request goes elsewhere.
+    let inf = InflightCounts::decode(format!("{}=100", p1.primary).as_bytes());
+    let p2 = s.pick(&r2, &sn, &inf, &store, &mut SplitMix64::new(1), NOW).unwrap();
+    assert_ne!(p2.primary, p1.primary);
+    assert_eq!((p2.overloaded, p2.prefix_score), (1, 0.0));
+}
+
+#[test]
+fn cache_salt_and_model_separate_prefixes() {
+    let store = MemStore::new();
+    let mut s = Scheduler::new(&config(""));
+    let sn = equal_pool(4);
+    let t = conversation(5, 3);
+    let r = PickRequest { model: "llama", prompt: &t, cache_salt: Some("tenant-a"), ..Default::default() };
+    s.pick(&r, &sn, &Default::default(), &store, &mut SplitMix64::new(1), NOW).unwrap();
+    let again = s.pick(&r, &sn, &Default::default(), &store, &mut SplitMix64::new(2), NOW).unwrap();
+    assert_eq!(again.prefix_score, 1.0);
+    let other = PickRequest { cache_salt: Some("tenant-b"), ..r };
+    assert_eq!(
+        s.pick(&other, &sn, &Default::default(), &store, &mut SplitMix64::new(3), NOW).unwrap().prefix_score,
+        0.0
+    );
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(16))]
+    #[test]
+    fn prop_shared_keys_stay_bounded(
+        reqs in prop::collection::vec((0u32..50, 1usize..6, 0u64..4, prop::option::of("[ab]")), 1..120),
+        shards in 1usize..8,
+    ) {
+        let store = MemStore::new();
+        let cfg = config(&format!(r#","scheduler":{{"prefix":{{"shared_shards":{shards},"shared_entries_per_shard":8}}}}"#));
+        let mut workers: Vec<Scheduler> = (0..4).map(|_| Scheduler::new(&cfg)).collect();
+        let sn = equal_pool(6);
+        for (i, (conv, turns, w, salt)) in reqs.into_iter().enumerate() {
+            let t = conversation(conv, turns);
+            let r = PickRequest { model: "llama", prompt: &t, cache_salt: salt.as_deref(), ..Default::default() };
+            let Some(s) = workers.get_mut(w as usize) else { continue };
+            s.pick(&r, &sn, &Default::default(), &store, &mut SplitMix64::new(i as u64), NOW).unwrap();
+        }
+        prop_assert!(store.key_count() <= shards);
+        for k in store.keys() {
+            prop_assert!(k.starts_with(prefix_shared::KEY_PREFIX));
+            prop_assert!(store.get(&k).unwrap().unwrap().0.len() <= 8 * prefix_shared::RECORD_BYTES);
+        }
+    }
+}
