@@ -29,6 +29,7 @@ use std::net::SocketAddr;
 
 use serde::{Deserialize, Serialize};
 
+pub use crate::scheduler::config::SchedulerConfig;
 pub use model_table::{ModelTable, Resolved};
 
 /// The only configuration version this build understands.
@@ -64,6 +65,9 @@ pub struct Config {
     /// How the HTTP filter treats requests. Default: every field at its default.
     #[serde(default = "FilterConfig::default")]
     pub filter: FilterConfig,
+    /// Scorer weights, prefix/session/guard settings and model rewrites (see `crate::scheduler`).
+    #[serde(default = "SchedulerConfig::default")]
+    pub scheduler: SchedulerConfig,
 }
 
 /// One model server.
@@ -320,6 +324,9 @@ impl Config {
         self.validate_endpoints(&names, &mut errs);
         self.poller.validate_into("poller", &mut errs);
         self.filter.validate_into("filter", &mut errs);
+        errs.0.extend(self.scheduler.validate(&|name| {
+            self.models.iter().any(|m| m.name == name || m.adapters.iter().any(|a| a == name))
+        }));
         if errs.0.is_empty() {
             Ok(())
         } else {

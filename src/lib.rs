@@ -18,6 +18,8 @@ pub mod inflight;
 pub mod metrics;
 pub mod poller;
 pub mod ports;
+pub mod request;
+pub mod scheduler;
 pub mod snapshot;
 
 mod host;

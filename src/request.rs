@@ -20,6 +20,9 @@ pub const DESTINATION_HEADER: &str = "x-gateway-destination-endpoint";
 pub const ORIGINAL_DST_HEADER: &str = "x-envoy-original-dst-host";
 /// Response header naming the endpoint that served.
 pub const SERVED_HEADER: &str = "x-gateway-destination-endpoint-served";
+/// Opt-in response header with the per-endpoint scores of the decision
+/// (`scheduler.debug_scores`).
+pub const DEBUG_SCORES_HEADER: &str = "x-inference-picker-scores";
 
 /// What the filter learned from the request headers.
 #[derive(Debug, Clone, Default)]
@@ -82,18 +85,6 @@ pub struct Routed {
     pub requested_model: String,
     /// A replacement body when the model was rewritten (content-length must follow).
     pub new_body: Option<Vec<u8>>,
-}
-
-impl Routed {
-    /// Value of `x-gateway-destination-endpoint`: primary, then fallbacks.
-    pub fn destination_header(&self) -> String {
-        let mut v = self.pick.primary.clone();
-        for f in &self.pick.fallbacks {
-            v.push(',');
-            v.push_str(f);
-        }
-        v
-    }
 }
 
 /// Everything the body decision reads, passed in by the host.

@@ -10,7 +10,7 @@ use super::{io, Worker};
 use crate::errors::Rejection;
 use crate::inflight;
 use crate::request::{
-    self, BodyInputs, HeadDecision, RequestHead, CLIENT_ROUTING_HEADERS, DESTINATION_HEADER, ORIGINAL_DST_HEADER,
+    self, BodyInputs, HeadDecision, DEBUG_SCORES_HEADER, RequestHead, CLIENT_ROUTING_HEADERS, DESTINATION_HEADER, ORIGINAL_DST_HEADER,
     SERVED_HEADER,
 };
 
@@ -60,7 +60,7 @@ impl HttpContext for Filter {
             path: io::request_header(":path").unwrap_or_default(),
             content_length: io::request_header("content-length").and_then(|v| v.trim().parse().ok()),
             session_id: io::request_header(&cfg.scheduler.session.header),
-            session_token: io::request_header(crate::scheduler::SESSION_TOKEN_HEADER),
+            session_token: io::request_header(&cfg.scheduler.session.token_header),
         };
         match request::on_head(cfg, &self.head, end_of_stream) {
             HeadDecision::ReadBody => Action::Pause,
@@ -116,7 +116,7 @@ impl HttpContext for Filter {
             }
             io::set_request_header("content-length", Some(&new_body.len().to_string()));
         }
-        io::set_request_header(DESTINATION_HEADER, Some(&routed.destination_header()));
+        io::set_request_header(DESTINATION_HEADER, Some(&routed.pick.destination_header()));
         io::set_request_header(ORIGINAL_DST_HEADER, Some(&routed.pick.primary));
         match inflight::adjust(&store, &routed.pick.primary, 1) {
             Ok(_) => self.holding = Some(routed.pick.primary.clone()),
@@ -136,10 +136,10 @@ impl HttpContext for Filter {
             io::set_response_header(SERVED_HEADER, p);
         }
         if let Some(t) = &self.session_token {
-            io::set_response_header(crate::scheduler::SESSION_TOKEN_HEADER, t);
+            io::set_response_header(&self.worker.cfg.scheduler.session.token_header, t);
         }
         if let Some(d) = &self.debug_scores {
-            io::set_response_header(crate::scheduler::DEBUG_SCORES_HEADER, d);
+            io::set_response_header(DEBUG_SCORES_HEADER, d);
         }
         Action::Continue
     }

@@ -1,0 +1,450 @@
+//! Scheduler configuration: the `scheduler` section of the configuration document.
+//!
+//! Same conventions as `crate::config`: `deny_unknown_fields` everywhere, a documented default per
+//! field (no blanket `#[serde(default)]` on a struct), and [`SchedulerConfig::validate`] reports
+//! the JSON path of every bad field. Defaults are chosen and justified in `docs/scheduler.md`.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+use crate::config::ConfigError;
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SchedulerConfig {
+    /// Scorer weights for every model. Defaults: see [`Weights`].
+    #[serde(default = "Weights::default")]
+    pub weights: Weights,
+    /// Per-model overrides (key: model or adapter name as resolved after rewrites). A field left
+    /// out keeps the pool-level value from `weights`. Default: none.
+    #[serde(default = "BTreeMap::new")]
+    pub model_weights: BTreeMap<String, WeightOverrides>,
+    /// How many fallback endpoints follow the primary in `x-gateway-destination-endpoint`.
+    /// Default 2: Envoy can retry twice on another pod without asking the picker again.
+    #[serde(default = "default_fallbacks")]
+    pub fallbacks: usize,
+    /// Totals within this of the best are ties, broken by a seeded random choice. Default 0.001
+    /// (the weights sum to about 14, so this only absorbs float noise and truly equal scores).
+    #[serde(default = "default_tie_epsilon")]
+    pub tie_epsilon: f64,
+    /// Pick at random among the best `top_k` endpoints, with probability proportional to their
+    /// total score, so that independent gateways do not herd. Default 1: plain max score (ties
+    /// are still broken at random).
+    #[serde(default = "default_top_k")]
+    pub top_k: usize,
+    #[serde(default = "PrefixConfig::default")]
+    pub prefix: PrefixConfig,
+    #[serde(default = "SessionConfig::default")]
+    pub session: SessionConfig,
+    #[serde(default = "GuardConfig::default")]
+    pub guard: GuardConfig,
+    /// Model-name rewrites and traffic splits (InferenceModelRewrite semantics). Default: none.
+    #[serde(default = "Vec::new")]
+    pub rewrites: Vec<RewriteRule>,
+    /// Return per-endpoint score breakdowns for an opt-in debug response header. Default false:
+    /// the breakdown reveals pool topology and load.
+    #[serde(default = "default_false")]
+    pub debug_scores: bool,
+}
+
+/// Weight of each scorer in the total `Σ weight × score`. Each score is in [0, 1].
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Weights {
+    /// Prefix-cache affinity. Default 3 (GIE's late-2025 default; 1 diluted affinity).
+    #[serde(default = "default_w_prefix")]
+    pub prefix: f64,
+    /// Engine queue length, min-max normalised. Default 2 (GIE).
+    #[serde(default = "default_w_queue")]
+    pub queue: f64,
+    /// KV-cache headroom, 1 − usage. Default 2 (GIE).
+    #[serde(default = "default_w_kv_cache")]
+    pub kv_cache: f64,
+    /// Router-local in-flight requests (reacts between polls). Default 1.
+    #[serde(default = "default_w_inflight")]
+    pub inflight: f64,
+    /// Session affinity by `x-session-id` rendezvous. Default 4: a session stays unless its
+    /// endpoint is clearly worse on load (and the hot-spot guard moves it when overloaded).
+    #[serde(default = "default_w_session")]
+    pub session: f64,
+    /// LoRA adapter affinity (adapter requests only). Default 2.
+    #[serde(default = "default_w_lora")]
+    pub lora: f64,
+}
+
+/// A per-model override of [`Weights`]; `None` keeps the pool-level weight.
+#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WeightOverrides {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prefix: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub queue: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_cache: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub inflight: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub session: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lora: Option<f64>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PrefixConfig {
+    /// Bytes of canonical prompt text per hashed block. Default 256 (≈ 64 tokens): with
+    /// `max_blocks` 256 this compares the first 64 KiB, which covers a Mooncake-size prompt
+    /// (~12k tokens ≈ 48 KiB); GIE's 64 × 256 stops at 16 KiB.
+    #[serde(default = "default_block_chars")]
+    pub block_chars: usize,
+    /// Most blocks hashed per request. Default 256.
+    #[serde(default = "default_max_blocks")]
+    pub max_blocks: usize,
+    /// Per-endpoint local index size (blocks) when the endpoint does not report
+    /// `cache_config_info`. Default 8192 (≈ 2 MiB of text ≈ 512k tokens, the KV capacity of one
+    /// 8B model on an 80 GB GPU).
+    #[serde(default = "default_index_blocks")]
+    pub index_blocks: usize,
+    /// Cap on the sum of all endpoints' local indexes, per worker VM. Default 262144 blocks
+    /// (≈ 8 MiB of memory per worker).
+    #[serde(default = "default_index_blocks_total")]
+    pub index_blocks_total: usize,
+    /// Characters per token, to size the index from `num_gpu_blocks × block_size` tokens.
+    /// Default 4.
+    #[serde(default = "default_chars_per_token")]
+    pub chars_per_token: usize,
+    /// Shared-data shard keys of the cross-worker prefix table. Default 64. 0 disables the table
+    /// (each worker then only knows the prefixes it sent itself).
+    #[serde(default = "default_shared_shards")]
+    pub shared_shards: usize,
+    /// Entries (checkpoint hash → endpoint) per shard, oldest dropped first. Default 256
+    /// (3 KiB per shard value, which every read copies).
+    #[serde(default = "default_shared_entries")]
+    pub shared_entries_per_shard: usize,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SessionConfig {
+    /// Request header naming a session. Default `x-session-id`.
+    #[serde(default = "default_session_header")]
+    pub header: String,
+    /// Response header carrying the opaque token of the endpoint that served, and request
+    /// header a client sends it back in. Default `x-session-token`.
+    #[serde(default = "default_token_header")]
+    pub token_header: String,
+}
+
+/// Hot-spot guard: an endpoint is overloaded when its load exceeds the least-loaded candidate's
+/// by more than `abs_gap` AND by more than `ratio` times. Defaults are SGLang's (64, 1.5).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GuardConfig {
+    #[serde(default = "default_guard_abs")]
+    pub abs_gap: f64,
+    #[serde(default = "default_guard_ratio")]
+    pub ratio: f64,
+}
+
+/// One rewrite rule: if the request's model matches (exactly) one of `matches`, or `matches` is
+/// empty (catch-all), the model is rewritten to one of `targets`, chosen by relative weight.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RewriteRule {
+    /// Empty = catch-all. An exact match in any rule beats every catch-all.
+    #[serde(default = "Vec::new")]
+    pub matches: Vec<RewriteMatch>,
+    pub targets: Vec<RewriteTarget>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RewriteMatch {
+    pub model: ModelMatch,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelMatch {
+    /// Only `Exact` exists (as in the CRD). Default `Exact`.
+    #[serde(rename = "type", default = "default_match_type")]
+    pub kind: MatchType,
+    pub value: String,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum MatchType {
+    Exact,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RewriteTarget {
+    /// The model (base or adapter) the request is sent as.
+    pub model_rewrite: String,
+    /// Relative weight, 1..=1000000. Set on all targets of a rule or on none (equal split).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub weight: Option<u32>,
+}
+
+fn default_fallbacks() -> usize {
+    2
+}
+fn default_tie_epsilon() -> f64 {
+    0.001
+}
+fn default_top_k() -> usize {
+    1
+}
+fn default_false() -> bool {
+    false
+}
+fn default_w_prefix() -> f64 {
+    3.0
+}
+fn default_w_queue() -> f64 {
+    2.0
+}
+fn default_w_kv_cache() -> f64 {
+    2.0
+}
+fn default_w_inflight() -> f64 {
+    1.0
+}
+fn default_w_session() -> f64 {
+    4.0
+}
+fn default_w_lora() -> f64 {
+    2.0
+}
+fn default_block_chars() -> usize {
+    256
+}
+fn default_max_blocks() -> usize {
+    256
+}
+fn default_index_blocks() -> usize {
+    8192
+}
+fn default_index_blocks_total() -> usize {
+    262_144
+}
+fn default_chars_per_token() -> usize {
+    4
+}
+fn default_shared_shards() -> usize {
+    64
+}
+fn default_shared_entries() -> usize {
+    256
+}
+fn default_session_header() -> String {
+    "x-session-id".to_string()
+}
+fn default_token_header() -> String {
+    "x-session-token".to_string()
+}
+fn default_guard_abs() -> f64 {
+    64.0
+}
+fn default_guard_ratio() -> f64 {
+    1.5
+}
+fn default_match_type() -> MatchType {
+    MatchType::Exact
+}
+
+impl Default for Weights {
+    fn default() -> Self {
+        Self {
+            prefix: default_w_prefix(),
+            queue: default_w_queue(),
+            kv_cache: default_w_kv_cache(),
+            inflight: default_w_inflight(),
+            session: default_w_session(),
+            lora: default_w_lora(),
+        }
+    }
+}
+
+impl Weights {
+    /// These weights with `o`'s set fields replacing them.
+    pub fn overridden(&self, o: &WeightOverrides) -> Weights {
+        Weights {
+            prefix: o.prefix.unwrap_or(self.prefix),
+            queue: o.queue.unwrap_or(self.queue),
+            kv_cache: o.kv_cache.unwrap_or(self.kv_cache),
+            inflight: o.inflight.unwrap_or(self.inflight),
+            session: o.session.unwrap_or(self.session),
+            lora: o.lora.unwrap_or(self.lora),
+        }
+    }
+
+    fn named(&self) -> [(&'static str, f64); 6] {
+        [
+            ("prefix", self.prefix),
+            ("queue", self.queue),
+            ("kv_cache", self.kv_cache),
+            ("inflight", self.inflight),
+            ("session", self.session),
+            ("lora", self.lora),
+        ]
+    }
+}
+
+impl Default for PrefixConfig {
+    fn default() -> Self {
+        Self {
+            block_chars: default_block_chars(),
+            max_blocks: default_max_blocks(),
+            index_blocks: default_index_blocks(),
+            index_blocks_total: default_index_blocks_total(),
+            chars_per_token: default_chars_per_token(),
+            shared_shards: default_shared_shards(),
+            shared_entries_per_shard: default_shared_entries(),
+        }
+    }
+}
+
+impl Default for SessionConfig {
+    fn default() -> Self {
+        Self { header: default_session_header(), token_header: default_token_header() }
+    }
+}
+
+impl Default for GuardConfig {
+    fn default() -> Self {
+        Self { abs_gap: default_guard_abs(), ratio: default_guard_ratio() }
+    }
+}
+
+impl Default for SchedulerConfig {
+    fn default() -> Self {
+        Self {
+            weights: Weights::default(),
+            model_weights: BTreeMap::new(),
+            fallbacks: default_fallbacks(),
+            tie_epsilon: default_tie_epsilon(),
+            top_k: default_top_k(),
+            prefix: PrefixConfig::default(),
+            session: SessionConfig::default(),
+            guard: GuardConfig::default(),
+            rewrites: Vec::new(),
+            debug_scores: default_false(),
+        }
+    }
+}
+
+fn err(errs: &mut Vec<ConfigError>, path: String, reason: impl Into<String>) {
+    errs.push(ConfigError { path, reason: reason.into() });
+}
+
+fn check_weights(errs: &mut Vec<ConfigError>, path: &str, w: &Weights) {
+    for (name, v) in w.named() {
+        if !v.is_finite() || v < 0.0 {
+            err(errs, format!("{path}.{name}"), format!("weight must be a finite number >= 0, got {v}"));
+        }
+    }
+}
+
+fn check_range(errs: &mut Vec<ConfigError>, path: &str, v: usize, lo: usize, hi: usize) {
+    if v < lo || v > hi {
+        err(errs, path.to_string(), format!("must be in {lo}..={hi}, got {v}"));
+    }
+}
+
+fn check_header(errs: &mut Vec<ConfigError>, path: &str, h: &str) {
+    let ok = !h.is_empty()
+        && h.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_');
+    if !ok {
+        err(errs, path.to_string(), format!("header name must be non-empty lowercase [a-z0-9_-], got {h:?}"));
+    }
+}
+
+impl SchedulerConfig {
+    /// Checks ranges and that every model named in `model_weights` and `rewrites` is a known
+    /// base model or adapter (`known`). Paths are relative to the document root.
+    pub fn validate(&self, known: &dyn Fn(&str) -> bool) -> Vec<ConfigError> {
+        let mut errs = Vec::new();
+        check_weights(&mut errs, "scheduler.weights", &self.weights);
+        for (model, o) in &self.model_weights {
+            let path = format!("scheduler.model_weights.{model}");
+            if !known(model) {
+                err(&mut errs, path.clone(), "not a model or adapter declared in models");
+            }
+            check_weights(&mut errs, &path, &self.weights.overridden(o));
+        }
+        check_range(&mut errs, "scheduler.fallbacks", self.fallbacks, 0, 16);
+        check_range(&mut errs, "scheduler.top_k", self.top_k, 1, 64);
+        if !self.tie_epsilon.is_finite() || self.tie_epsilon < 0.0 {
+            err(&mut errs, "scheduler.tie_epsilon".into(), "must be a finite number >= 0");
+        }
+        let p = &self.prefix;
+        check_range(&mut errs, "scheduler.prefix.block_chars", p.block_chars, 16, 65_536);
+        check_range(&mut errs, "scheduler.prefix.max_blocks", p.max_blocks, 1, 4096);
+        check_range(&mut errs, "scheduler.prefix.index_blocks", p.index_blocks, 1, 1 << 22);
+        check_range(&mut errs, "scheduler.prefix.index_blocks_total", p.index_blocks_total, 1, 1 << 24);
+        check_range(&mut errs, "scheduler.prefix.chars_per_token", p.chars_per_token, 1, 64);
+        check_range(&mut errs, "scheduler.prefix.shared_shards", p.shared_shards, 0, 4096);
+        check_range(
+            &mut errs,
+            "scheduler.prefix.shared_entries_per_shard",
+            p.shared_entries_per_shard,
+            1,
+            65_536,
+        );
+        check_header(&mut errs, "scheduler.session.header", &self.session.header);
+        check_header(&mut errs, "scheduler.session.token_header", &self.session.token_header);
+        let g = &self.guard;
+        if !g.abs_gap.is_finite() || g.abs_gap < 0.0 {
+            err(&mut errs, "scheduler.guard.abs_gap".into(), "must be a finite number >= 0");
+        }
+        if !g.ratio.is_finite() || g.ratio < 1.0 {
+            err(&mut errs, "scheduler.guard.ratio".into(), "must be a finite number >= 1");
+        }
+        let mut catch_alls = 0;
+        for (i, rule) in self.rewrites.iter().enumerate() {
+            let path = format!("scheduler.rewrites[{i}]");
+            if rule.matches.is_empty() {
+                catch_alls += 1;
+                if catch_alls > 1 {
+                    err(
+                        &mut errs,
+                        format!("{path}.matches"),
+                        "only one catch-all rule (empty matches) is allowed",
+                    );
+                }
+            }
+            for (j, m) in rule.matches.iter().enumerate() {
+                if m.model.value.is_empty() {
+                    err(&mut errs, format!("{path}.matches[{j}].model.value"), "must not be empty");
+                }
+            }
+            if rule.targets.is_empty() {
+                err(&mut errs, format!("{path}.targets"), "at least one target is required");
+            }
+            let weighted = rule.targets.iter().filter(|t| t.weight.is_some()).count();
+            if weighted != 0 && weighted != rule.targets.len() {
+                err(&mut errs, format!("{path}.targets"), "set weight on all targets or on none");
+            }
+            for (j, t) in rule.targets.iter().enumerate() {
+                let tp = format!("{path}.targets[{j}]");
+                if !known(&t.model_rewrite) {
+                    err(
+                        &mut errs,
+                        format!("{tp}.model_rewrite"),
+                        "not a model or adapter declared in models",
+                    );
+                }
+                if let Some(w) = t.weight {
+                    if !(1..=1_000_000).contains(&w) {
+                        err(&mut errs, format!("{tp}.weight"), format!("must be in 1..=1000000, got {w}"));
+                    }
+                }
+            }
+        }
+        errs
+    }
+}

@@ -1,0 +1,495 @@
+//! The scheduler: picks the endpoint (and fallbacks) for one request. Pure: no host calls; time,
+//! randomness and shared data come in as parameters.
+//!
+//! Stages, in order (each in its own file, each with its formula in its `//!` doc):
+//! 1. Model (`models`): rewrite/split the model name, then resolve it to a base model (and LoRA
+//!    adapter). Unknown → 404 `model_not_found`.
+//! 2. Filters (`filter`): endpoints serving the base model (none → 503 `no_endpoint`), then the
+//!    healthy ones. None healthy → fail open (lowest in-flight count among the serving endpoints,
+//!    seeded tie-break) when `filter.failure_mode` is `FailOpen`, else 503 `no_healthy_endpoint`.
+//! 3. Guard (`guard`): flags candidates overloaded compared with the least loaded.
+//! 4. Scorers, each in [0, 1]: `queue`, `kv`, `inflight` (load), `prefix` (prefix-cache
+//!    affinity), `session` (session-id rendezvous), `lora` (adapter affinity). Prefix and
+//!    session scores of overloaded candidates are forced to 0. The total is `Σ weight × score`
+//!    with per-model weights.
+//! 5. Session token: if the request carries a token naming a healthy, non-overloaded candidate,
+//!    that candidate is the primary.
+//! 6. Picker (`picker`): max total with a seeded random tie-break (or weighted-random among the
+//!    top k), then fallbacks in score order.
+//! 7. The primary records the request's prefix blocks (local index and cross-worker table).
+//!
+//! Missing and stale signals: a stale endpoint is not a candidate at all. A healthy endpoint
+//! that does not report a signal gets that scorer's neutral score, `min(0.5, lowest known score
+//! among the candidates)` ([`neutral_fill`]): it never wins on a signal it does not have, and
+//! when no candidate reports the signal everyone gets 0.5 and the scorer has no influence. The
+//! in-flight count is never missing, so between polls and with partial metrics the load view
+//! is still live. See `docs/scheduler.md` for the full description and measurements.
+
+pub mod config;
+pub mod filter;
+pub mod guard;
+pub mod inflight;
+pub mod kv;
+pub mod lora;
+pub mod models;
+pub mod picker;
+pub mod prefix;
+pub mod prefix_shared;
+pub mod queue;
+pub mod session;
+
+use std::fmt::Write as _;
+
+use hashbrown::HashMap;
+
+use crate::config::{Config, FailureMode};
+use crate::errors::Rejection;
+use crate::inflight::InflightCounts;
+use crate::metrics::EndpointMetrics;
+use crate::ports::{Rng, SharedStore};
+use crate::snapshot::{EndpointStatus, Snapshot};
+
+use self::config::{SchedulerConfig, Weights};
+use self::models::ModelTable;
+use self::prefix::LocalIndex;
+use self::prefix_shared::{endpoint_key, SharedPrefix};
+
+pub use self::session::{parse_session_token, session_token_for};
+
+/// Most endpoints listed in the debug score header, best first (bounds the header size).
+pub const DEBUG_MAX_ENDPOINTS: usize = 16;
+
+/// What the scheduler needs from one request.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct PickRequest<'a> {
+    /// The body's `model`.
+    pub model: &'a str,
+    /// Canonical prompt text (`ParsedRequest::prompt`).
+    pub prompt: &'a str,
+    pub cache_salt: Option<&'a str>,
+    /// Value of the session header (`scheduler.session.header`), if sent.
+    pub session_id: Option<&'a str>,
+    /// Value of the session-token header (`scheduler.session.token_header`), if sent.
+    pub session_token: Option<&'a str>,
+}
+
+/// Why the primary was chosen (for the host's metrics and logs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PickReason {
+    /// Highest total score.
+    Scored,
+    /// The client's session token named a healthy, non-overloaded endpoint.
+    SessionToken,
+    /// No healthy endpoint: lowest in-flight count among the serving ones.
+    FailOpen,
+}
+
+impl PickReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PickReason::Scored => "scored",
+            PickReason::SessionToken => "session_token",
+            PickReason::FailOpen => "fail_open",
+        }
+    }
+}
+
+/// The decision.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Pick {
+    /// `ip:port` of the endpoint to send to.
+    pub primary: String,
+    /// Further endpoints to try, best first (`x-gateway-destination-endpoint: primary,fb1,...`).
+    pub fallbacks: Vec<String>,
+    /// The model the request is sent as (after rewrites).
+    pub target_model: String,
+    /// The body's `model` must be rewritten to `target_model`.
+    pub model_rewritten: bool,
+    /// Opaque token naming `primary`, for the `x-session-token` response header.
+    pub session_token: String,
+    pub fail_open: bool,
+    /// Per-endpoint score breakdown, when `scheduler.debug_scores` is on.
+    pub debug_scores: Option<String>,
+    pub reason: PickReason,
+    /// Endpoints serving the model, and how many of them were healthy.
+    pub serving: usize,
+    pub healthy: usize,
+    /// Healthy candidates the hot-spot guard found overloaded.
+    pub overloaded: usize,
+    /// Prefix score of the primary (fraction of the prompt's blocks it is believed to hold).
+    pub prefix_score: f64,
+    /// Blocks hashed from the prompt (0 for a prompt shorter than one block).
+    pub prefix_blocks: usize,
+}
+
+impl Pick {
+    /// The `x-gateway-destination-endpoint` value: primary first, then fallbacks.
+    pub fn destination_header(&self) -> String {
+        let mut s = self.primary.clone();
+        for f in &self.fallbacks {
+            s.push(',');
+            s.push_str(f);
+        }
+        s
+    }
+}
+
+/// One healthy endpoint as the scorers see it.
+#[derive(Debug, Clone, Copy)]
+pub struct Candidate<'a> {
+    pub address: &'a str,
+    pub metrics: Option<&'a EndpointMetrics>,
+    /// Router-local in-flight count (all workers).
+    pub inflight: u32,
+}
+
+/// Per-candidate scores, each in [0, 1], and the weighted total.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Breakdown {
+    pub prefix: f64,
+    pub queue: f64,
+    pub kv_cache: f64,
+    pub inflight: f64,
+    pub session: f64,
+    pub lora: f64,
+    pub total: f64,
+}
+
+impl Breakdown {
+    fn weighted(&self, w: &Weights) -> f64 {
+        w.prefix * self.prefix
+            + w.queue * self.queue
+            + w.kv_cache * self.kv_cache
+            + w.inflight * self.inflight
+            + w.session * self.session
+            + w.lora * self.lora
+    }
+}
+
+/// Replaces missing scores by the neutral `min(0.5, lowest known)`; 0.5 when none is known.
+pub fn neutral_fill(raw: &[Option<f64>]) -> Vec<f64> {
+    let lowest = raw.iter().flatten().copied().fold(f64::INFINITY, f64::min);
+    let neutral = if lowest.is_finite() { lowest.min(0.5) } else { 0.5 };
+    raw.iter().map(|s| s.unwrap_or(neutral)).collect()
+}
+
+/// The scheduler of one worker VM. Built once per configuration; holds the worker-local state
+/// (the local prefix index).
+#[derive(Debug, Clone)]
+pub struct Scheduler {
+    cfg: SchedulerConfig,
+    stale_after_ms: u64,
+    failure_mode: FailureMode,
+    models: ModelTable,
+    model_weights: HashMap<String, Weights>,
+    /// This worker's per-endpoint prefix indexes.
+    local: LocalIndex,
+    /// Shape of the cross-worker prefix table (the data lives in the shared store).
+    shared: SharedPrefix,
+    /// Reused buffer for the request's block hashes.
+    hashes: Vec<u64>,
+}
+
+impl Scheduler {
+    pub fn new(cfg: &Config) -> Scheduler {
+        let sc = cfg.scheduler.clone();
+        let model_weights =
+            sc.model_weights.iter().map(|(k, o)| (k.clone(), sc.weights.overridden(o))).collect();
+        Scheduler {
+            stale_after_ms: cfg.poller.stale_after_ms,
+            failure_mode: cfg.filter.failure_mode,
+            models: ModelTable::new(cfg),
+            model_weights,
+            local: LocalIndex::default(),
+            shared: SharedPrefix::new(sc.prefix.shared_shards, sc.prefix.shared_entries_per_shard),
+            hashes: Vec::new(),
+            cfg: sc,
+        }
+    }
+
+    /// The session header name the host should read (`scheduler.session.header`).
+    pub fn session_header(&self) -> &str {
+        &self.cfg.session.header
+    }
+
+    /// The session-token header name (`scheduler.session.token_header`).
+    pub fn token_header(&self) -> &str {
+        &self.cfg.session.token_header
+    }
+
+    /// Weights for a target model: its own override, else its base's, else the pool's.
+    fn weights_for(&self, target: &str, base: &str) -> Weights {
+        self.model_weights
+            .get(target)
+            .or_else(|| self.model_weights.get(base))
+            .copied()
+            .unwrap_or(self.cfg.weights)
+    }
+
+    /// Resolves rewrites/splits first, then filters, scores, picks, records prefix blocks.
+    #[allow(clippy::too_many_arguments)]
+    pub fn pick(
+        &mut self,
+        req: &PickRequest<'_>,
+        snapshot: &Snapshot,
+        inflight: &InflightCounts,
+        store: &dyn SharedStore,
+        rng: &mut dyn Rng,
+        now_ms: u64,
+    ) -> Result<Pick, Rejection> {
+        // 1. Model.
+        let rewritten = self.models.rewrite(req.model, req.session_id, rng);
+        let target = rewritten.unwrap_or(req.model);
+        let Some(resolved) = self.models.resolve(target, snapshot) else {
+            return Err(Rejection::new(
+                404,
+                "invalid_request_error",
+                "model_not_found",
+                format!("The model `{target}` does not exist."),
+            ));
+        };
+        let target_model = target.to_string();
+        let model_rewritten = target != req.model;
+        let weights = self.weights_for(target, resolved.base);
+
+        // 2. Filters.
+        let serving: Vec<&EndpointStatus> =
+            snapshot.endpoints.iter().filter(|e| filter::serves(e, resolved.base)).collect();
+        if serving.is_empty() {
+            return Err(Rejection::new(
+                503,
+                "service_unavailable",
+                "no_endpoint",
+                format!("No endpoint serves the model `{target}`."),
+            )
+            .with_retry_after(1));
+        }
+        let healthy: Vec<&EndpointStatus> =
+            serving.iter().copied().filter(|e| filter::healthy(e, now_ms, self.stale_after_ms)).collect();
+        if healthy.is_empty() {
+            return self.fail_open(&serving, inflight, rng, target_model, model_rewritten);
+        }
+        let cands: Vec<Candidate<'_>> = healthy
+            .iter()
+            .map(|e| Candidate {
+                address: &e.address,
+                metrics: e.metrics.as_ref(),
+                inflight: inflight.get(&e.address),
+            })
+            .collect();
+
+        // 3. Guard.
+        let overloaded = guard::overloaded(&cands, &self.cfg.guard);
+        let eligible: Vec<bool> = overloaded.iter().map(|o| !o).collect();
+
+        // 4. Scorers. Prefix first: hash, then local and cross-worker matches.
+        let mut hashes = std::mem::take(&mut self.hashes);
+        let pc = &self.cfg.prefix;
+        prefix::block_hashes(
+            req.prompt,
+            prefix::seed(target, req.cache_salt),
+            pc.block_chars,
+            pc.max_blocks,
+            &mut hashes,
+        );
+        self.local.sync(snapshot.version, &mut snapshot.endpoints.iter().map(|e| e.address.as_str()));
+        let lookup = if hashes.is_empty() { Default::default() } else { self.shared.lookup(store, &hashes) };
+        let px: Vec<f64> = cands
+            .iter()
+            .map(|c| {
+                let local = self.local.matched(c.address, &hashes);
+                let shared = if lookup.hits.is_empty() { 0 } else { lookup.matched(endpoint_key(c.address)) };
+                prefix::score(local.max(shared), hashes.len())
+            })
+            .collect();
+        let q = queue::scores(&cands);
+        let kv = kv::scores(&cands);
+        let inf = inflight::scores(&cands);
+        let sess = session::scores(req.session_id, &cands, &eligible);
+        let lo = lora::scores(resolved.adapter, &cands);
+        let mut rows: Vec<Breakdown> = Vec::with_capacity(cands.len());
+        for i in 0..cands.len() {
+            let get = |v: &[f64]| v.get(i).copied().unwrap_or(0.0);
+            let ok = eligible.get(i).copied().unwrap_or(false);
+            let mut b = Breakdown {
+                prefix: if ok { get(&px) } else { 0.0 },
+                queue: get(&q),
+                kv_cache: get(&kv),
+                inflight: get(&inf),
+                session: if ok { get(&sess) } else { 0.0 },
+                lora: get(&lo),
+                total: 0.0,
+            };
+            b.total = b.weighted(&weights);
+            rows.push(b);
+        }
+        let totals: Vec<f64> = rows.iter().map(|b| b.total).collect();
+
+        // 5 + 6. Session token, then the picker.
+        let token_pick = req.session_token.and_then(|t| session::resolve_token(t, &cands, &eligible));
+        let mut order = picker::order(&totals, self.cfg.tie_epsilon, self.cfg.top_k, self.cfg.fallbacks, rng);
+        let reason = match token_pick {
+            Some(t) => {
+                order.retain(|&i| i != t);
+                order.insert(0, t);
+                order.truncate(1 + self.cfg.fallbacks);
+                PickReason::SessionToken
+            }
+            None => PickReason::Scored,
+        };
+        let Some((&p, fb)) = order.split_first() else {
+            // Unreachable: `cands` is not empty, so the picker returns at least one index.
+            return Err(Rejection::new(500, "internal_error", "internal", "scheduler picked nothing"));
+        };
+        let primary_cand = cands.get(p).copied();
+        let primary = primary_cand.map(|c| c.address.to_string()).unwrap_or_default();
+        let fallbacks = fb.iter().filter_map(|&i| cands.get(i)).map(|c| c.address.to_string()).collect();
+        let prefix_score = rows.get(p).map(|b| b.prefix).unwrap_or(0.0);
+        let debug_scores = self.cfg.debug_scores.then(|| debug_string(&cands, &rows, &overloaded));
+
+        // 7. The primary now holds this prompt's blocks.
+        if let Some(c) = primary_cand {
+            let cap = prefix::capacity(&self.cfg.prefix, c.metrics, snapshot.endpoints.len());
+            self.local.record(c.address, &hashes, cap);
+            self.shared.record(store, &hashes, endpoint_key(c.address), &lookup);
+        }
+        let prefix_blocks = hashes.len();
+        self.hashes = hashes;
+
+        Ok(Pick {
+            session_token: session_token_for(&primary),
+            primary,
+            fallbacks,
+            target_model,
+            model_rewritten,
+            fail_open: false,
+            debug_scores,
+            reason,
+            serving: serving.len(),
+            healthy: healthy.len(),
+            overloaded: overloaded.iter().filter(|o| **o).count(),
+            prefix_score,
+            prefix_blocks,
+        })
+    }
+
+    fn fail_open(
+        &self,
+        serving: &[&EndpointStatus],
+        inflight: &InflightCounts,
+        rng: &mut dyn Rng,
+        target_model: String,
+        model_rewritten: bool,
+    ) -> Result<Pick, Rejection> {
+        if self.failure_mode != FailureMode::FailOpen {
+            return Err(Rejection::new(
+                503,
+                "service_unavailable",
+                "no_healthy_endpoint",
+                format!("No healthy endpoint for the model `{target_model}`."),
+            )
+            .with_retry_after(1));
+        }
+        // Fewer in flight is better; counts are integers, so a tie epsilon of 0.5 groups exactly
+        // the equal counts.
+        let totals: Vec<f64> = serving.iter().map(|e| -f64::from(inflight.get(&e.address))).collect();
+        let order = picker::order(&totals, 0.5, 1, self.cfg.fallbacks, rng);
+        let mut addrs = order.iter().filter_map(|&i| serving.get(i)).map(|e| e.address.clone());
+        let primary = addrs.next().unwrap_or_default();
+        Ok(Pick {
+            session_token: session_token_for(&primary),
+            primary,
+            fallbacks: addrs.collect(),
+            target_model,
+            model_rewritten,
+            fail_open: true,
+            debug_scores: None,
+            reason: PickReason::FailOpen,
+            serving: serving.len(),
+            healthy: 0,
+            overloaded: 0,
+            prefix_score: 0.0,
+            prefix_blocks: 0,
+        })
+    }
+}
+
+/// `addr t=.. p=.. q=.. kv=.. if=.. s=.. l=..[ overloaded]` for the best
+/// [`DEBUG_MAX_ENDPOINTS`] candidates, separated by `, ` (header-safe: addresses are ASCII).
+fn debug_string(cands: &[Candidate<'_>], rows: &[Breakdown], overloaded: &[bool]) -> String {
+    let totals: Vec<f64> = rows.iter().map(|b| b.total).collect();
+    let mut s = String::new();
+    for (n, i) in picker::top_m(&totals, DEBUG_MAX_ENDPOINTS).into_iter().enumerate() {
+        let (Some(c), Some(b)) = (cands.get(i), rows.get(i)) else { continue };
+        if n > 0 {
+            s.push_str(", ");
+        }
+        let _ = write!(
+            s,
+            "{} t={:.3} p={:.3} q={:.3} kv={:.3} if={:.3} s={:.3} l={:.3}",
+            c.address, b.total, b.prefix, b.queue, b.kv_cache, b.inflight, b.session, b.lora
+        );
+        if overloaded.get(i).copied().unwrap_or(false) {
+            s.push_str(" overloaded");
+        }
+    }
+    s
+}
+
+#[cfg(test)]
+pub(crate) mod tests_support {
+    use super::Candidate;
+    use crate::metrics::EndpointMetrics;
+
+    /// Owns what [`Candidate`]s borrow; addresses are `10.0.0.<i+1>:8000`.
+    pub struct Owned {
+        eps: Vec<(String, Option<EndpointMetrics>, u32)>,
+    }
+
+    impl Owned {
+        /// (queue, running, inflight) per endpoint.
+        pub fn new(rows: &[(Option<f64>, Option<f64>, u32)]) -> Owned {
+            Owned {
+                eps: rows
+                    .iter()
+                    .enumerate()
+                    .map(|(i, &(q, r, n))| {
+                        let m = EndpointMetrics { queue: q, running: r, ..Default::default() };
+                        (format!("10.0.0.{}:8000", i + 1), Some(m), n)
+                    })
+                    .collect(),
+            }
+        }
+        pub fn from_metrics(ms: Vec<Option<EndpointMetrics>>) -> Owned {
+            Owned {
+                eps: ms
+                    .into_iter()
+                    .enumerate()
+                    .map(|(i, m)| (format!("10.0.0.{}:8000", i + 1), m, 0))
+                    .collect(),
+            }
+        }
+        pub fn view(&self) -> Vec<Candidate<'_>> {
+            self.eps
+                .iter()
+                .map(|(a, m, n)| Candidate { address: a, metrics: m.as_ref(), inflight: *n })
+                .collect()
+        }
+    }
+
+    /// (queue, kv_usage) per endpoint.
+    pub fn cands_with(rows: &[(Option<f64>, Option<f64>)]) -> Owned {
+        Owned::from_metrics(
+            rows.iter()
+                .map(|&(q, kv)| Some(EndpointMetrics { queue: q, kv_usage: kv, ..Default::default() }))
+                .collect(),
+        )
+    }
+
+    pub fn cands_inflight(counts: &[u32]) -> Owned {
+        Owned::new(&counts.iter().map(|&n| (None, None, n)).collect::<Vec<_>>())
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,475 @@
+//! End-to-end tests of `Scheduler::pick` (model → filters → scorers → picker).
+
+use proptest::prelude::*;
+
+use super::*;
+use crate::metrics::EndpointMetrics;
+use crate::ports::{MemStore, SplitMix64};
+
+const NOW: u64 = 1_000_000;
+
+pub(crate) fn config(extra: &str) -> Config {
+    let json = format!(
+        r#"{{"version":1,
+            "endpoints":[{{"address":"10.0.0.1:8000","models":["llama"]}}],
+            "models":[{{"name":"llama","adapters":["sql-lora"]}},{{"name":"qwen"}}]{extra}}}"#
+    );
+    Config::from_json(json.as_bytes()).unwrap()
+}
+
+pub(crate) fn ep(addr: &str, models: &[&str], queue: f64, kv: f64) -> EndpointStatus {
+    EndpointStatus {
+        address: addr.into(),
+        models: models.iter().map(|s| s.to_string()).collect(),
+        metrics: Some(EndpointMetrics {
+            queue: Some(queue),
+            running: Some(0.0),
+            kv_usage: Some(kv),
+            ..Default::default()
+        }),
+        scraped_ms: NOW - 100,
+        failures: 0,
+    }
+}
+
+pub(crate) fn snap(eps: Vec<EndpointStatus>) -> Snapshot {
+    Snapshot { version: 1, published_ms: NOW - 50, endpoints: eps }
+}
+
+fn req(model: &str) -> PickRequest<'_> {
+    PickRequest { model, ..Default::default() }
+}
+
+fn pick(
+    s: &mut Scheduler,
+    r: &PickRequest<'_>,
+    sn: &Snapshot,
+    inf: &InflightCounts,
+    seed: u64,
+) -> Result<Pick, Rejection> {
+    s.pick(r, sn, inf, &MemStore::new(), &mut SplitMix64::new(seed), NOW)
+}
+
+#[test]
+fn unknown_model_is_404() {
+    let mut s = Scheduler::new(&config(""));
+    let e = pick(&mut s, &req("gpt-4"), &snap(vec![ep("a:1", &["llama"], 0.0, 0.0)]), &Default::default(), 1)
+        .unwrap_err();
+    assert_eq!((e.status, e.code), (404, "model_not_found"));
+}
+
+#[test]
+fn known_model_without_endpoint_is_503_no_endpoint() {
+    let mut s = Scheduler::new(&config(""));
+    let e = pick(&mut s, &req("qwen"), &snap(vec![ep("a:1", &["llama"], 0.0, 0.0)]), &Default::default(), 1)
+        .unwrap_err();
+    assert_eq!((e.status, e.code, e.retry_after_s), (503, "no_endpoint", Some(1)));
+}
+
+#[test]
+fn picks_least_loaded_with_fallbacks_in_score_order() {
+    let mut s = Scheduler::new(&config(""));
+    // Weights queue 2, kv 2, inflight 1 (prefix/session/lora contribute 0 here).
+    // a: q 10 → 0.0, kv 0.5 → 0.5, inflight 1 → (0+1)/(1+1) = 0.5: total 0 + 1.0 + 0.5 = 1.5
+    // b: q 0 → 1.0, kv 0.2 → 0.8, inflight 0 → 1.0:              total 2 + 1.6 + 1.0 = 4.6
+    // c: q 5 → 0.5, kv 0.2 → 0.8, inflight 0 → 1.0:              total 1 + 1.6 + 1.0 = 3.6
+    // d: serves qwen only: never a candidate.
+    let sn = snap(vec![
+        ep("a:1", &["llama"], 10.0, 0.5),
+        ep("b:1", &["llama"], 0.0, 0.2),
+        ep("c:1", &["llama"], 5.0, 0.2),
+        ep("d:1", &["qwen"], 0.0, 0.0),
+    ]);
+    let inf = InflightCounts::decode(b"a:1=1");
+    let p = pick(&mut s, &req("llama"), &sn, &inf, 7).unwrap();
+    assert_eq!(p.primary, "b:1");
+    assert_eq!(p.fallbacks, vec!["c:1", "a:1"]);
+    assert_eq!(p.destination_header(), "b:1,c:1,a:1");
+    assert_eq!((p.reason, p.fail_open, p.serving, p.healthy), (PickReason::Scored, false, 3, 3));
+    assert_eq!(p.target_model, "llama");
+    assert!(!p.model_rewritten);
+    assert_eq!(p.session_token, session_token_for("b:1"));
+    assert_eq!(p.debug_scores, None);
+}
+
+#[test]
+fn stale_and_failing_endpoints_are_not_candidates() {
+    let mut s = Scheduler::new(&config(""));
+    let mut stale = ep("stale:1", &["llama"], 0.0, 0.0);
+    stale.scraped_ms = NOW - 1001; // stale_after_ms default 1000
+    let mut failing = ep("failing:1", &["llama"], 0.0, 0.0);
+    failing.failures = 2;
+    let sn = snap(vec![stale, failing, ep("busy:1", &["llama"], 50.0, 0.9)]);
+    let p = pick(&mut s, &req("llama"), &sn, &Default::default(), 1).unwrap();
+    // Only the busy one is healthy; the idle-looking ones are stale or failing.
+    assert_eq!((p.primary.as_str(), p.fallbacks.len(), p.healthy, p.serving), ("busy:1", 0, 1, 3));
+}
+
+#[test]
+fn no_healthy_endpoint_fails_closed_by_default() {
+    let mut s = Scheduler::new(&config(""));
+    let mut a = ep("a:1", &["llama"], 0.0, 0.0);
+    a.failures = 1;
+    let e = pick(&mut s, &req("llama"), &snap(vec![a]), &Default::default(), 1).unwrap_err();
+    assert_eq!((e.status, e.code), (503, "no_healthy_endpoint"));
+}
+
+#[test]
+fn fail_open_picks_lowest_inflight_with_seeded_tie_break() {
+    let mut s = Scheduler::new(&config(r#","filter":{"failure_mode":"FailOpen"}"#));
+    let stale = |a: &str| {
+        let mut e = ep(a, &["llama"], 0.0, 0.0);
+        e.scraped_ms = 0;
+        e
+    };
+    let sn = snap(vec![stale("a:1"), stale("b:1"), stale("c:1"), ep("q:1", &["qwen"], 0.0, 0.0)]);
+    // In flight: a 3, b 1, c 1 → b and c tie at 1; a is the last fallback.
+    let inf = InflightCounts::decode(b"a:1=3;b:1=1;c:1=1;q:1=0");
+    let mut seen = hashbrown::HashSet::new();
+    for seed in 0..40 {
+        let p = pick(&mut s, &req("llama"), &sn, &inf, seed).unwrap();
+        assert!(p.fail_open);
+        assert_eq!(p.reason, PickReason::FailOpen);
+        assert!(p.primary == "b:1" || p.primary == "c:1", "{}", p.primary);
+        assert_eq!(p.fallbacks.len(), 2);
+        assert_eq!(p.fallbacks.last().map(String::as_str), Some("a:1"));
+        seen.insert(p.primary);
+    }
+    // Both tied endpoints are chosen for some seed.
+    assert_eq!(seen.len(), 2);
+}
+
+#[test]
+fn same_seed_same_decision_and_ties_spread() {
+    let mut s = Scheduler::new(&config(""));
+    let sn = snap((1..=8).map(|i| ep(&format!("10.0.0.{i}:8000"), &["llama"], 1.0, 0.3)).collect());
+    let a = pick(&mut s, &req("llama"), &sn, &Default::default(), 99).unwrap();
+    let b = pick(&mut s, &req("llama"), &sn, &Default::default(), 99).unwrap();
+    assert_eq!(a, b);
+    // All 8 are equal: over 64 seeds the primary is not always the same endpoint.
+    let primaries: hashbrown::HashSet<String> = (0..64)
+        .map(|seed| pick(&mut s, &req("llama"), &sn, &Default::default(), seed).unwrap().primary)
+        .collect();
+    assert!(primaries.len() >= 6, "{primaries:?}");
+}
+
+#[test]
+fn session_token_routes_to_named_endpoint_unless_overloaded() {
+    let mut s = Scheduler::new(&config(""));
+    let sn = snap(vec![ep("a:1", &["llama"], 0.0, 0.1), ep("b:1", &["llama"], 10.0, 0.5)]);
+    let tok = session_token_for("b:1");
+    let r = PickRequest { model: "llama", session_token: Some(&tok), ..Default::default() };
+    let p = pick(&mut s, &r, &sn, &Default::default(), 1).unwrap();
+    assert_eq!((p.primary.as_str(), p.reason), ("b:1", PickReason::SessionToken));
+    assert_eq!(p.fallbacks, vec!["a:1"]);
+    // b overloaded: load 100 vs 0 → gap 100 > 64 and 100 > 0: token ignored, a wins on score.
+    let sn = snap(vec![ep("a:1", &["llama"], 0.0, 0.1), ep("b:1", &["llama"], 100.0, 0.5)]);
+    let p = pick(&mut s, &r, &sn, &Default::default(), 1).unwrap();
+    assert_eq!((p.primary.as_str(), p.reason, p.overloaded), ("a:1", PickReason::Scored, 1));
+    // A forged token (an address as text) is ignored.
+    let r = PickRequest { model: "llama", session_token: Some("b:1"), ..Default::default() };
+    let p = pick(&mut s, &r, &sn, &Default::default(), 1).unwrap();
+    assert_eq!(p.reason, PickReason::Scored);
+}
+
+#[test]
+fn session_id_keeps_a_session_on_one_endpoint() {
+    let mut s = Scheduler::new(&config(""));
+    let sn = snap((1..=4).map(|i| ep(&format!("10.0.0.{i}:8000"), &["llama"], 0.0, 0.2)).collect());
+    let r = PickRequest { model: "llama", session_id: Some("conv-42"), ..Default::default() };
+    let first = pick(&mut s, &r, &sn, &Default::default(), 0).unwrap().primary;
+    for seed in 1..30 {
+        assert_eq!(pick(&mut s, &r, &sn, &Default::default(), seed).unwrap().primary, first);
+    }
+}
+
+#[test]
+fn rewrite_is_reported_and_adapter_goes_to_base_endpoints() {
+    let mut s = Scheduler::new(&config(
+        r#","scheduler":{"rewrites":[{"matches":[{"model":{"value":"llama"}}],"targets":[{"model_rewrite":"sql-lora"}]}]}"#,
+    ));
+    let sn = snap(vec![ep("a:1", &["llama"], 0.0, 0.0), ep("q:1", &["qwen"], 0.0, 0.0)]);
+    let p = pick(&mut s, &req("llama"), &sn, &Default::default(), 1).unwrap();
+    assert_eq!((p.target_model.as_str(), p.model_rewritten, p.primary.as_str()), ("sql-lora", true, "a:1"));
+}
+
+#[test]
+fn debug_scores_when_enabled() {
+    let mut s = Scheduler::new(&config(r#","scheduler":{"debug_scores":true}"#));
+    let sn = snap(vec![ep("a:1", &["llama"], 0.0, 0.25)]);
+    let p = pick(&mut s, &req("llama"), &sn, &Default::default(), 1).unwrap();
+    // q 1.0 ×2 + kv 0.75 ×2 + inflight 1.0 ×1 = 4.5
+    assert_eq!(
+        p.debug_scores.as_deref(),
+        Some("a:1 t=4.500 p=0.000 q=1.000 kv=0.750 if=1.000 s=0.000 l=0.000")
+    );
+}
+
+#[test]
+fn per_model_weights_override_pool_weights() {
+    // For qwen only the in-flight count matters; a has the better queue but 2 in flight.
+    let mut s = Scheduler::new(&config(
+        r#","scheduler":{"model_weights":{"qwen":{"queue":0,"kv_cache":0,"inflight":5}}}"#,
+    ));
+    let sn = snap(vec![ep("a:1", &["llama", "qwen"], 0.0, 0.0), ep("b:1", &["llama", "qwen"], 9.0, 0.0)]);
+    let inf = InflightCounts::decode(b"a:1=2");
+    assert_eq!(pick(&mut s, &req("qwen"), &sn, &inf, 1).unwrap().primary, "b:1");
+    // llama keeps the pool weights: a: 2+2+1/3 = 4.33 vs b: 0+2+1 = 3.
+    assert_eq!(pick(&mut s, &req("llama"), &sn, &inf, 1).unwrap().primary, "a:1");
+}
+
+fn arb_endpoint() -> impl Strategy<Value = EndpointStatus> {
+    (
+        0u8..16,
+        prop::sample::subsequence(vec!["llama", "qwen"], 0..=2),
+        prop::option::of(0.0f64..200.0),
+        prop::option::of(-0.5f64..1.5),
+        prop::option::of(0.0f64..300.0),
+        0u64..2000,
+        0u32..3,
+        prop::bool::ANY,
+    )
+        .prop_map(|(n, models, q, kv, r, age, failures, has_metrics)| EndpointStatus {
+            address: format!("10.0.1.{n}:8000"),
+            models: models.into_iter().map(String::from).collect(),
+            metrics: has_metrics.then_some(EndpointMetrics {
+                queue: q,
+                running: r,
+                kv_usage: kv,
+                ..Default::default()
+            }),
+            scraped_ms: NOW - age,
+            failures,
+        })
+}
+
+proptest! {
+    #[test]
+    fn prop_scores_in_unit_interval(
+        eps in prop::collection::vec(arb_endpoint(), 1..20),
+        counts in prop::collection::vec(0u32..500, 20),
+    ) {
+        let inf = InflightCounts::decode(
+            eps.iter().zip(&counts).map(|(e, n)| format!("{}={n}", e.address)).collect::<Vec<_>>().join(";").as_bytes(),
+        );
+        let cands: Vec<Candidate<'_>> = eps.iter().map(|e| Candidate {
+            address: &e.address, metrics: e.metrics.as_ref(), inflight: inf.get(&e.address) }).collect();
+        let eligible = vec![true; cands.len()];
+        for v in [queue::scores(&cands), kv::scores(&cands), inflight::scores(&cands),
+                  session::scores(Some("s"), &cands, &eligible), lora::scores(Some("sql-lora"), &cands)] {
+            prop_assert_eq!(v.len(), cands.len());
+            for x in v {
+                prop_assert!((0.0..=1.0).contains(&x), "{}", x);
+            }
+        }
+    }
+
+    #[test]
+    fn prop_same_seed_same_decision_and_only_serving_endpoints(
+        eps in prop::collection::vec(arb_endpoint(), 0..20),
+        seed in any::<u64>(),
+        model in prop::sample::select(vec!["llama", "qwen", "sql-lora"]),
+        fail_open in prop::bool::ANY,
+        session in prop::option::of("[a-z]{1,8}"),
+    ) {
+        let extra = if fail_open { r#","filter":{"failure_mode":"FailOpen"}"# } else { "" };
+        // Addresses are unique in a real snapshot (the poller keys endpoints by address).
+        let mut seen = hashbrown::HashSet::new();
+        let sn = snap(eps.into_iter().filter(|e| seen.insert(e.address.clone())).collect());
+        let r = PickRequest { model, session_id: session.as_deref(), ..Default::default() };
+        let mut s1 = Scheduler::new(&config(extra));
+        let mut s2 = Scheduler::new(&config(extra));
+        let a = pick(&mut s1, &r, &sn, &Default::default(), seed);
+        let b = pick(&mut s2, &r, &sn, &Default::default(), seed);
+        prop_assert_eq!(&a, &b);
+        let base = if model == "sql-lora" { "llama" } else { model };
+        if let Ok(p) = a {
+            for addr in std::iter::once(&p.primary).chain(&p.fallbacks) {
+                prop_assert!(sn.endpoints.iter().any(|e| &e.address == addr && filter::serves(e, base)),
+                    "{} does not serve {}", addr, base);
+            }
+            if !p.fail_open {
+                let e = sn.endpoints.iter().find(|e| e.address == p.primary && filter::serves(e, base)).unwrap();
+                prop_assert!(filter::healthy(e, NOW, 1000));
+            }
+            // No duplicates in the destination list.
+            let mut all: Vec<&String> = std::iter::once(&p.primary).chain(&p.fallbacks).collect();
+            let n = all.len();
+            all.sort();
+            all.dedup();
+            prop_assert_eq!(all.len(), n);
+        }
+    }
+}
+
+/// A long chat prompt: `turns` user/assistant exchanges of ~1 KiB each, deterministic.
+fn conversation(id: u32, turns: usize) -> String {
+    let mut s = String::from("system\nYou are a helpful assistant.\u{1e}");
+    for t in 0..turns {
+        s.push_str(&format!("user\nconversation {id} question {t}: "));
+        s.push_str(&"lorem ipsum dolor sit amet ".repeat(40));
+        s.push_str(&format!("\u{1e}assistant\nanswer {t} for {id}\u{1e}"));
+    }
+    s
+}
+
+fn equal_pool(n: usize) -> Snapshot {
+    snap((1..=n).map(|i| ep(&format!("10.0.0.{i}:8000"), &["llama"], 2.0, 0.3)).collect())
+}
+
+#[test]
+fn conversation_follows_its_prefix_across_workers() {
+    // Two workers (two Scheduler instances, two RNG streams) share one store, as Envoy workers
+    // share proxy-wasm shared data. Turn 1 lands on worker A; turn 2 on worker B, which has an
+    // empty local index. The pool is equally loaded, so only the prefix can decide.
+    let store = MemStore::new();
+    let sn = equal_pool(8);
+    let inf = InflightCounts::default();
+    let mut a = Scheduler::new(&config(""));
+    let mut b = Scheduler::new(&config(""));
+    let mut followed = 0;
+    for conv in 0..20 {
+        let t1 = conversation(conv, 2);
+        let t2 = conversation(conv, 4);
+        let r1 = PickRequest { model: "llama", prompt: &t1, ..Default::default() };
+        let p1 = a.pick(&r1, &sn, &inf, &store, &mut SplitMix64::new(u64::from(conv)), NOW).unwrap();
+        assert_eq!(p1.prefix_score, 0.0);
+        let r2 = PickRequest { model: "llama", prompt: &t2, ..Default::default() };
+        let p2 = b.pick(&r2, &sn, &inf, &store, &mut SplitMix64::new(1000 + u64::from(conv)), NOW).unwrap();
+        if p2.primary == p1.primary {
+            followed += 1;
+            // t1 has 2312 bytes = 9 blocks of 256 (checkpoints 1, 2, 4, 8); t2 has 4588 bytes
+            // = 17 blocks (checkpoints up to 16): worker B sees checkpoint 8 → 8/17.
+            assert!((p2.prefix_score - 8.0 / 17.0).abs() < 1e-9, "{}", p2.prefix_score);
+        }
+    }
+    assert_eq!(followed, 20);
+}
+
+#[test]
+fn without_the_shared_table_other_workers_lose_the_prefix() {
+    // The same scenario with shared_shards 0: worker B routes turn 2 by load alone (ties broken
+    // at random over 8 endpoints), so most conversations move. This is what the table fixes.
+    let store = MemStore::new();
+    let sn = equal_pool(8);
+    let inf = InflightCounts::default();
+    let cfg = config(r#","scheduler":{"prefix":{"shared_shards":0}}"#);
+    let (mut a, mut b) = (Scheduler::new(&cfg), Scheduler::new(&cfg));
+    let mut followed = 0;
+    for conv in 0..20 {
+        let (t1, t2) = (conversation(conv, 2), conversation(conv, 4));
+        let p1 = a
+            .pick(
+                &PickRequest { model: "llama", prompt: &t1, ..Default::default() },
+                &sn,
+                &inf,
+                &store,
+                &mut SplitMix64::new(u64::from(conv)),
+                NOW,
+            )
+            .unwrap();
+        let p2 = b
+            .pick(
+                &PickRequest { model: "llama", prompt: &t2, ..Default::default() },
+                &sn,
+                &inf,
+                &store,
+                &mut SplitMix64::new(1000 + u64::from(conv)),
+                NOW,
+            )
+            .unwrap();
+        followed += usize::from(p1.primary == p2.primary);
+        // The same worker still follows (local index, exact).
+        let p3 = a
+            .pick(
+                &PickRequest { model: "llama", prompt: &t2, ..Default::default() },
+                &sn,
+                &inf,
+                &store,
+                &mut SplitMix64::new(7),
+                NOW,
+            )
+            .unwrap();
+        assert_eq!(p3.primary, p1.primary);
+    }
+    assert!(followed < 10, "{followed}");
+    assert_eq!(store.key_count(), 0);
+}
+
+#[test]
+fn hot_spot_guard_moves_affinity_off_an_overloaded_endpoint() {
+    let store = MemStore::new();
+    let mut s = Scheduler::new(&config(""));
+    let t1 = conversation(1, 2);
+    let t2 = conversation(1, 3);
+    let sn = equal_pool(4);
+    let p1 = s
+        .pick(
+            &PickRequest { model: "llama", prompt: &t1, ..Default::default() },
+            &sn,
+            &Default::default(),
+            &store,
+            &mut SplitMix64::new(1),
+            NOW,
+        )
+        .unwrap();
+    // At 30 in flight the holder is busier but not overloaded (gap 28 <= 64): affinity wins.
+    // t1 is 2312 bytes = 9 full blocks of 256, t2 3450 bytes = 13 blocks, sharing the first 9.
+    // Holder: prefix (local, exact) 9/13 = 0.692×3 + queue 1×2 + kv 0.7×2 +
+    // inflight (1/31)×1 ≈ 5.51; others: 0 + 2 + 1.4 + 1 = 4.4.
+    let inf = InflightCounts::decode(format!("{}=30", p1.primary).as_bytes());
+    let r2 = PickRequest { model: "llama", prompt: &t2, ..Default::default() };
+    let mut s2 = s.clone();
+    let store2 = MemStore::new();
+    let p3 = s2.pick(&r2, &sn, &inf, &store2, &mut SplitMix64::new(1), NOW).unwrap();
+    assert_eq!(p3.primary, p1.primary);
+    assert!((p3.prefix_score - 9.0 / 13.0).abs() < 1e-9, "{}", p3.prefix_score);
+    // At 100 in flight (load 100 vs 2 elsewhere: gap 98 > 64 and 100 > 1.5×2) it is
+    // overloaded: its prefix score is forced to 0 and the request goes elsewhere.
+    let inf = InflightCounts::decode(format!("{}=100", p1.primary).as_bytes());
+    let p2 = s.pick(&r2, &sn, &inf, &store, &mut SplitMix64::new(1), NOW).unwrap();
+    assert_ne!(p2.primary, p1.primary);
+    assert_eq!((p2.overloaded, p2.prefix_score), (1, 0.0));
+}
+
+#[test]
+fn cache_salt_and_model_separate_prefixes() {
+    let store = MemStore::new();
+    let mut s = Scheduler::new(&config(""));
+    let sn = equal_pool(4);
+    let t = conversation(5, 3);
+    let r = PickRequest { model: "llama", prompt: &t, cache_salt: Some("tenant-a"), ..Default::default() };
+    s.pick(&r, &sn, &Default::default(), &store, &mut SplitMix64::new(1), NOW).unwrap();
+    let again = s.pick(&r, &sn, &Default::default(), &store, &mut SplitMix64::new(2), NOW).unwrap();
+    assert_eq!(again.prefix_score, 1.0);
+    let other = PickRequest { cache_salt: Some("tenant-b"), ..r };
+    assert_eq!(
+        s.pick(&other, &sn, &Default::default(), &store, &mut SplitMix64::new(3), NOW).unwrap().prefix_score,
+        0.0
+    );
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(16))]
+    #[test]
+    fn prop_shared_keys_stay_bounded(
+        reqs in prop::collection::vec((0u32..50, 1usize..6, 0u64..4, prop::option::of("[ab]")), 1..120),
+        shards in 1usize..8,
+    ) {
+        let store = MemStore::new();
+        let cfg = config(&format!(r#","scheduler":{{"prefix":{{"shared_shards":{shards},"shared_entries_per_shard":8}}}}"#));
+        let mut workers: Vec<Scheduler> = (0..4).map(|_| Scheduler::new(&cfg)).collect();
+        let sn = equal_pool(6);
+        for (i, (conv, turns, w, salt)) in reqs.into_iter().enumerate() {
+            let t = conversation(conv, turns);
+            let r = PickRequest { model: "llama", prompt: &t, cache_salt: salt.as_deref(), ..Default::default() };
+            let Some(s) = workers.get_mut(w as usize) else { continue };
+            s.pick(&r, &sn, &Default::default(), &store, &mut SplitMix64::new(i as u64), NOW).unwrap();
+        }
+        prop_assert!(store.key_count() <= shards);
+        for k in store.keys() {
+            prop_assert!(k.starts_with(prefix_shared::KEY_PREFIX));
+            prop_assert!(store.get(&k).unwrap().unwrap().0.len() <= 8 * prefix_shared::RECORD_BYTES);
+        }
+    }
+}
