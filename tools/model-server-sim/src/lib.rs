@@ -1,1 +1,37 @@
-//! Simulated model server (placeholder; built in its own change).
+//! A simulated model server for end-to-end tests and replay benchmarks of inference-picker.
+//!
+//! - [`model`]: the pure server model (continuous batching, chunked prefill, paged KV cache with
+//!   prefix caching, LoRA slots, recompute preemption) in virtual time. No clock, no I/O, no
+//!   async: a discrete-event benchmark drives it directly.
+//! - [`render`]: Prometheus text in vLLM V1, SGLang or trtllm-serve names.
+//! - [`prompt`]: token estimate and chained block hashes from prompt text.
+//! - `http` (feature `server`, on by default): the HTTP shell used by the `model-server-sim`
+//!   binary, which runs the same model in real time behind an OpenAI-compatible API.
+//!
+//! No panics on any path a request reaches: non-test code denies unwrap, expect, panic and
+//! unchecked indexing.
+#![cfg_attr(
+    not(test),
+    deny(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)
+)]
+
+mod kv;
+mod lora;
+pub mod model;
+pub mod prompt;
+pub mod render;
+
+#[cfg(feature = "server")]
+pub mod http;
+
+pub use model::{
+    ConfigError, Event, MetricsSnapshot, Server, ServerConfig, SimRequest, StepCost, SubmitError, MIN_STEP_MS,
+};
+pub use render::{render_metrics, Engine, LoraInfoHistory, RenderInfo};
+
+impl Server {
+    /// This server's metrics as `engine` would expose them (current snapshot, no LoRA history).
+    pub fn render_metrics(&self, engine: Engine, info: &RenderInfo<'_>) -> String {
+        render_metrics(engine, &self.metrics_snapshot(), info)
+    }
+}
