@@ -109,11 +109,21 @@ def endpoint(sim: Sim, *models: str) -> dict:
     return {"address": sim.address, "models": list(models) or [LLAMA]}
 
 
+def _served_models(endpoints: list[dict]) -> list[dict]:
+    served = {m for e in endpoints for m in e["models"]}
+    models = []
+    if LLAMA in served:
+        models.append({"name": LLAMA, "adapters": ["sql-lora"]})
+    if QWEN in served:
+        models.append({"name": QWEN})
+    return models
+
+
 def picker_config(endpoints: list[dict], models: list[dict] | None = None, **sections) -> dict:
     cfg = {
         "version": 1,
         "endpoints": endpoints,
-        "models": models or [{"name": LLAMA, "adapters": ["sql-lora"]}, {"name": QWEN}],
+        "models": models or _served_models(endpoints),
         "poller": {"interval_ms": 200, "timeout_ms": 500, "stale_after_ms": 1000},
     }
     for k, v in sections.items():
