@@ -334,8 +334,9 @@ pub fn rewrite_model(body: &[u8], new_model: &str) -> Result<Vec<u8>, Rejection>
     let (Some(before), Some(after)) = (body.get(..start), end.and_then(|e| body.get(e..))) else {
         return Err(Rejection::new(500, "internal_error", "internal", "model value outside the body"));
     };
-    let encoded = serde_json::to_string(new_model)
-        .map_err(|e| Rejection::new(500, "internal_error", "internal", format!("cannot encode model: {e}")))?;
+    let encoded = serde_json::to_string(new_model).map_err(|e| {
+        Rejection::new(500, "internal_error", "internal", format!("cannot encode model: {e}"))
+    })?;
     let mut out = Vec::with_capacity(before.len() + encoded.len() + after.len());
     out.extend_from_slice(before);
     out.extend_from_slice(encoded.as_bytes());
@@ -491,7 +492,8 @@ mod tests {
 
     #[test]
     fn rewrite_model_on_real_fixture_keeps_everything_else() {
-        let body = include_bytes!("../tests/fixtures/requests/chat_lora_priority_vllm_extensions.request.json");
+        let body =
+            include_bytes!("../tests/fixtures/requests/chat_lora_priority_vllm_extensions.request.json");
         let out = rewrite_model(body, "llama").unwrap();
         let mut a: serde_json::Value = serde_json::from_slice(body).unwrap();
         let b: serde_json::Value = serde_json::from_slice(&out).unwrap();

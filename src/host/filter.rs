@@ -10,8 +10,8 @@ use super::{io, Worker};
 use crate::errors::Rejection;
 use crate::inflight;
 use crate::request::{
-    self, BodyInputs, HeadDecision, DEBUG_SCORES_HEADER, RequestHead, CLIENT_ROUTING_HEADERS, DESTINATION_HEADER, ORIGINAL_DST_HEADER,
-    SERVED_HEADER,
+    self, BodyInputs, HeadDecision, RequestHead, CLIENT_ROUTING_HEADERS, DEBUG_SCORES_HEADER,
+    DESTINATION_HEADER, ORIGINAL_DST_HEADER, SERVED_HEADER,
 };
 
 pub(crate) struct Filter {
@@ -95,7 +95,8 @@ impl HttpContext for Filter {
             }
         };
         let inflight = inflight::read(&store).unwrap_or_default();
-        let inputs = BodyInputs { snapshot: &snapshot, inflight: &inflight, store: &store, now_ms: io::now_ms() };
+        let inputs =
+            BodyInputs { snapshot: &snapshot, inflight: &inflight, store: &store, now_ms: io::now_ms() };
         let routed = {
             let mut scheduler = worker.scheduler.borrow_mut();
             let mut rng = worker.rng.borrow_mut();

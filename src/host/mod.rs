@@ -58,7 +58,13 @@ impl Root {
 }
 
 impl Context for Root {
-    fn on_http_call_response(&mut self, token_id: u32, num_headers: usize, body_size: usize, _trailers: usize) {
+    fn on_http_call_response(
+        &mut self,
+        token_id: u32,
+        num_headers: usize,
+        body_size: usize,
+        _trailers: usize,
+    ) {
         if let Role::Poller(p) = &mut self.role {
             p.on_response(token_id, num_headers, body_size);
         }

@@ -8,8 +8,8 @@ use log::{debug, warn};
 use super::io;
 use crate::config::Config;
 use crate::poller::{Poller, ScrapeResult};
-use crate::snapshot::{self, SNAPSHOT_VERSION_KEY};
 use crate::ports::SharedStore;
+use crate::snapshot::{self, SNAPSHOT_VERSION_KEY};
 
 pub(crate) struct PollerRole {
     cfg: Rc<Config>,
@@ -43,7 +43,12 @@ impl PollerRole {
         }
         self.started = true;
         for address in self.core.due(now) {
-            match io::dispatch_get(&self.cfg.poller.cluster, &self.cfg.poller.metrics_path, &address, self.cfg.poller.timeout_ms) {
+            match io::dispatch_get(
+                &self.cfg.poller.cluster,
+                &self.cfg.poller.metrics_path,
+                &address,
+                self.cfg.poller.timeout_ms,
+            ) {
                 Ok(token) => {
                     self.calls.insert(token, address);
                 }

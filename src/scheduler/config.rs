@@ -11,6 +11,7 @@ use serde::{Deserialize, Serialize};
 use crate::config::ConfigError;
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct SchedulerConfig {
     /// Scorer weights for every model. Defaults: see [`Weights`].
@@ -18,7 +19,7 @@ pub struct SchedulerConfig {
     pub weights: Weights,
     /// Per-model overrides (key: model or adapter name as resolved after rewrites). A field left
     /// out keeps the pool-level value from `weights`. Default: none.
-    #[serde(default = "BTreeMap::new")]
+    #[serde(default)]
     pub model_weights: BTreeMap<String, WeightOverrides>,
     /// How many fallback endpoints follow the primary in `x-gateway-destination-endpoint`.
     /// Default 2: Envoy can retry twice on another pod without asking the picker again.
@@ -40,7 +41,7 @@ pub struct SchedulerConfig {
     #[serde(default = "GuardConfig::default")]
     pub guard: GuardConfig,
     /// Model-name rewrites and traffic splits (InferenceModelRewrite semantics). Default: none.
-    #[serde(default = "Vec::new")]
+    #[serde(default)]
     pub rewrites: Vec<RewriteRule>,
     /// Return per-endpoint score breakdowns for an opt-in debug response header. Default false:
     /// the breakdown reveals pool topology and load.
@@ -50,6 +51,7 @@ pub struct SchedulerConfig {
 
 /// Weight of each scorer in the total `Σ weight × score`. Each score is in [0, 1].
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct Weights {
     /// Prefix-cache affinity. Default 3 (GIE's late-2025 default; 1 diluted affinity).
@@ -75,6 +77,7 @@ pub struct Weights {
 
 /// A per-model override of [`Weights`]; `None` keeps the pool-level weight.
 #[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct WeightOverrides {
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -92,6 +95,7 @@ pub struct WeightOverrides {
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct PrefixConfig {
     /// Bytes of canonical prompt text per hashed block. Default 256 (≈ 64 tokens): with
@@ -126,6 +130,7 @@ pub struct PrefixConfig {
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct SessionConfig {
     /// Request header naming a session. Default `x-session-id`.
@@ -140,6 +145,7 @@ pub struct SessionConfig {
 /// Hot-spot guard: an endpoint is overloaded when its load exceeds the least-loaded candidate's
 /// by more than `abs_gap` AND by more than `ratio` times. Defaults are SGLang's (64, 1.5).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct GuardConfig {
     #[serde(default = "default_guard_abs")]
@@ -151,21 +157,24 @@ pub struct GuardConfig {
 /// One rewrite rule: if the request's model matches (exactly) one of `matches`, or `matches` is
 /// empty (catch-all), the model is rewritten to one of `targets`, chosen by relative weight.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct RewriteRule {
     /// Empty = catch-all. An exact match in any rule beats every catch-all.
-    #[serde(default = "Vec::new")]
+    #[serde(default)]
     pub matches: Vec<RewriteMatch>,
     pub targets: Vec<RewriteTarget>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct RewriteMatch {
     pub model: ModelMatch,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct ModelMatch {
     /// Only `Exact` exists (as in the CRD). Default `Exact`.
@@ -175,11 +184,13 @@ pub struct ModelMatch {
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 pub enum MatchType {
     Exact,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct RewriteTarget {
     /// The model (base or adapter) the request is sent as.
