@@ -65,8 +65,9 @@ use crate::lora::LoraSlots;
 ///   on H100, TP1, 1 token = 5.6 ms; Llama-3-8B / Llama-2-7B on A100 TP1 at 1 token =
 ///   9.70 / 9.28 = 1.045, so Llama-3-8B on H100 ≈ 5.85 ms. Plus ≈2.15 ms for sampling, LM head
 ///   and scheduling: the johnmusgrave.com point in `published_latency_points.csv` (vLLM, Llama-3.1-8B
-///   bf16, A100-40GB) measured 13.3 ms per token against Vidur's 9.70 ms (3.6 ms overhead), scaled
-///   by the HBM bandwidth ratio 2.0 / 3.35 TB/s.
+///   bf16, A100-40GB) measured 13.3 ms per token against Vidur's 9.70 ms (3.6 ms overhead);
+///   scaled by HBM bandwidth (A100 1.6–2.0 TB/s, H100 3.35 TB/s) that is 1.7–2.15 ms, and the
+///   upper end is taken because part of the overhead is CPU-side.
 /// - `b = 0.022 ms/token`. Same CSV: Llama-2-7B H100 TP1 4096 tokens = 83.21 ms, × 1.051 (the
 ///   A100 Llama-3-8B / Llama-2-7B ratio at 4096 tokens: 273.25 / 259.92) = 87.5 ms, so
 ///   (87.5 − 5.85) / 4095 = 0.0199 ms per token for the linear layers; +10 % for prefill

@@ -470,6 +470,8 @@ mod tests {
         assert_eq!(go_float(9.75010481363281e-06), "9.75010481363281e-06");
         assert_eq!(go_float(123859.0), "123859.0");
         assert_eq!(go_float(1048576.0), "1.048576e+06");
+        // Python: "2000000.0" → "2.0000000".rstrip("0.") → "2" → "2e+06".
+        assert_eq!(go_float(2_000_000.0), "2e+06");
         assert_eq!(go_float(f64::INFINITY), "+Inf");
     }
 
@@ -496,5 +498,83 @@ mod tests {
         snap.running_lora_adapters = vec![];
         h.record(&snap, 4.0);
         assert_eq!(h.series()[0].0, "a");
+    }
+
+    fn sample_snapshot() -> MetricsSnapshot {
+        let mut snap = crate::model::Server::new(crate::model::ServerConfig {
+            enable_lora: true,
+            max_lora: 2,
+            ..Default::default()
+        })
+        .unwrap()
+        .metrics_snapshot();
+        snap.waiting = 3;
+        snap.running = 5;
+        snap.kv_usage = 0.5;
+        snap.prefix_cache_queries_tokens = 2_000_000;
+        snap.prefix_cache_hits_tokens = 500_000;
+        snap.running_lora_adapters = vec!["a".into(), "b".into()];
+        snap.waiting_lora_adapters = vec!["c".into()];
+        snap
+    }
+
+    fn info(history: Option<&LoraInfoHistory>) -> RenderInfo<'_> {
+        RenderInfo {
+            model_name: "m",
+            unix_now_s: 1_700_000_100.5,
+            created_unix_s: 1_700_000_000.0,
+            lora_history: history,
+        }
+    }
+
+    #[test]
+    fn vllm_text_has_the_awkward_parts_of_real_dumps() {
+        let snap = sample_snapshot();
+        let mut h = LoraInfoHistory::new(8);
+        let mut old = snap.clone();
+        old.running_lora_adapters = vec![];
+        old.waiting_lora_adapters = vec![];
+        h.record(&old, 1_700_000_050.0);
+        h.record(&snap, 1_700_000_090.0);
+        let text = render_metrics(Engine::Vllm, &snap, &info(Some(&h)));
+        for line in [
+            "vllm:num_requests_waiting{engine=\"0\",model_name=\"m\"} 3.0",
+            "vllm:num_requests_running{engine=\"0\",model_name=\"m\"} 5.0",
+            "vllm:kv_cache_usage_perc{engine=\"0\",model_name=\"m\"} 0.5",
+            "# TYPE vllm:prefix_cache_queries_total counter",
+            "vllm:prefix_cache_queries_total{engine=\"0\",model_name=\"m\"} 2e+06",
+            "vllm:prefix_cache_hits_total{engine=\"0\",model_name=\"m\"} 500000.0",
+            "# TYPE vllm:prefix_cache_hits_created gauge",
+            "vllm:prefix_cache_hits_created{engine=\"0\",model_name=\"m\"} 1.7e+09",
+            // The older combination keeps its older timestamp; the current one has "now".
+            "vllm:lora_requests_info{max_lora=\"2\",waiting_lora_adapters=\"\",running_lora_adapters=\"\"} 1.70000005e+09",
+            "vllm:lora_requests_info{max_lora=\"2\",waiting_lora_adapters=\"c\",running_lora_adapters=\"a,b\"} 1.7000001005e+09",
+        ] {
+            assert!(text.lines().any(|l| l == line), "missing {line:?} in\n{text}");
+        }
+        assert!(text.contains("block_size=\"16\""));
+        assert!(text.contains("num_gpu_blocks=\"25000\""));
+    }
+
+    #[test]
+    fn every_sample_belongs_to_a_declared_family() {
+        let snap = sample_snapshot();
+        for engine in [Engine::Vllm, Engine::Sglang, Engine::Trtllm] {
+            let text = render_metrics(engine, &snap, &info(None));
+            let mut declared = None;
+            let mut samples = 0;
+            for line in text.lines() {
+                if let Some(rest) = line.strip_prefix("# TYPE ") {
+                    declared = rest.split(' ').next().map(str::to_string);
+                } else if !line.starts_with('#') {
+                    let name = line.split(['{', ' ']).next().unwrap();
+                    assert_eq!(Some(name), declared.as_deref(), "{engine:?}: {line}");
+                    let value = line.rsplit(' ').next().unwrap();
+                    assert!(value.parse::<f64>().is_ok(), "{engine:?}: bad value in {line}");
+                    samples += 1;
+                }
+            }
+            assert!(samples >= 7, "{engine:?} wrote only {samples} samples");
+        }
     }
 }

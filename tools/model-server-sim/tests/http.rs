@@ -1,0 +1,242 @@
+//! HTTP shell tests: the router is called in-process (no sockets). The model runs in real time
+//! at speed 1000 with a fixed 1 ms step, so each request completes within milliseconds; the
+//! assertions are about content, never about timing.
+
+use std::sync::Arc;
+
+use axum::body::{to_bytes, Body};
+use axum::http::{Request, StatusCode};
+use axum::Router;
+use model_server_sim::http::{self, AppState, ShellConfig, SERVER_HEADER};
+use model_server_sim::{Engine, ServerConfig, StepCost};
+use serde_json::{json, Value};
+use tower::ServiceExt;
+
+fn app(engine: Engine) -> Router {
+    let shell = ShellConfig {
+        name: "sim-test".into(),
+        models: vec!["base".into(), "alias".into()],
+        loras: vec!["ad1".into()],
+        engine,
+        default_max_tokens: 3,
+        max_model_len: 1000,
+    };
+    let cfg = ServerConfig {
+        enable_lora: true,
+        cost: StepCost::fixed(1.0),
+        speed: 1000.0,
+        num_gpu_blocks: 1000,
+        ..Default::default()
+    };
+    let state: Arc<AppState> = AppState::new(shell, cfg).unwrap();
+    tokio::spawn(http::engine_loop(state.clone()));
+    http::router(state)
+}
+
+async fn call(app: &Router, method: &str, uri: &str, body: &str) -> (StatusCode, String, String) {
+    let req = Request::builder()
+        .method(method)
+        .uri(uri)
+        .header("content-type", "application/json")
+        .header("x-gateway-destination-endpoint", "10.0.0.1:8000")
+        .body(Body::from(body.to_string()))
+        .unwrap();
+    let resp = app.clone().oneshot(req).await.unwrap();
+    let status = resp.status();
+    let server =
+        resp.headers().get(SERVER_HEADER).map(|v| v.to_str().unwrap().to_string()).unwrap_or_default();
+    let bytes = to_bytes(resp.into_body(), usize::MAX).await.unwrap();
+    (status, server, String::from_utf8(bytes.to_vec()).unwrap())
+}
+
+fn parse(s: &str) -> Value {
+    serde_json::from_str(s).unwrap_or_else(|e| panic!("not JSON ({e}): {s}"))
+}
+
+#[tokio::test]
+async fn chat_completion_is_openai_shaped_and_names_the_server() {
+    let app = app(Engine::Vllm);
+    let body = json!({"model": "alias", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4});
+    let (status, server, text) = call(&app, "POST", "/v1/chat/completions", &body.to_string()).await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(server, "sim-test");
+    let v = parse(&text);
+    assert_eq!(v["object"], "chat.completion");
+    assert_eq!(v["model"], "alias", "the requested name is echoed");
+    assert_eq!(v["served_by"], "sim-test");
+    assert_eq!(v["choices"][0]["message"]["content"], "lorem ipsum dolor sit");
+    assert_eq!(v["choices"][0]["finish_reason"], "length");
+    // "user: hello\n" = 12 chars = 3 tokens.
+    assert_eq!(
+        v["usage"],
+        json!({"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7,
+        "prompt_tokens_details": {"cached_tokens": 0}})
+    );
+    assert!(v["id"].as_str().unwrap().starts_with("chatcmpl-"));
+}
+
+#[tokio::test]
+async fn streaming_sends_one_chunk_per_token_then_done() {
+    let app = app(Engine::Vllm);
+    let body = json!({"model": "ad1", "prompt": "Once", "stream": true, "max_tokens": 3,
+        "stream_options": {"include_usage": true}});
+    let (status, server, text) = call(&app, "POST", "/v1/completions", &body.to_string()).await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(server, "sim-test");
+    let data: Vec<&str> = text.lines().filter_map(|l| l.strip_prefix("data: ")).collect();
+    // 3 token chunks + 1 usage chunk + [DONE].
+    assert_eq!(data.len(), 5, "{text}");
+    assert_eq!(*data.last().unwrap(), "[DONE]");
+    let chunks: Vec<Value> = data[..4].iter().map(|d| parse(d)).collect();
+    let texts: Vec<&str> = chunks[..3].iter().map(|c| c["choices"][0]["text"].as_str().unwrap()).collect();
+    assert_eq!(texts, ["lorem", " ipsum", " dolor"]);
+    assert_eq!(chunks[2]["choices"][0]["finish_reason"], "length");
+    assert!(chunks.iter().all(|c| c["served_by"] == "sim-test" && c["model"] == "ad1"));
+    assert_eq!(chunks[3]["usage"]["completion_tokens"], 3);
+}
+
+#[tokio::test]
+async fn chat_stream_starts_with_the_role() {
+    let app = app(Engine::Vllm);
+    let body = json!({"model": "base", "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+        "stream": true});
+    let (_, _, text) = call(&app, "POST", "/v1/chat/completions", &body.to_string()).await;
+    let data: Vec<&str> = text.lines().filter_map(|l| l.strip_prefix("data: ")).collect();
+    // Role chunk + default 3 tokens + [DONE] (no usage chunk unless asked).
+    assert_eq!(data.len(), 5, "{text}");
+    let first = parse(data[0]);
+    assert_eq!(first["object"], "chat.completion.chunk");
+    assert_eq!(first["choices"][0]["delta"]["role"], "assistant");
+}
+
+#[tokio::test]
+async fn bad_requests_get_openai_errors() {
+    let app = app(Engine::Vllm);
+    let cases = [
+        ("/v1/chat/completions", "{\"model\": ", StatusCode::BAD_REQUEST),
+        ("/v1/chat/completions", "[1,2]", StatusCode::BAD_REQUEST),
+        ("/v1/chat/completions", r#"{"messages": []}"#, StatusCode::BAD_REQUEST),
+        ("/v1/chat/completions", r#"{"model": "base", "messages": "hi"}"#, StatusCode::BAD_REQUEST),
+        (
+            "/v1/chat/completions",
+            r#"{"model": "base", "messages": [{"content": "x"}]}"#,
+            StatusCode::BAD_REQUEST,
+        ),
+        ("/v1/completions", r#"{"model": "base", "prompt": "x", "max_tokens": 0}"#, StatusCode::BAD_REQUEST),
+        ("/v1/completions", r#"{"model": "base", "prompt": "x", "max_tokens": -3}"#, StatusCode::BAD_REQUEST),
+        ("/v1/completions", r#"{"model": "base", "prompt": "x", "n": 2}"#, StatusCode::BAD_REQUEST),
+        ("/v1/completions", r#"{"model": "base", "prompt": ["a", "b"]}"#, StatusCode::BAD_REQUEST),
+        ("/v1/completions", r#"{"model": "base", "prompt": "x", "stream": "yes"}"#, StatusCode::BAD_REQUEST),
+        // 4000 chars = 1000 tokens + 3 output > max_model_len 1000.
+        (
+            "/v1/completions",
+            &format!(r#"{{"model": "base", "prompt": "{}"}}"#, "a".repeat(4000)),
+            StatusCode::BAD_REQUEST,
+        ),
+        ("/v1/completions", r#"{"model": "gpt-9", "prompt": "x"}"#, StatusCode::NOT_FOUND),
+    ];
+    for (path, body, want) in cases {
+        let (status, server, text) = call(&app, "POST", path, body).await;
+        assert_eq!(status, want, "{body}");
+        assert_eq!(server, "sim-test");
+        let v = parse(&text);
+        assert_eq!(v["error"]["code"], want.as_u16(), "{text}");
+        assert!(v["error"]["message"].as_str().is_some_and(|m| !m.is_empty()));
+    }
+    let (_, _, text) = call(&app, "POST", "/v1/completions", r#"{"model": "gpt-9", "prompt": "x"}"#).await;
+    assert_eq!(parse(&text)["error"]["message"], "The model `gpt-9` does not exist.");
+    let (status, server, _) = call(&app, "GET", "/no/such/path", "").await;
+    assert_eq!((status, server.as_str()), (StatusCode::NOT_FOUND, "sim-test"));
+}
+
+#[tokio::test]
+async fn shared_prefix_hits_the_cache_across_requests() {
+    let app = app(Engine::Vllm);
+    // 2,000 chars of shared system prompt = 500 tokens ≥ 31 full 16-token blocks.
+    let system = "x".repeat(2000);
+    let ask = |q: &str| {
+        json!({"model": "base", "max_tokens": 1,
+            "messages": [{"role": "system", "content": system}, {"role": "user", "content": q}]})
+        .to_string()
+    };
+    let (_, _, first) = call(&app, "POST", "/v1/chat/completions", &ask("one")).await;
+    let (_, _, second) = call(&app, "POST", "/v1/chat/completions", &ask("two")).await;
+    assert_eq!(parse(&first)["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+    // "system: " + 2000 x's + "\n" = 2009 chars: 31 full blocks of 64 chars (1984) are shared.
+    assert_eq!(parse(&second)["usage"]["prompt_tokens_details"]["cached_tokens"], 31 * 16);
+    let (_, _, m) = call(&app, "GET", "/metrics", "").await;
+    assert!(m.contains("vllm:prefix_cache_hits_total{engine=\"0\",model_name=\"base\"} 496.0"), "{m}");
+}
+
+#[tokio::test]
+async fn stats_record_requests_and_forwarded_headers() {
+    let app = app(Engine::Vllm);
+    call(&app, "POST", "/v1/completions", r#"{"model": "ad1", "prompt": "x"}"#).await;
+    call(&app, "POST", "/v1/completions", r#"{"model": "base", "prompt": "x"}"#).await;
+    call(&app, "GET", "/metrics", "").await;
+    let (status, _, text) = call(&app, "GET", "/sim/stats", "").await;
+    assert_eq!(status, StatusCode::OK);
+    let v = parse(&text);
+    assert_eq!(v["name"], "sim-test");
+    assert_eq!(v["requests_total"], 2);
+    assert_eq!(v["requests_by_model"], json!({"ad1": 1, "base": 1}));
+    assert_eq!(v["metrics_scrapes_total"], 1);
+    assert_eq!(v["last_request_model"], "base");
+    assert_eq!(v["last_request_headers"]["x-gateway-destination-endpoint"], "10.0.0.1:8000");
+    assert_eq!(v["model"]["requests_finished"], 2);
+    call(&app, "POST", "/sim/reset-stats", "").await;
+    let v = parse(&call(&app, "GET", "/sim/stats", "").await.2);
+    assert_eq!(v["requests_total"], 0);
+    assert_eq!(v["requests_by_model"], json!({}));
+}
+
+#[tokio::test]
+async fn fake_load_shows_in_metrics_until_cleared() {
+    let app = app(Engine::Vllm);
+    let (status, _, _) =
+        call(&app, "POST", "/sim/fake-load", r#"{"queue": 7, "kv": 0.25, "running": 2}"#).await;
+    assert_eq!(status, StatusCode::OK);
+    let (_, _, m) = call(&app, "GET", "/metrics", "").await;
+    assert!(m.contains("vllm:num_requests_waiting{engine=\"0\",model_name=\"base\"} 7.0\n"), "{m}");
+    assert!(m.contains("vllm:num_requests_running{engine=\"0\",model_name=\"base\"} 2.0\n"));
+    assert!(m.contains("vllm:kv_cache_usage_perc{engine=\"0\",model_name=\"base\"} 0.25\n"));
+    assert!(m.contains(
+        "vllm:lora_requests_info{max_lora=\"1\",waiting_lora_adapters=\"\",running_lora_adapters=\"\"} "
+    ));
+    assert_eq!(call(&app, "POST", "/sim/fake-load", r#"{"kv": 1.5}"#).await.0, StatusCode::BAD_REQUEST);
+    assert_eq!(call(&app, "POST", "/sim/fake-load", r#"{"queu": 1}"#).await.0, StatusCode::BAD_REQUEST);
+    assert_eq!(call(&app, "POST", "/sim/fake-load", "{}").await.0, StatusCode::OK);
+    let (_, _, m) = call(&app, "GET", "/metrics", "").await;
+    assert!(m.contains("vllm:num_requests_waiting{engine=\"0\",model_name=\"base\"} 0.0\n"));
+}
+
+#[tokio::test]
+async fn other_engines_use_their_own_names() {
+    let (_, _, m) = call(&app(Engine::Sglang), "GET", "/metrics", "").await;
+    assert!(
+        m.contains("# TYPE sglang:num_queue_reqs gauge\nsglang:num_queue_reqs{model_name=\"base\"} 0.0\n"),
+        "{m}"
+    );
+    assert!(m.contains("sglang:token_usage{model_name=\"base\"} 0.0\n"));
+    assert!(m.contains("sglang:max_total_num_tokens{model_name=\"base\"} 16000.0\n"));
+    assert!(!m.contains("vllm:"));
+    let (_, _, m) = call(&app(Engine::Trtllm), "GET", "/metrics", "").await;
+    assert!(
+        m.contains("trtllm_num_requests_waiting{engine_type=\"trtllm\",model_name=\"base\"} 0.0\n"),
+        "{m}"
+    );
+    assert!(m.contains("trtllm_kv_cache_utilization{engine_type=\"trtllm\",model_name=\"base\"} 0.0\n"));
+    assert!(m.contains("trtllm_kv_cache_max_blocks{engine_type=\"trtllm\",model_name=\"base\"} 1000.0\n"));
+}
+
+#[tokio::test]
+async fn models_and_health() {
+    let app = app(Engine::Vllm);
+    let (status, server, text) = call(&app, "GET", "/v1/models", "").await;
+    assert_eq!((status, server.as_str()), (StatusCode::OK, "sim-test"));
+    let v = parse(&text);
+    let ids: Vec<&str> = v["data"].as_array().unwrap().iter().map(|m| m["id"].as_str().unwrap()).collect();
+    assert_eq!(ids, ["base", "alias", "ad1"]);
+    assert_eq!(v["data"][2]["parent"], "base");
+    assert_eq!(call(&app, "GET", "/health", "").await.0, StatusCode::OK);
+}
