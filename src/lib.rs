@@ -21,5 +21,6 @@ pub mod ports;
 pub mod request;
 pub mod scheduler;
 pub mod snapshot;
+pub mod telemetry;
 
 mod host;

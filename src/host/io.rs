@@ -209,3 +209,40 @@ mod tests {
         assert_eq!(b, [1, 0, 0, 0, 1, 0, 0, 0, 2, 0, 0, 0, b'a', 0, b'b', b'c', 0]);
     }
 }
+
+/// The filter's own Prometheus metrics. Each distinct name is defined once per VM and its id
+/// cached; Envoy merges same-named metrics of all workers into one stat.
+#[derive(Default)]
+pub struct Metrics {
+    ids: hashbrown::HashMap<String, u32>,
+}
+
+impl Metrics {
+    fn id(&mut self, kind: proxy_wasm::types::MetricType, name: String) -> Option<u32> {
+        if let Some(id) = self.ids.get(&name) {
+            return Some(*id);
+        }
+        match hostcalls::define_metric(kind, &name) {
+            Ok(id) => {
+                self.ids.insert(name, id);
+                Some(id)
+            }
+            Err(s) => {
+                warn!("define_metric {name} failed: {s:?}");
+                None
+            }
+        }
+    }
+
+    pub fn count(&mut self, name: String) {
+        if let Some(id) = self.id(proxy_wasm::types::MetricType::Counter, name) {
+            let _ = hostcalls::increment_metric(id, 1);
+        }
+    }
+
+    pub fn gauge(&mut self, name: String, value: u64) {
+        if let Some(id) = self.id(proxy_wasm::types::MetricType::Gauge, name) {
+            let _ = hostcalls::record_metric(id, value);
+        }
+    }
+}

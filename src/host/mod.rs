@@ -38,6 +38,7 @@ pub(crate) struct Worker {
     pub scheduler: RefCell<Scheduler>,
     pub snapshots: RefCell<SnapshotCache>,
     pub rng: RefCell<SplitMix64>,
+    pub metrics: RefCell<io::Metrics>,
 }
 
 enum Role {
@@ -99,6 +100,7 @@ impl RootContext for Root {
                 scheduler: RefCell::new(Scheduler::new(&cfg)),
                 snapshots: RefCell::new(SnapshotCache::new()),
                 rng: RefCell::new(SplitMix64::new(seed)),
+                metrics: RefCell::new(io::Metrics::default()),
                 cfg,
             }))
         };
