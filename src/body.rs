@@ -310,6 +310,40 @@ fn push_prompt_value(out: &mut String, v: &PromptValue<'_>) {
     }
 }
 
+#[derive(Deserialize)]
+struct ModelOnly<'a> {
+    #[serde(borrow, default)]
+    model: Option<&'a RawValue>,
+}
+
+/// Returns `body` with the top-level `model` value replaced by `new_model` (a JSON string) and
+/// every other byte unchanged: other fields, their order, whitespace and escapes are kept, and a
+/// `"model"` key nested inside messages or tools is not touched. The host must set
+/// `content-length` to the new length.
+///
+/// Errors are the same 400s as [`parse_request`] (the body was parsed by it already, so they
+/// only happen if it is called on a different body).
+pub fn rewrite_model(body: &[u8], new_model: &str) -> Result<Vec<u8>, Rejection> {
+    let m: ModelOnly<'_> = serde_json::from_slice(body)
+        .map_err(|e| bad_request("invalid_json", format!("request body is not a valid JSON object: {e}")))?;
+    let raw = m.model.ok_or_else(|| bad_request("missing_model", "request body has no \"model\" field"))?;
+    // `raw` borrows from `body`: its position is the offset of its first byte in `body`.
+    let value = raw.get().as_bytes();
+    let start = (value.as_ptr() as usize).wrapping_sub(body.as_ptr() as usize);
+    let end = start.checked_add(value.len());
+    let (Some(before), Some(after)) = (body.get(..start), end.and_then(|e| body.get(e..))) else {
+        return Err(Rejection::new(500, "internal_error", "internal", "model value outside the body"));
+    };
+    let encoded = serde_json::to_string(new_model).map_err(|e| {
+        Rejection::new(500, "internal_error", "internal", format!("cannot encode model: {e}"))
+    })?;
+    let mut out = Vec::with_capacity(before.len() + encoded.len() + after.len());
+    out.extend_from_slice(before);
+    out.extend_from_slice(encoded.as_bytes());
+    out.extend_from_slice(after);
+    Ok(out)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -427,6 +461,44 @@ mod tests {
         let r = parse("/v1/chat/completions", r#"{"model":"m","messages":[{"content":5},{"role":"user"}]}"#)
             .unwrap();
         assert_eq!(r.prompt, "user\n\u{1e}user\n\u{1e}");
+    }
+
+    #[test]
+    fn rewrite_model_replaces_only_the_top_level_value() {
+        let body = br#"{ "messages":[{"role":"user","content":"say \"model\": x","model":"inner"}],
+  "model" : "llama\u0041" ,"stream":true,"n":1.50}"#;
+        let out = rewrite_model(body, "sql-lora").unwrap();
+        let expected = br#"{ "messages":[{"role":"user","content":"say \"model\": x","model":"inner"}],
+  "model" : "sql-lora" ,"stream":true,"n":1.50}"#;
+        assert_eq!(std::str::from_utf8(&out).unwrap(), std::str::from_utf8(expected).unwrap());
+        // The rewritten body parses to the new model with the same prompt.
+        let a = parse_request("/v1/chat/completions", body).unwrap();
+        let b = parse_request("/v1/chat/completions", &out).unwrap();
+        assert_eq!((b.model.as_str(), b.prompt == a.prompt, b.stream), ("sql-lora", true, true));
+        // The content length changes by the difference of the two encodings:
+        // "llama\u0041" is 13 bytes, "sql-lora" is 10.
+        assert_eq!(out.len(), body.len() - 3);
+    }
+
+    #[test]
+    fn rewrite_model_escapes_and_errors() {
+        let out = rewrite_model(br#"{"model":"m"}"#, "a\"b\\c\u{1}").unwrap();
+        assert_eq!(out, br#"{"model":"a\"b\\c\u0001"}"#.to_vec());
+        assert_eq!(parse_request("/x", &out).unwrap().model, "a\"b\\c\u{1}");
+        assert_eq!(rewrite_model(b"{}", "x").unwrap_err().code, "missing_model");
+        assert_eq!(rewrite_model(b"{\"model\":", "x").unwrap_err().code, "invalid_json");
+        assert_eq!(rewrite_model(br#"{"model":"a","model":"b"}"#, "x").unwrap_err().code, "invalid_json");
+    }
+
+    #[test]
+    fn rewrite_model_on_real_fixture_keeps_everything_else() {
+        let body =
+            include_bytes!("../tests/fixtures/requests/chat_lora_priority_vllm_extensions.request.json");
+        let out = rewrite_model(body, "llama").unwrap();
+        let mut a: serde_json::Value = serde_json::from_slice(body).unwrap();
+        let b: serde_json::Value = serde_json::from_slice(&out).unwrap();
+        a["model"] = "llama".into();
+        assert_eq!(a, b);
     }
 
     proptest::proptest! {

@@ -338,7 +338,7 @@ fn conversation_follows_its_prefix_across_workers() {
         let p2 = b.pick(&r2, &sn, &inf, &store, &mut SplitMix64::new(1000 + u64::from(conv)), NOW).unwrap();
         if p2.primary == p1.primary {
             followed += 1;
-            // t1 has 2312 bytes = 9 blocks of 256 (checkpoints 1, 2, 4, 8); t2 has 4588 bytes
+            // t1 has 2312 bytes = 9 blocks of 256 (checkpoints 4, 8); t2 has 4588 bytes
             // = 17 blocks (checkpoints up to 16): worker B sees checkpoint 8 → 8/17.
             assert!((p2.prefix_score - 8.0 / 17.0).abs() < 1e-9, "{}", p2.prefix_score);
         }
