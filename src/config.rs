@@ -393,7 +393,6 @@ impl Config {
             errs.push("endpoints", "at least one endpoint is required");
         }
         let mut seen: HashMap<SocketAddr, usize> = HashMap::new();
-        let mut served = vec![false; self.models.len()];
         for (i, ep) in self.endpoints.iter().enumerate() {
             let ep_path = index("endpoints", i);
             let addr_path = field(&ep_path, "address");
@@ -421,11 +420,7 @@ impl Config {
                     continue;
                 }
                 match names.get(name.as_str()) {
-                    Some(NameKind::Base(m)) => {
-                        if let Some(s) = served.get_mut(*m) {
-                            *s = true;
-                        }
-                    }
+                    Some(NameKind::Base(_)) => {}
                     Some(NameKind::Adapter { model, .. }) => {
                         let base = self.models.get(*model).map_or("", |m| m.name.as_str());
                         errs.push(
@@ -437,17 +432,6 @@ impl Config {
                     }
                     None => errs.push(path, format!("unknown model {name:?}: not a models[].name")),
                 }
-            }
-        }
-        // A model no endpoint serves would answer every request with 503: almost surely a typo.
-        // Only reported when the names themselves are fine, so that one typo gives one error.
-        for (i, m) in self.models.iter().enumerate() {
-            let is_first_of_name = matches!(names.get(m.name.as_str()), Some(NameKind::Base(b)) if *b == i);
-            if is_first_of_name && !served.get(i).copied().unwrap_or(true) && !self.endpoints.is_empty() {
-                errs.push(
-                    field(&index("models", i), "name"),
-                    format!("no endpoint serves model {:?}", m.name),
-                );
             }
         }
     }

@@ -186,11 +186,7 @@ fn endpoint_without_models() {
 #[test]
 fn endpoint_names_unknown_model() {
     let v = with(base(), "/endpoints/2/models", json!(["llama", "mistral"]));
-    // qwen is then served by no endpoint: that is the second, expected error.
-    let errs = errors(&v);
-    assert_has(&errs, "endpoints[2].models[1]", "unknown model \"mistral\"");
-    assert_has(&errs, "models[1].name", "no endpoint serves model \"qwen\"");
-    assert_eq!(errs.len(), 2, "{errs:#?}");
+    assert_only(&errors(&v), "endpoints[2].models[1]", "unknown model \"mistral\"");
 }
 
 #[test]
@@ -273,9 +269,10 @@ fn empty_adapter_name() {
 }
 
 #[test]
-fn model_served_by_no_endpoint() {
+fn model_served_by_no_endpoint_is_allowed() {
+    // Discovery may add its endpoints later; until then its requests get 503 no_endpoint.
     let v = with(base(), "/endpoints/2/models", json!(["llama"]));
-    assert_only(&errors(&v), "models[1].name", "no endpoint serves model \"qwen\"");
+    assert!(parse(&v).is_ok());
 }
 
 // ---- poller ----
