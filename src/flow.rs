@@ -767,15 +767,15 @@ impl FlowQueue {
             let remote_max = rec.remote(me).filter_map(WorkerEntry::max_priority).max();
             let mut k = 0;
             if let Some(&(top, _)) = local.first() {
-                if remote_max.is_none_or(|rm| top >= rm) {
-                    let floor = remote_max.unwrap_or(i32::MIN);
-                    let eligible: u32 = local.iter().filter(|(p, _)| *p >= floor).map(|(_, c)| *c).sum();
-                    let peers = rec.remote(me).filter(|w| w.max_priority() == Some(top)).count();
-                    let peers = u32::try_from(peers).unwrap_or(u32::MAX).saturating_add(1);
-                    let share = rec.left.div_ceil(peers);
-                    k = rec.left.min(share).min(eligible);
-                    rec.left -= k;
-                }
+                // Only requests no other worker outranks may go: none at all when another worker
+                // holds something above this worker's top priority.
+                let floor = remote_max.unwrap_or(i32::MIN);
+                let eligible: u32 = local.iter().filter(|(p, _)| *p >= floor).map(|(_, c)| *c).sum();
+                let peers = rec.remote(me).filter(|w| w.max_priority() == Some(top)).count();
+                let peers = u32::try_from(peers).unwrap_or(u32::MAX).saturating_add(1);
+                let share = rec.left.div_ceil(peers);
+                k = rec.left.min(share).min(eligible);
+                rec.left -= k;
             }
             own_after = without_top(&local, k);
             global = rec.global_waiting(me, &own_after);
