@@ -1109,8 +1109,14 @@ mod tests {
         let mut w2 = FlowQueue::new(&long, "m", 2);
         assert!(held(&w2.admit(&s, &t(1, 10, "a"), &SAT, 0)));
         assert!(held(&w1.admit(&s, &t(1, 0, "a"), &SAT, 0)));
-        // W2 keeps ticking (saturated): it renews its heartbeat every ttl/3 = 666 ms.
-        for now in (100..=3000).step_by(100) {
+        let hb = |s: &MemStore| record(s, "m").workers.iter().find(|w| w.id == 2).map(|w| w.hb);
+        // W2 keeps ticking (saturated). Its summary does not change, so it writes only to renew
+        // its heartbeat, every ttl/3 = 666 ms: not at 600, then at 700.
+        assert!(w2.on_tick(&s, &SAT, 600).is_empty());
+        assert_eq!(hb(&s), Some(0));
+        assert!(w2.on_tick(&s, &SAT, 700).is_empty());
+        assert_eq!(hb(&s), Some(700));
+        for now in (800..=3000).step_by(100) {
             assert!(w2.on_tick(&s, &SAT, now).is_empty());
             assert!(w1.on_tick(&s, &SAT, now).is_empty());
         }
