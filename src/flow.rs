@@ -655,6 +655,13 @@ impl FlowQueue {
         self.entries.insert(t.id, Entry { priority: t.priority, flow, enqueued_ms: now_ms, seq: self.seq });
         self.deadlines.push_back((now_ms.saturating_add(self.cfg.max_wait_ms), t.id, self.seq));
         self.stats.at(t.priority).held += 1;
+        // Released and cancelled requests leave their deadline behind until it reaches the
+        // front; drop them in bulk when they outnumber the live ones, so memory follows the
+        // queue, not the arrival rate.
+        if self.deadlines.len() > 2 * self.entries.len() + 64 {
+            let entries = &self.entries;
+            self.deadlines.retain(|(_, id, seq)| entries.get(id).is_some_and(|e| e.seq == *seq));
+        }
     }
 
     /// Removes a held request from every local structure except `deadlines` (skipped lazily).
@@ -1001,6 +1008,23 @@ mod tests {
         // Out of tokens in this epoch, and something waits: a high arrival is held, not passed.
         assert!(held(&q.admit(&s, &t(4, 0, "a"), &SAT, 4)));
         assert!(held(&q.admit(&s, &t(5, 9, "a"), &room(2, 3), 5)));
+    }
+
+    #[test]
+    fn deadline_bookkeeping_stays_bounded() {
+        let s = MemStore::new();
+        let mut q = FlowQueue::new(&FlowControlConfig { max_wait_ms: 1_000_000, ..cfg() }, "m", 1);
+        // One request stays held the whole time (its deadline is at the front); 1000 others are
+        // held and cancelled behind it.
+        assert!(held(&q.admit(&s, &t(1, 0, "a"), &SAT, 0)));
+        for id in 2..1002 {
+            assert!(held(&q.admit(&s, &t(id, 0, "a"), &SAT, 1)));
+            assert!(q.cancel(id, 2));
+        }
+        // Compaction runs when more than 2 × 2 + 64 = 68 deadlines exist for 2 live entries.
+        assert!(q.deadlines.len() <= 2 * 2 + 64 + 1, "{}", q.deadlines.len());
+        // The survivor still times out at its own deadline.
+        assert!(matches!(q.on_tick(&s, &SAT, 1_000_000).as_slice(), [Action::Reject { id: 1, .. }]));
     }
 
     #[test]
