@@ -32,6 +32,10 @@ use serde::{Deserialize, Serialize};
 pub use crate::scheduler::config::SchedulerConfig;
 pub use model_table::{ModelTable, Resolved};
 
+use crate::flow::FlowControlConfig;
+use crate::priority::{Criticality, PriorityConfig};
+use crate::saturation::SaturationConfig;
+
 /// The only configuration version this build understands.
 pub const CONFIG_VERSION: u32 = 1;
 /// Smallest `poller.interval_ms`: below this the poller itself becomes the load (llm-d #1842 saw
@@ -68,6 +72,18 @@ pub struct Config {
     /// Scorer weights, prefix/session/guard settings and model rewrites (see `crate::scheduler`).
     #[serde(default = "SchedulerConfig::default")]
     pub scheduler: SchedulerConfig,
+    /// Where a request's priority comes from and which priority headers are trusted (see
+    /// `crate::priority`). Default: the model's criticality only, no header trusted.
+    #[serde(default = "PriorityConfig::default")]
+    pub priority: PriorityConfig,
+    /// When the endpoints of a model have no room (see `crate::saturation`). Default: GIE's
+    /// thresholds.
+    #[serde(default = "SaturationConfig::default")]
+    pub saturation: SaturationConfig,
+    /// Holding requests inside the proxy while their endpoints are saturated (see `crate::flow`).
+    /// Default: every field at its default (on).
+    #[serde(default = "FlowControlConfig::default")]
+    pub flow_control: FlowControlConfig,
 }
 
 /// One model server.
@@ -100,6 +116,10 @@ pub struct ModelConfig {
     #[serde(default)]
     #[cfg_attr(feature = "schema", schemars(inner(length(min = 1))))]
     pub adapters: Vec<String>,
+    /// Default priority of this model's requests, through `priority.criticality`; a trusted
+    /// objective or tier header overrides it. Default `Standard`.
+    #[serde(default = "Criticality::default")]
+    pub criticality: Criticality,
 }
 
 /// The poller: the one VM that scrapes every endpoint's metrics and publishes the snapshot.
@@ -324,6 +344,9 @@ impl Config {
         self.validate_endpoints(&names, &mut errs);
         self.poller.validate_into("poller", &mut errs);
         self.filter.validate_into("filter", &mut errs);
+        self.priority.validate("priority", &mut errs.0);
+        self.saturation.validate("saturation", self.poller.interval_ms, &mut errs.0);
+        self.flow_control.validate("flow_control", &mut errs.0);
         errs.0.extend(self.scheduler.validate(&|name| {
             self.models.iter().any(|m| m.name == name || m.adapters.iter().any(|a| a == name))
         }));

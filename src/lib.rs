@@ -14,11 +14,14 @@
 pub mod body;
 pub mod config;
 pub mod errors;
+pub mod flow;
 pub mod inflight;
 pub mod metrics;
 pub mod poller;
 pub mod ports;
+pub mod priority;
 pub mod request;
+pub mod saturation;
 pub mod scheduler;
 pub mod snapshot;
 pub mod telemetry;

@@ -129,6 +129,14 @@ fn schema_mirrors_the_simple_bounds() {
         ("/filter", json!({"max_body_bytes": 67108865})),
         ("/endpoints", json!([])),
         ("/models", json!([])),
+        ("/saturation", json!({"queue_threshold": 0})),
+        ("/saturation", json!({"kv_threshold": 0})),
+        ("/flow_control", json!({"max_wait_ms": 0})),
+        ("/flow_control", json!({"max_queue": 0})),
+        ("/flow_control", json!({"worker_ttl_ms": 299})),
+        ("/priority", json!({"objectives": [{"name": ""}]})),
+        ("/priority", json!({"tier": {"header": "X-Tier", "values": {"gold": 1}}})),
+        ("/priority", json!({"tier": {"header": "x-tier", "values": {}}})),
     ];
     for (pointer, value) in cases {
         let mut doc = minimal();
