@@ -755,6 +755,42 @@ impl FlowQueue {
         }
     }
 
+    /// Lets every request held here go at once, in priority then round-robin order, and
+    /// withdraws this worker's summary. For when flow control cannot judge the group at all (every
+    /// endpoint stale, or none left): the requests go on to the scheduler, which applies
+    /// `filter.failure_mode`, instead of waiting for a timeout that no snapshot can prevent. Takes
+    /// no ledger tokens. If the summary cannot be written, the queue stays dirty and the next
+    /// call (or tick) tries again.
+    pub fn release_all(&mut self, store: &dyn SharedStore, now_ms: u64) -> Vec<Action> {
+        let mut out = Vec::with_capacity(self.entries.len());
+        while let Some((id, e)) = self.pop_next() {
+            let waited_ms = now_ms.saturating_sub(e.enqueued_ms);
+            let s = self.stats.at(e.priority);
+            s.released += 1;
+            s.queued_ms += waited_ms;
+            out.push(Action::Release { id, priority: e.priority, waited_ms });
+        }
+        self.deadlines.clear();
+        if !self.published && !self.dirty {
+            return out;
+        }
+        let (me, ttl) = (self.worker_id, self.cfg.worker_ttl_ms);
+        let mut withdraw = |rec: &mut Record| {
+            let mut changed = rec.prune(now_ms, ttl, me);
+            changed |= rec.set_own(me, now_ms, &[], ttl);
+            ((), changed)
+        };
+        match read_modify_write(store, &self.key, &mut withdraw) {
+            Ok((_, rec)) => {
+                self.global = rec.global_waiting(me, &[]);
+                self.published = false;
+                self.dirty = false;
+            }
+            Err(_) => self.dirty = true,
+        }
+        out
+    }
+
     /// Called from the root context's tick (and whenever a new snapshot arrives): times out,
     /// releases what the shared ledger and the priority order allow, and publishes this
     /// worker's summary. `cap` is the group's capacity now.
@@ -1216,6 +1252,35 @@ mod tests {
         assert!(held(&q.admit(&s, &t(1, 0, "a"), &SAT, 0)));
         let rec = Record::decode(&s.inner.get(&shared_key("m")).unwrap().unwrap().0);
         assert_eq!(rec.workers, vec![WorkerEntry { id: 1, hb: 0, q: vec![(0, 1)] }]);
+    }
+
+    #[test]
+    fn release_all_lets_everything_go_and_withdraws() {
+        let s = MemStore::new();
+        let mut w1 = FlowQueue::new(&cfg(), "m", 1);
+        let mut w2 = FlowQueue::new(&cfg(), "m", 2);
+        assert!(held(&w1.admit(&s, &t(1, 0, "a"), &SAT, 0)));
+        assert!(held(&w1.admit(&s, &t(2, 7, "b"), &SAT, 5)));
+        assert!(held(&w1.admit(&s, &t(3, 0, "b"), &SAT, 6)));
+        assert!(held(&w2.admit(&s, &t(9, 0, "a"), &SAT, 0)));
+        // Priority order, then round-robin: 2 (p7), then 1 (tenant a), 3 (tenant b).
+        let a = w1.release_all(&s, 100);
+        assert_eq!(released(&a), vec![2, 1, 3]);
+        assert_eq!(a[0], Action::Release { id: 2, priority: 7, waited_ms: 95 });
+        assert!(w1.is_empty() && !w1.needs_tick());
+        // W1's summary is withdrawn; W2's stays.
+        assert_eq!(record(&s, "m").workers, vec![WorkerEntry { id: 2, hb: 0, q: vec![(0, 1)] }]);
+        assert_eq!(w1.global_waiting(), &[(0, 1)]);
+        // The ledger was not touched, and nothing is left to time out.
+        assert_eq!(record(&s, "m").left, 0);
+        assert!(w1.on_tick(&s, &SAT, 5000).is_empty());
+        let st = w1.take_stats();
+        assert_eq!((st.by_priority[&0].released, st.by_priority[&0].queued_ms), (2, 100 + 94));
+        assert_eq!(st.by_priority[&7].released, 1);
+        // Nothing held and nothing published: no write at all.
+        let before = s.get(&shared_key("m")).unwrap();
+        assert!(w1.release_all(&s, 200).is_empty());
+        assert_eq!(s.get(&shared_key("m")).unwrap(), before);
     }
 
     #[test]

@@ -1,13 +1,24 @@
 //! The per-request pipeline, pure: what the HTTP filter does with the request headers and the
 //! buffered body. The host gathers inputs through host calls, calls these functions, and maps
 //! the returned decision onto host calls (set headers, replace body, local reply).
+//!
+//! Order for one request:
+//! 1. request headers: [`RequestHead`] is read (including the trusted priority headers, see
+//!    `crate::priority`), then every header in [`headers_to_remove`] is removed; [`on_head`]
+//!    decides whether to read the body;
+//! 2. complete body: [`prepare`] parses it, resolves the model (rewrite/split, base model) and
+//!    the priority; the host applies the body rewrite at once;
+//! 3. admission (`crate::admission`): go on now, hold, or reject;
+//! 4. when the request goes on (at once, or when flow control releases it): [`route`] picks the
+//!    endpoint with the metrics and in-flight counts of *that* moment.
 
 use crate::body::{parse_request, rewrite_model};
 use crate::config::Config;
 use crate::errors::Rejection;
 use crate::inflight::InflightCounts;
 use crate::ports::{Rng, SharedStore};
-use crate::scheduler::{Pick, PickRequest, Scheduler};
+use crate::priority::{self, Criticality, PriorityDecision, PriorityHeaders};
+use crate::scheduler::{ModelRoute, Pick, PickRequest, Scheduler};
 use crate::snapshot::Snapshot;
 
 /// Request headers a client could use to choose the destination itself. Removed from every
@@ -23,6 +34,16 @@ pub const SERVED_HEADER: &str = "x-gateway-destination-endpoint-served";
 /// Opt-in response header with the per-endpoint scores of the decision
 /// (`scheduler.debug_scores`).
 pub const DEBUG_SCORES_HEADER: &str = "x-inference-picker-scores";
+/// Response header with the time, in whole milliseconds, the request was held by flow control
+/// before it went upstream (0 when it was not held). Also on flow-control rejections.
+pub const QUEUE_MS_HEADER: &str = "x-inference-picker-queue-ms";
+
+/// Every request header the filter removes before the request can go upstream, whatever the
+/// path: the client-chosen destination headers, and the priority headers
+/// (`priority::headers_to_strip`). The host reads the trusted priority headers first.
+pub fn headers_to_remove(cfg: &Config) -> impl Iterator<Item = &str> {
+    CLIENT_ROUTING_HEADERS.into_iter().chain(priority::headers_to_strip(&cfg.priority))
+}
 
 /// What the filter learned from the request headers.
 #[derive(Debug, Clone, Default)]
@@ -32,6 +53,8 @@ pub struct RequestHead {
     pub content_length: Option<u64>,
     pub session_id: Option<String>,
     pub session_token: Option<String>,
+    /// The trusted priority headers (`PriorityHeaders::read`), read before they are removed.
+    pub priority: PriorityHeaders,
 }
 
 /// Decision after the request headers.
@@ -95,7 +118,92 @@ pub struct BodyInputs<'a> {
     pub now_ms: u64,
 }
 
-/// Called with the complete body: parse, pick, rewrite.
+/// A request whose body is parsed and whose model and priority are known; the endpoint is not
+/// chosen yet. Kept while the request is held (the prompt is needed by the prefix scorer).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Prepared {
+    /// The model the client asked for.
+    pub requested_model: String,
+    /// The model it is sent as, and the base model whose endpoints serve it (the flow-control
+    /// group).
+    pub route: ModelRoute,
+    pub prompt: String,
+    pub cache_salt: Option<String>,
+    /// A replacement body when the model was rewritten (content-length must follow).
+    pub new_body: Option<Vec<u8>>,
+    pub priority: PriorityDecision,
+}
+
+/// The criticality that sets a request's default priority: that of the configured base model
+/// the client named (directly or through one of its adapters), else that of the base model the
+/// request is sent to after rewrites, else `Standard` (a discovered model has none configured).
+/// The client's name comes first because criticality describes the traffic clients send under
+/// that name (GIE's InferenceModel put it on the client-facing name, next to its rewrites).
+pub fn criticality_of(cfg: &Config, requested: &str, base: &str) -> Criticality {
+    let by_name = |name: &str| {
+        cfg.models
+            .iter()
+            .find(|m| m.name == name || m.adapters.iter().any(|a| a == name))
+            .map(|m| m.criticality)
+    };
+    by_name(requested).or_else(|| by_name(base)).unwrap_or_default()
+}
+
+/// Called with the complete body: parse, resolve the model (rewrite or split, base model),
+/// rewrite the body, resolve the priority. No endpoint is chosen here.
+pub fn prepare(
+    cfg: &Config,
+    scheduler: &Scheduler,
+    rng: &mut dyn Rng,
+    head: &RequestHead,
+    body: &[u8],
+    snapshot: &Snapshot,
+) -> Result<Prepared, Rejection> {
+    if body.len() > cfg.filter.max_body_bytes {
+        return Err(too_large(cfg));
+    }
+    let parsed = parse_request(&head.path, body)?;
+    let route = scheduler.route_model(&parsed.model, head.session_id.as_deref(), snapshot, rng)?;
+    let new_body = if route.model_rewritten { Some(rewrite_model(body, &route.target_model)?) } else { None };
+    let criticality = criticality_of(cfg, &parsed.model, &route.base);
+    let priority = head.priority.resolve(&cfg.priority, criticality);
+    Ok(Prepared {
+        requested_model: parsed.model,
+        route,
+        prompt: parsed.prompt,
+        cache_salt: parsed.cache_salt,
+        new_body,
+        priority,
+    })
+}
+
+/// Picks the endpoint for a prepared request, with the inputs of the moment it goes on.
+pub fn route(
+    scheduler: &mut Scheduler,
+    rng: &mut dyn Rng,
+    head: &RequestHead,
+    prepared: &Prepared,
+    inputs: &BodyInputs<'_>,
+) -> Result<Pick, Rejection> {
+    let req = PickRequest {
+        model: &prepared.requested_model,
+        prompt: &prepared.prompt,
+        cache_salt: prepared.cache_salt.as_deref(),
+        session_id: head.session_id.as_deref(),
+        session_token: head.session_token.as_deref(),
+    };
+    scheduler.pick_for(
+        &prepared.route,
+        &req,
+        inputs.snapshot,
+        inputs.inflight,
+        inputs.store,
+        rng,
+        inputs.now_ms,
+    )
+}
+
+/// [`prepare`] then [`route`] at once, for a request that is never held.
 pub fn on_body(
     cfg: &Config,
     scheduler: &mut Scheduler,
@@ -104,20 +212,9 @@ pub fn on_body(
     body: &[u8],
     inputs: &BodyInputs<'_>,
 ) -> Result<Routed, Rejection> {
-    if body.len() > cfg.filter.max_body_bytes {
-        return Err(too_large(cfg));
-    }
-    let parsed = parse_request(&head.path, body)?;
-    let req = PickRequest {
-        model: &parsed.model,
-        prompt: &parsed.prompt,
-        cache_salt: parsed.cache_salt.as_deref(),
-        session_id: head.session_id.as_deref(),
-        session_token: head.session_token.as_deref(),
-    };
-    let pick = scheduler.pick(&req, inputs.snapshot, inputs.inflight, inputs.store, rng, inputs.now_ms)?;
-    let new_body = if pick.model_rewritten { Some(rewrite_model(body, &pick.target_model)?) } else { None };
-    Ok(Routed { pick, requested_model: parsed.model, new_body })
+    let prepared = prepare(cfg, scheduler, rng, head, body, inputs.snapshot)?;
+    let pick = route(scheduler, rng, head, &prepared, inputs)?;
+    Ok(Routed { pick, requested_model: prepared.requested_model, new_body: prepared.new_body })
 }
 
 /// OpenAI `GET /v1/models` for the whole pool: every base model and adapter in the config.
@@ -132,4 +229,136 @@ pub fn model_list(cfg: &Config) -> Vec<u8> {
         }
     }
     serde_json::to_vec(&serde_json::json!({"object": "list", "data": data})).unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::metrics::EndpointMetrics;
+    use crate::ports::{MemStore, SplitMix64};
+    use crate::priority::PrioritySource;
+    use crate::snapshot::EndpointStatus;
+
+    fn cfg() -> Config {
+        Config::from_json(
+            br#"{"version":1,
+                "endpoints":[{"address":"10.0.0.1:8000","models":["base-a"]},
+                             {"address":"10.0.0.2:8000","models":["base-b"]}],
+                "models":[{"name":"base-a","adapters":["lora-a"],"criticality":"Critical"},
+                          {"name":"base-b","criticality":"Sheddable"}],
+                "scheduler":{"rewrites":[
+                    {"matches":[{"model":{"value":"alias"}}],"targets":[{"model_rewrite":"base-b"}]},
+                    {"matches":[{"model":{"value":"base-a"}}],"targets":[{"model_rewrite":"base-b"}]}]},
+                "priority":{"objectives":[{"name":"batch","priority":-20}],
+                            "trust_objective_header":true,
+                            "tier":{"header":"x-llm-tier","values":{"premium":15}}}}"#,
+        )
+        .unwrap()
+    }
+
+    fn snapshot() -> Snapshot {
+        let ep = |a: &str, m: &str| EndpointStatus {
+            address: a.into(),
+            models: vec![m.into()],
+            metrics: Some(EndpointMetrics {
+                queue: Some(0.0),
+                kv_usage: Some(0.0),
+                ..EndpointMetrics::default()
+            }),
+            scraped_ms: 1000,
+            failures: 0,
+        };
+        Snapshot {
+            version: 1,
+            published_ms: 1000,
+            endpoints: vec![ep("10.0.0.1:8000", "base-a"), ep("10.0.0.2:8000", "base-b")],
+        }
+    }
+
+    fn head(priority: PriorityHeaders) -> RequestHead {
+        RequestHead {
+            method: "POST".into(),
+            path: "/v1/completions".into(),
+            priority,
+            ..RequestHead::default()
+        }
+    }
+
+    #[test]
+    fn removes_destination_and_every_priority_header() {
+        let c = cfg();
+        let names: Vec<&str> = headers_to_remove(&c).collect();
+        assert_eq!(
+            names,
+            vec![
+                "x-gateway-destination-endpoint",
+                "x-envoy-original-dst-host",
+                "x-gateway-inference-objective",
+                "x-gateway-inference-fairness-id",
+                // Configured but untrusted: still removed.
+                "x-llm-tier",
+            ]
+        );
+    }
+
+    #[test]
+    fn criticality_follows_the_name_the_client_used() {
+        let c = cfg();
+        // A configured base, and an adapter of it: that base's criticality.
+        assert_eq!(criticality_of(&c, "base-a", "base-b"), Criticality::Critical);
+        assert_eq!(criticality_of(&c, "lora-a", "base-a"), Criticality::Critical);
+        // An alias that is only a rewrite source: the criticality of where it is sent.
+        assert_eq!(criticality_of(&c, "alias", "base-b"), Criticality::Sheddable);
+        // A discovered model nobody configured: Standard.
+        assert_eq!(criticality_of(&c, "found", "found"), Criticality::Standard);
+    }
+
+    #[test]
+    fn prepare_resolves_route_rewrite_and_priority_without_picking() {
+        let c = cfg();
+        let sched = Scheduler::new(&c);
+        let mut rng = SplitMix64::new(1);
+        let body = br#"{"model":"base-a","prompt":"hi"}"#;
+        // base-a is rewritten to base-b (group base-b), but keeps base-a's Critical priority (10).
+        let p = prepare(&c, &sched, &mut rng, &head(PriorityHeaders::default()), body, &snapshot()).unwrap();
+        assert_eq!((p.route.base.as_str(), p.route.model_rewritten), ("base-b", true));
+        assert_eq!(p.new_body.as_deref(), Some(&br#"{"model":"base-b","prompt":"hi"}"#[..]));
+        assert_eq!((p.priority.priority, p.priority.source), (10, PrioritySource::Model));
+        assert_eq!(p.priority.fairness_id, "default-flow");
+        // A trusted objective wins over the model; the untrusted tier value was never read
+        // (PriorityHeaders::read would not fill it), and here it is absent anyway.
+        let h = PriorityHeaders { objective: Some("batch".into()), tier: None, fairness_id: None };
+        let p = prepare(&c, &sched, &mut rng, &head(h), br#"{"model":"alias","prompt":"x"}"#, &snapshot())
+            .unwrap();
+        assert_eq!((p.priority.priority, p.priority.source), (-20, PrioritySource::Objective));
+        // Unknown model: 404 before any admission.
+        let e = prepare(
+            &c,
+            &sched,
+            &mut rng,
+            &head(PriorityHeaders::default()),
+            br#"{"model":"nope"}"#,
+            &snapshot(),
+        );
+        assert_eq!(e.unwrap_err().status, 404);
+    }
+
+    #[test]
+    fn route_later_picks_among_the_groups_endpoints() {
+        let c = cfg();
+        let mut sched = Scheduler::new(&c);
+        let mut rng = SplitMix64::new(7);
+        let h = head(PriorityHeaders::default());
+        let p = prepare(&c, &sched, &mut rng, &h, br#"{"model":"alias","prompt":"x"}"#, &snapshot()).unwrap();
+        let store = MemStore::new();
+        let counts = InflightCounts::default();
+        let snap = snapshot();
+        let inputs = BodyInputs { snapshot: &snap, inflight: &counts, store: &store, now_ms: 1100 };
+        let pick = route(&mut sched, &mut rng, &h, &p, &inputs).unwrap();
+        // Only 10.0.0.2 serves base-b; the target model is the rewrite's.
+        assert_eq!((pick.primary.as_str(), pick.target_model.as_str()), ("10.0.0.2:8000", "base-b"));
+        // on_body (prepare + route at once) agrees.
+        let r = on_body(&c, &mut sched, &mut rng, &h, br#"{"model":"alias","prompt":"x"}"#, &inputs).unwrap();
+        assert_eq!((r.pick.primary.as_str(), r.requested_model.as_str()), ("10.0.0.2:8000", "alias"));
+    }
 }

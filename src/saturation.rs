@@ -24,9 +24,10 @@
 //!   burst cannot overshoot an endpoint's `max_inflight_per_endpoint` between two polls.
 //!
 //! # Missing and stale signals
-//! - An endpoint with no metrics, never scraped, or scraped more than `stale_after_ms` ago
-//!   (default: `poller.stale_after_ms`) is *stale* and counts as full (load 1, no room): we do
-//!   not send more work where we cannot see.
+//! - An endpoint with no metrics, never scraped, whose last scrape failed, or scraped more than
+//!   `stale_after_ms` ago (default: `poller.stale_after_ms`) is *stale* and counts as full
+//!   (load 1, no room): we do not send more work where we cannot see. (A failed scrape is the
+//!   scheduler's test of health too, so the two agree on which endpoints can take work.)
 //! - A missing queue or KV signal on a fresh endpoint is left out of the max, never read as 0.
 //!   An endpoint with no usable signal at all (unknown engine and no in-flight limit) has load 0:
 //!   it cannot be judged full. Such endpoints are counted in [`SaturationReport::blind`]; set
@@ -184,7 +185,9 @@ pub fn endpoint_load(
 ) -> EndpointLoad {
     let stale_load = EndpointLoad { load: 1.0, stale: true, blind: false, room: 0 };
     let Some(m) = ep.metrics.as_ref() else { return stale_load };
-    if ep.scraped_ms == 0 || now_ms.saturating_sub(ep.scraped_ms) > cfg.stale_after_ms {
+    // A failed scrape since the last success makes the endpoint stale at once, as it does for
+    // the scheduler (`scheduler::filter::healthy`): its old metrics may describe a dead server.
+    if ep.failures > 0 || ep.scraped_ms == 0 || now_ms.saturating_sub(ep.scraped_ms) > cfg.stale_after_ms {
         return stale_load;
     }
     let queue = signal(m.queue);
@@ -319,6 +322,11 @@ mod tests {
         let mut no_metrics = ep("a", None, None, 10);
         no_metrics.metrics = None;
         assert!(endpoint_load(&cfg, &no_metrics, 0, NOW).stale);
+        // Scraped 10 ms ago, but the latest scrape failed: stale, like the scheduler sees it.
+        let mut failing = ep("a", Some(0.0), Some(0.0), 10);
+        failing.failures = 1;
+        let l = endpoint_load(&cfg, &failing, 0, NOW);
+        assert!(l.stale && l.full() && l.room == 0);
     }
 
     #[test]

@@ -19,8 +19,22 @@ pub const SNAPSHOT_AGE: &str = "inference_picker_snapshot_age_ms";
 /// Requests in flight per endpoint, across all workers (the shared count).
 pub const ENDPOINT_INFLIGHT: &str = "inference_picker_endpoint_inflight";
 
+/// Flow control, per priority and outcome: `passed` (went on without waiting), `held`,
+/// `released` (went on after waiting), `timed_out` (503 after `max_wait_ms`), `shed` (429,
+/// sheddable while saturated), `queue_full` (429, refused or evicted), `cancelled` (the client
+/// went away while held), `fail_open` (flow control skipped: every endpoint stale).
+pub const FLOW_REQUESTS: &str = "inference_picker_flow_requests_total";
+/// Total milliseconds held, per priority, summed over the requests that left the queue (any
+/// way). With `held`, gives the mean time queued.
+pub const FLOW_QUEUED_MS: &str = "inference_picker_flow_queued_ms_total";
+/// Requests held right now, per priority, over all workers (each worker adds and subtracts its
+/// own; Envoy keeps one gauge per name).
+pub const FLOW_WAITING: &str = "inference_picker_flow_waiting";
+/// Histogram of the time, in ms, that released and timed-out requests were held, per priority.
+pub const FLOW_QUEUE_TIME: &str = "inference_picker_flow_queue_time_ms";
+
 /// The tag names the Envoy config must extract.
-pub const TAGS: [&str; 4] = ["model", "endpoint", "outcome", "reason"];
+pub const TAGS: [&str; 5] = ["model", "endpoint", "outcome", "reason", "priority"];
 
 /// Builds `base;k=v;k=v`.
 pub fn name(base: &str, tags: &[(&str, &str)]) -> String {

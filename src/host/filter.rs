@@ -1,5 +1,13 @@
-//! The HTTP filter context: gathers inputs, calls `crate::request`, applies the decision.
+//! The HTTP filter context: gathers inputs, calls `crate::request` and `crate::admission`,
+//! applies the decisions.
+//!
+//! A request flow control holds stays paused in this context while the filter root's tick
+//! decides; the root then acts on it through [`release_held`] and [`answer_held`], which set the
+//! effective context to the held request's. The per-request state both sides touch lives in an
+//! [`Exchange`] shared by `Rc`: the context owns one, and the worker's `pending` map holds
+//! another while the request is held.
 
+use std::cell::RefCell;
 use std::rc::Rc;
 
 use log::warn;
@@ -7,71 +15,196 @@ use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::Action;
 
 use super::{io, Worker};
+use crate::admission::Decision;
 use crate::errors::Rejection;
 use crate::inflight;
+use crate::priority::PriorityHeaders;
 use crate::request::{
-    self, BodyInputs, HeadDecision, RequestHead, CLIENT_ROUTING_HEADERS, DEBUG_SCORES_HEADER,
-    DESTINATION_HEADER, ORIGINAL_DST_HEADER, SERVED_HEADER,
+    self, BodyInputs, HeadDecision, Prepared, RequestHead, DEBUG_SCORES_HEADER, DESTINATION_HEADER,
+    ORIGINAL_DST_HEADER, QUEUE_MS_HEADER, SERVED_HEADER,
 };
 use crate::telemetry;
 
-pub(crate) struct Filter {
-    worker: Rc<Worker>,
+/// What one request has learned and decided so far.
+#[derive(Default)]
+pub(crate) struct Exchange {
     head: RequestHead,
+    /// Set while the request waits for its endpoint pick (held by flow control).
+    prepared: Option<Prepared>,
+    /// When it was held (ms), for the queue time of an eviction.
+    held_at_ms: Option<u64>,
     /// Endpoint whose in-flight count this request holds (released in on_log).
     holding: Option<String>,
     primary: Option<String>,
     session_token: Option<String>,
     debug_scores: Option<String>,
+    /// Time held by flow control, once the request went on (0 if never held).
+    queue_ms: Option<u64>,
     /// A local reply was sent; ignore later callbacks.
     answered: bool,
 }
 
+pub(crate) type Shared = Rc<RefCell<Exchange>>;
+
+pub(crate) struct Filter {
+    id: u32,
+    worker: Rc<Worker>,
+    ex: Shared,
+}
+
 impl Filter {
-    pub fn new(worker: Rc<Worker>) -> Self {
-        Filter {
-            worker,
-            head: RequestHead::default(),
-            holding: None,
-            primary: None,
-            session_token: None,
-            debug_scores: None,
-            answered: false,
-        }
+    pub fn new(id: u32, worker: Rc<Worker>) -> Self {
+        Filter { id, worker, ex: Rc::new(RefCell::new(Exchange::default())) }
     }
 
     fn reject(&mut self, rej: &Rejection) -> Action {
-        self.answered = true;
-        self.worker
-            .metrics
-            .borrow_mut()
-            .count(telemetry::name(telemetry::REJECTIONS, &[("reason", rej.code)]));
-        io::send_rejection(rej);
+        self.ex.borrow_mut().answered = true;
+        count_rejection(&self.worker, rej);
+        io::send_rejection(rej, &[]);
         Action::Pause
     }
 }
 
-impl Context for Filter {}
+fn count_rejection(worker: &Worker, rej: &Rejection) {
+    worker.metrics.borrow_mut().count(telemetry::name(telemetry::REJECTIONS, &[("reason", rej.code)]));
+}
+
+/// Picks the endpoint of a prepared request and sets the routing headers on the current (or
+/// effective) context: the last step of every request that goes upstream, whether at once or
+/// after being held.
+fn go(worker: &Worker, ex: &mut Exchange) -> Result<(), Rejection> {
+    let Some(prepared) = ex.prepared.take() else {
+        return Err(Rejection::new(500, "internal_error", "internal", "request state lost before routing"));
+    };
+    let store = io::HostStore;
+    let snapshot = worker.snapshot();
+    let inflight = inflight::read(&store).unwrap_or_default();
+    let now_ms = io::now_ms();
+    let inputs = BodyInputs { snapshot: &snapshot, inflight: &inflight, store: &store, now_ms };
+    let pick = {
+        let mut scheduler = worker.scheduler.borrow_mut();
+        let mut rng = worker.rng.borrow_mut();
+        request::route(&mut scheduler, &mut *rng, &ex.head, &prepared, &inputs)?
+    };
+    io::set_request_header(DESTINATION_HEADER, Some(&pick.destination_header()));
+    io::set_request_header(ORIGINAL_DST_HEADER, Some(&pick.primary));
+    let mut metrics = worker.metrics.borrow_mut();
+    match inflight::adjust(&store, &pick.primary, 1) {
+        Ok(n) => {
+            ex.holding = Some(pick.primary.clone());
+            metrics.gauge(
+                telemetry::name(telemetry::ENDPOINT_INFLIGHT, &[("endpoint", &pick.primary)]),
+                u64::from(n),
+            );
+        }
+        Err(e) => warn!("inference-picker: in-flight increment failed: {e:?}"),
+    }
+    metrics.count(telemetry::name(
+        telemetry::REQUESTS,
+        &[("model", &pick.target_model), ("endpoint", &pick.primary), ("outcome", pick.reason.as_str())],
+    ));
+    metrics
+        .gauge(telemetry::name(telemetry::SNAPSHOT_AGE, &[]), now_ms.saturating_sub(snapshot.published_ms));
+    ex.primary = Some(pick.primary);
+    ex.session_token = Some(pick.session_token);
+    ex.debug_scores = pick.debug_scores;
+    if ex.queue_ms.is_none() {
+        ex.queue_ms = Some(0);
+    }
+    Ok(())
+}
+
+/// Lets a held request go (from the filter root's tick): pick its endpoint now, set the headers
+/// and resume it. `own_context` is the caller's context id, restored afterwards.
+pub(crate) fn release_held(worker: &Worker, id: u32, waited_ms: u64, own_context: u32) {
+    let Some(shared) = worker.pending.borrow_mut().remove(&id) else {
+        warn!("inference-picker: released request {id} is not pending");
+        return;
+    };
+    if !io::set_effective_context(id) {
+        return;
+    }
+    let mut ex = shared.borrow_mut();
+    ex.queue_ms = Some(waited_ms);
+    match go(worker, &mut ex) {
+        Ok(()) => io::resume_request(),
+        Err(rej) => {
+            ex.answered = true;
+            count_rejection(worker, &rej);
+            io::send_rejection(&rej, &[(QUEUE_MS_HEADER, &waited_ms.to_string())]);
+        }
+    }
+    drop(ex);
+    io::set_effective_context(own_context);
+}
+
+/// Answers a held request with a flow-control rejection (timeout, or evicted by a
+/// higher-priority arrival). `waited_ms` None: work it out from when it was held.
+pub(crate) fn answer_held(
+    worker: &Worker,
+    id: u32,
+    rej: &Rejection,
+    waited_ms: Option<u64>,
+    own_context: u32,
+) {
+    let Some(shared) = worker.pending.borrow_mut().remove(&id) else {
+        warn!("inference-picker: rejected request {id} is not pending");
+        return;
+    };
+    let mut ex = shared.borrow_mut();
+    ex.answered = true;
+    ex.prepared = None;
+    let waited = waited_ms.unwrap_or_else(|| ex.held_at_ms.map_or(0, |t| io::now_ms().saturating_sub(t)));
+    drop(ex);
+    count_rejection(worker, rej);
+    if io::set_effective_context(id) {
+        io::send_rejection(rej, &[(QUEUE_MS_HEADER, &waited.to_string())]);
+        io::set_effective_context(own_context);
+    }
+}
+
+impl Context for Filter {
+    fn on_done(&mut self) -> bool {
+        // The stream is over (client gone, or finished): a held request must leave the queue.
+        self.forget();
+        true
+    }
+}
+
+impl Filter {
+    /// Takes this request out of flow control if it is held. Idempotent.
+    fn forget(&mut self) {
+        let worker = &self.worker;
+        worker.gate.borrow_mut().cancel(self.id, io::now_ms());
+        worker.pending.borrow_mut().remove(&self.id);
+    }
+}
 
 impl HttpContext for Filter {
     fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
-        // Never let a client choose the destination, on any path.
-        for h in CLIENT_ROUTING_HEADERS {
+        let worker = self.worker.clone();
+        let cfg = &worker.cfg;
+        // Trusted priority headers are read first; then the priority headers and any
+        // client-chosen destination are removed, on every path.
+        let priority = PriorityHeaders::read(&cfg.priority, &|h: &str| io::request_header(h));
+        for h in request::headers_to_remove(cfg) {
             io::set_request_header(h, None);
         }
-        let cfg = &self.worker.cfg;
-        self.head = RequestHead {
+        let head = RequestHead {
             method: io::request_header(":method").unwrap_or_default(),
             path: io::request_header(":path").unwrap_or_default(),
             content_length: io::request_header("content-length").and_then(|v| v.trim().parse().ok()),
             session_id: io::request_header(&cfg.scheduler.session.header),
             session_token: io::request_header(&cfg.scheduler.session.token_header),
+            priority,
         };
-        match request::on_head(cfg, &self.head, end_of_stream) {
+        let decision = request::on_head(cfg, &head, end_of_stream);
+        self.ex.borrow_mut().head = head;
+        match decision {
             HeadDecision::ReadBody => Action::Pause,
             HeadDecision::Reject(rej) => self.reject(&rej),
             HeadDecision::ModelList(json) => {
-                self.answered = true;
+                self.ex.borrow_mut().answered = true;
                 io::send_json(200, &json);
                 Action::Pause
             }
@@ -79,7 +212,7 @@ impl HttpContext for Filter {
     }
 
     fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
-        if self.answered {
+        if self.ex.borrow().answered {
             return Action::Pause;
         }
         let worker = self.worker.clone();
@@ -91,27 +224,20 @@ impl HttpContext for Filter {
             return Action::Pause;
         }
         let body = io::request_body(body_size).unwrap_or_default();
-        let store = io::HostStore;
-        let snapshot = match worker.snapshots.borrow_mut().refresh(&store) {
-            Ok(s) => s,
-            Err(e) => {
-                warn!("inference-picker: reading the snapshot failed: {e:?}");
-                worker.snapshots.borrow().current()
-            }
-        };
-        let inflight = inflight::read(&store).unwrap_or_default();
-        let now_ms = io::now_ms();
-        let inputs = BodyInputs { snapshot: &snapshot, inflight: &inflight, store: &store, now_ms };
-        let routed = {
-            let mut scheduler = worker.scheduler.borrow_mut();
+        let snapshot = worker.snapshot();
+        let prepared = {
+            let scheduler = worker.scheduler.borrow();
             let mut rng = worker.rng.borrow_mut();
-            request::on_body(cfg, &mut scheduler, &mut *rng, &self.head, &body, &inputs)
+            let ex = self.ex.borrow();
+            request::prepare(cfg, &scheduler, &mut *rng, &ex.head, &body, &snapshot)
         };
-        let routed = match routed {
-            Ok(r) => r,
+        let prepared = match prepared {
+            Ok(p) => p,
             Err(rej) => return self.reject(&rej),
         };
-        if let Some(new_body) = &routed.new_body {
+        // The model rewrite does not depend on the endpoint: apply it now, while the body is in
+        // hand, whether or not the request is held.
+        if let Some(new_body) = &prepared.new_body {
             if !io::replace_request_body(body_size, new_body) {
                 return self.reject(&Rejection::new(
                     500,
@@ -122,56 +248,67 @@ impl HttpContext for Filter {
             }
             io::set_request_header("content-length", Some(&new_body.len().to_string()));
         }
-        io::set_request_header(DESTINATION_HEADER, Some(&routed.pick.destination_header()));
-        io::set_request_header(ORIGINAL_DST_HEADER, Some(&routed.pick.primary));
-        let mut metrics = worker.metrics.borrow_mut();
-        match inflight::adjust(&store, &routed.pick.primary, 1) {
-            Ok(n) => {
-                self.holding = Some(routed.pick.primary.clone());
-                metrics.gauge(
-                    telemetry::name(telemetry::ENDPOINT_INFLIGHT, &[("endpoint", &routed.pick.primary)]),
-                    u64::from(n),
-                );
+
+        let store = io::HostStore;
+        let inflight = inflight::read(&store).unwrap_or_default();
+        let now_ms = io::now_ms();
+        let group = prepared.route.base.clone();
+        let priority = prepared.priority.clone();
+        self.ex.borrow_mut().prepared = Some(prepared);
+        let decision =
+            worker.gate.borrow_mut().admit(&store, &snapshot, &inflight, self.id, &group, &priority, now_ms);
+        match decision {
+            Decision::Go => {
+                let routed = go(&worker, &mut self.ex.borrow_mut());
+                match routed {
+                    Ok(()) => Action::Continue,
+                    Err(rej) => self.reject(&rej),
+                }
             }
-            Err(e) => warn!("inference-picker: in-flight increment failed: {e:?}"),
+            Decision::Held { evicted } => {
+                self.ex.borrow_mut().held_at_ms = Some(now_ms);
+                worker.pending.borrow_mut().insert(self.id, self.ex.clone());
+                if let Some((other, rej)) = evicted {
+                    answer_held(&worker, other, &rej, None, self.id);
+                }
+                Action::Pause
+            }
+            Decision::Reject(rej) => {
+                let mut ex = self.ex.borrow_mut();
+                ex.answered = true;
+                ex.prepared = None;
+                drop(ex);
+                count_rejection(&worker, &rej);
+                io::send_rejection(&rej, &[(QUEUE_MS_HEADER, "0")]);
+                Action::Pause
+            }
         }
-        metrics.count(telemetry::name(
-            telemetry::REQUESTS,
-            &[
-                ("model", &routed.pick.target_model),
-                ("endpoint", &routed.pick.primary),
-                ("outcome", routed.pick.reason.as_str()),
-            ],
-        ));
-        metrics.gauge(
-            telemetry::name(telemetry::SNAPSHOT_AGE, &[]),
-            now_ms.saturating_sub(snapshot.published_ms),
-        );
-        drop(metrics);
-        self.primary = Some(routed.pick.primary);
-        self.session_token = Some(routed.pick.session_token);
-        self.debug_scores = routed.pick.debug_scores;
-        Action::Continue
     }
 
     fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
-        if self.answered {
+        let ex = self.ex.borrow();
+        if ex.answered {
             return Action::Continue;
         }
-        if let Some(p) = &self.primary {
+        if let Some(p) = &ex.primary {
             io::set_response_header(SERVED_HEADER, p);
         }
-        if let Some(t) = &self.session_token {
+        if let Some(t) = &ex.session_token {
             io::set_response_header(&self.worker.cfg.scheduler.session.token_header, t);
         }
-        if let Some(d) = &self.debug_scores {
+        if let Some(d) = &ex.debug_scores {
             io::set_response_header(DEBUG_SCORES_HEADER, d);
+        }
+        if let Some(q) = ex.queue_ms {
+            io::set_response_header(QUEUE_MS_HEADER, &q.to_string());
         }
         Action::Continue
     }
 
     fn on_log(&mut self) {
-        if let Some(addr) = self.holding.take() {
+        self.forget();
+        let holding = self.ex.borrow_mut().holding.take();
+        if let Some(addr) = holding {
             match inflight::adjust(&io::HostStore, &addr, -1) {
                 Ok(n) => self.worker.metrics.borrow_mut().gauge(
                     telemetry::name(telemetry::ENDPOINT_INFLIGHT, &[("endpoint", &addr)]),

@@ -99,8 +99,30 @@ pub fn replace_request_body(current_size: usize, body: &[u8]) -> bool {
     hostcalls::set_buffer(BufferType::HttpRequestBody, 0, current_size, body).is_ok()
 }
 
+/// Makes `context_id` the target of the following host calls in this callback (the root
+/// context acting on a paused HTTP context). False if the host no longer knows the context.
+pub fn set_effective_context(context_id: u32) -> bool {
+    match hostcalls::set_effective_context(context_id) {
+        Ok(()) => true,
+        Err(s) => {
+            warn!("set_effective_context({context_id}) failed: {s:?}");
+            false
+        }
+    }
+}
+
+/// Resumes the paused request of the current (or effective) context. Envoy defers it to the
+/// end of the callback. Our own import: the SDK wrapper panics on any status but Ok.
+pub fn resume_request() {
+    let status = unsafe { proxy_continue_stream(proxy_wasm::types::StreamType::HttpRequest) };
+    if status != Status::Ok {
+        warn!("resuming a held request failed: {status:?}");
+    }
+}
+
 #[link(wasm_import_module = "env")]
 extern "C" {
+    fn proxy_continue_stream(stream_type: proxy_wasm::types::StreamType) -> Status;
     fn proxy_send_local_response(
         status_code: u32,
         status_code_details_data: *const u8,
@@ -158,14 +180,15 @@ fn send_local(status: u32, headers: &[(&str, &str)], body: &[u8], details: &str)
     true
 }
 
-/// Answers the request locally with an OpenAI-style JSON error.
-pub fn send_rejection(rej: &Rejection) -> bool {
+/// Answers the request locally with an OpenAI-style JSON error, plus `extra` headers.
+pub fn send_rejection(rej: &Rejection, extra: &[(&str, &str)]) -> bool {
     let retry = rej.retry_after_s.map(|s| s.to_string());
     let mut headers: Vec<(&str, &str)> =
         vec![("content-type", "application/json"), ("x-inference-picker-reject", rej.code)];
     if let Some(r) = &retry {
         headers.push(("retry-after", r.as_str()));
     }
+    headers.extend_from_slice(extra);
     send_local(rej.status, &headers, &rej.body(), "inference_picker_reject")
 }
 
@@ -235,8 +258,34 @@ impl Metrics {
     }
 
     pub fn count(&mut self, name: String) {
+        self.add(name, 1);
+    }
+
+    /// Adds `delta` to a counter.
+    pub fn add(&mut self, name: String, delta: u64) {
+        if delta == 0 {
+            return;
+        }
         if let Some(id) = self.id(proxy_wasm::types::MetricType::Counter, name) {
-            let _ = hostcalls::increment_metric(id, 1);
+            let _ = hostcalls::increment_metric(id, i64::try_from(delta).unwrap_or(i64::MAX));
+        }
+    }
+
+    /// Adds `delta` (negative: subtracts) to a gauge. Envoy keeps one gauge per name for all
+    /// workers, so each worker's additions and subtractions sum up.
+    pub fn gauge_add(&mut self, name: String, delta: i64) {
+        if delta == 0 {
+            return;
+        }
+        if let Some(id) = self.id(proxy_wasm::types::MetricType::Gauge, name) {
+            let _ = hostcalls::increment_metric(id, delta);
+        }
+    }
+
+    /// Records one histogram sample.
+    pub fn sample(&mut self, name: String, value: u64) {
+        if let Some(id) = self.id(proxy_wasm::types::MetricType::Histogram, name) {
+            let _ = hostcalls::record_metric(id, value);
         }
     }
 

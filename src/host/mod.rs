@@ -15,17 +15,26 @@ mod poller;
 use std::cell::RefCell;
 use std::rc::Rc;
 
-use log::{error, info};
+use hashbrown::HashMap;
+use log::{error, info, warn};
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{ContextType, LogLevel};
 
+use crate::admission::{claim_worker_id, Gate, MetricUpdate};
 use crate::config::Config;
-use crate::ports::SplitMix64;
+use crate::flow;
+use crate::inflight;
+use crate::ports::{Rng, SplitMix64};
 use crate::scheduler::Scheduler;
-use crate::snapshot::SnapshotCache;
+use crate::snapshot::{Snapshot, SnapshotCache};
 
 pub const FILTER_ROOT_ID: &str = "inference-picker";
 pub const POLLER_ROOT_ID: &str = "inference-picker-poller";
+/// Tick period of the filter's root context, in ms: how often held requests are reconsidered
+/// (and flow-control metrics flushed). Well under a third of the smallest
+/// `flow_control.worker_ttl_ms` (300), as the heartbeats need; a new snapshot (every
+/// `poller.interval_ms`) is seen within one tick.
+pub const FILTER_TICK_MS: u64 = 50;
 
 proxy_wasm::main! {{
     proxy_wasm::set_log_level(LogLevel::Info);
@@ -39,6 +48,56 @@ pub(crate) struct Worker {
     pub snapshots: RefCell<SnapshotCache>,
     pub rng: RefCell<SplitMix64>,
     pub metrics: RefCell<io::Metrics>,
+    /// Flow control of this VM.
+    pub gate: RefCell<Gate>,
+    /// Requests held by flow control: context id → their state, for the root's tick.
+    pub pending: RefCell<HashMap<u32, filter::Shared>>,
+}
+
+impl Worker {
+    /// The latest snapshot (the cached one if shared data cannot be read).
+    pub fn snapshot(&self) -> Rc<Snapshot> {
+        let refreshed = self.snapshots.borrow_mut().refresh(&io::HostStore);
+        match refreshed {
+            Ok(s) => s,
+            Err(e) => {
+                warn!("inference-picker: reading the snapshot failed: {e:?}");
+                self.snapshots.borrow().current()
+            }
+        }
+    }
+
+    /// The filter root's tick: let flow control release or reject held requests, then flush
+    /// its metrics. `root_id` is the root context id (restored after acting on held requests).
+    fn on_tick(&self, root_id: u32) {
+        let needs_tick = self.gate.borrow().needs_tick();
+        if needs_tick {
+            let store = io::HostStore;
+            let snapshot = self.snapshot();
+            let counts = inflight::read(&store).unwrap_or_default();
+            let now_ms = io::now_ms();
+            let actions = self.gate.borrow_mut().tick(&store, &snapshot, &counts, now_ms);
+            for a in actions {
+                match a {
+                    flow::Action::Release { id, waited_ms, .. } => {
+                        filter::release_held(self, id, waited_ms, root_id)
+                    }
+                    flow::Action::Reject { id, waited_ms, rejection, .. } => {
+                        filter::answer_held(self, id, &rejection, Some(waited_ms), root_id)
+                    }
+                }
+            }
+        }
+        let updates = self.gate.borrow_mut().take_metrics();
+        let mut metrics = self.metrics.borrow_mut();
+        for u in updates {
+            match u {
+                MetricUpdate::Count { name, delta } => metrics.add(name, delta),
+                MetricUpdate::GaugeAdd { name, delta } => metrics.gauge_add(name, delta),
+                MetricUpdate::Sample { name, value } => metrics.sample(name, value),
+            }
+        }
+    }
 }
 
 enum Role {
@@ -95,12 +154,27 @@ impl RootContext for Root {
             if root_id != FILTER_ROOT_ID {
                 info!("inference-picker: root id {root_id:?} runs as the HTTP filter");
             }
+            // Tells this VM's queues apart from the other workers' in shared data. Every VM
+            // numbers its contexts alike, and their clocks can agree, so uniqueness comes from a
+            // shared counter; a random id only if shared data fails.
             let seed = io::now_nanos() ^ (u64::from(self.context_id) << 32);
+            let mut rng = SplitMix64::new(seed);
+            let worker_id = match claim_worker_id(&io::HostStore) {
+                Ok(id) => id,
+                Err(e) => {
+                    warn!("inference-picker: no worker id from shared data ({e:?}); using a random one");
+                    rng.next_u64() | (1 << 63)
+                }
+            };
+            let rng = SplitMix64::new(seed ^ worker_id.wrapping_mul(0x9E37_79B9_7F4A_7C15));
+            io::set_tick_period_ms(FILTER_TICK_MS);
             Role::Filter(Rc::new(Worker {
                 scheduler: RefCell::new(Scheduler::new(&cfg)),
                 snapshots: RefCell::new(SnapshotCache::new()),
-                rng: RefCell::new(SplitMix64::new(seed)),
+                rng: RefCell::new(rng),
                 metrics: RefCell::new(io::Metrics::default()),
+                gate: RefCell::new(Gate::new(&cfg, worker_id)),
+                pending: RefCell::new(HashMap::new()),
                 cfg,
             }))
         };
@@ -108,14 +182,16 @@ impl RootContext for Root {
     }
 
     fn on_tick(&mut self) {
-        if let Role::Poller(p) = &mut self.role {
-            p.on_tick();
+        match &mut self.role {
+            Role::Poller(p) => p.on_tick(),
+            Role::Filter(w) => w.on_tick(self.context_id),
+            Role::Unconfigured => {}
         }
     }
 
-    fn create_http_context(&self, _context_id: u32) -> Option<Box<dyn HttpContext>> {
+    fn create_http_context(&self, context_id: u32) -> Option<Box<dyn HttpContext>> {
         match &self.role {
-            Role::Filter(w) => Some(Box::new(filter::Filter::new(w.clone()))),
+            Role::Filter(w) => Some(Box::new(filter::Filter::new(context_id, w.clone()))),
             // A filter chain pointing at the poller's root id, or a failed configuration:
             // pass requests through untouched rather than half-handling them.
             _ => None,

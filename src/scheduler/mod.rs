@@ -73,6 +73,19 @@ pub struct PickRequest<'a> {
     pub session_token: Option<&'a str>,
 }
 
+/// The model a request is sent as, chosen before any endpoint ([`Scheduler::route_model`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ModelRoute {
+    /// The model the request is sent as (after rewrites).
+    pub target_model: String,
+    /// The body's `model` must be rewritten to `target_model`.
+    pub model_rewritten: bool,
+    /// The base model the endpoints must serve.
+    pub base: String,
+    /// The LoRA adapter, when `target_model` is one.
+    pub adapter: Option<String>,
+}
+
 /// Why the primary was chosen (for the host's metrics and logs).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum PickReason {
@@ -226,7 +239,37 @@ impl Scheduler {
             .unwrap_or(self.cfg.weights)
     }
 
+    /// Stage 1 alone: the rewrite/split choice and the base model, before any endpoint is
+    /// chosen. Flow control needs the base model (whose endpoints the request will use) and the
+    /// body rewrite at arrival, while the endpoint is picked only when the request is let
+    /// through ([`Scheduler::pick_for`]). Unknown model → 404 `model_not_found`.
+    pub fn route_model(
+        &self,
+        model: &str,
+        session_id: Option<&str>,
+        snapshot: &Snapshot,
+        rng: &mut dyn Rng,
+    ) -> Result<ModelRoute, Rejection> {
+        let rewritten = self.models.rewrite(model, session_id, rng);
+        let target = rewritten.unwrap_or(model);
+        let Some(resolved) = self.models.resolve(target, snapshot) else {
+            return Err(Rejection::new(
+                404,
+                "invalid_request_error",
+                "model_not_found",
+                format!("The model `{target}` does not exist."),
+            ));
+        };
+        Ok(ModelRoute {
+            target_model: target.to_string(),
+            model_rewritten: target != model,
+            base: resolved.base.to_string(),
+            adapter: resolved.adapter.map(str::to_string),
+        })
+    }
+
     /// Resolves rewrites/splits first, then filters, scores, picks, records prefix blocks.
+    /// The same as [`Scheduler::route_model`] followed by [`Scheduler::pick_for`].
     #[allow(clippy::too_many_arguments)]
     pub fn pick(
         &mut self,
@@ -237,19 +280,28 @@ impl Scheduler {
         rng: &mut dyn Rng,
         now_ms: u64,
     ) -> Result<Pick, Rejection> {
-        // 1. Model.
-        let rewritten = self.models.rewrite(req.model, req.session_id, rng);
-        let target = rewritten.unwrap_or(req.model);
-        let Some(resolved) = self.models.resolve(target, snapshot) else {
-            return Err(Rejection::new(
-                404,
-                "invalid_request_error",
-                "model_not_found",
-                format!("The model `{target}` does not exist."),
-            ));
-        };
-        let target_model = target.to_string();
-        let model_rewritten = target != req.model;
+        let route = self.route_model(req.model, req.session_id, snapshot, rng)?;
+        self.pick_for(&route, req, snapshot, inflight, store, rng, now_ms)
+    }
+
+    /// Stages 2-7 for a model already resolved by [`Scheduler::route_model`]. `req.model` is not
+    /// read again (the route has the target).
+    #[allow(clippy::too_many_arguments)]
+    pub fn pick_for(
+        &mut self,
+        route: &ModelRoute,
+        req: &PickRequest<'_>,
+        snapshot: &Snapshot,
+        inflight: &InflightCounts,
+        store: &dyn SharedStore,
+        rng: &mut dyn Rng,
+        now_ms: u64,
+    ) -> Result<Pick, Rejection> {
+        // 1. Model (resolved by `route_model`).
+        let target = route.target_model.as_str();
+        let resolved = models::Resolved { base: &route.base, adapter: route.adapter.as_deref() };
+        let target_model = route.target_model.clone();
+        let model_rewritten = route.model_rewritten;
         let weights = self.weights_for(target, resolved.base);
 
         // 2. Filters.

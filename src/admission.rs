@@ -1,0 +1,587 @@
+//! Admission: flow control for one worker's requests, from the request's priority and the
+//! snapshot to a decision the host only applies. Pure: the host passes the shared store, the
+//! snapshot, the in-flight counts and the time.
+//!
+//! # What it decides
+//! One [`crate::flow::FlowQueue`] per *group*: the base model a request is sent to (after
+//! rewrites), whose endpoints it will use. For each request, [`Gate::admit`]:
+//! 1. finds the group's endpoints in the snapshot (those that serve the base model, as the
+//!    scheduler's filter does) and judges them with `crate::saturation` (queue, KV use, this
+//!    proxy's in-flight count; stale is full);
+//! 2. **fails open** when no endpoint can be judged: the group has no endpoint, or every one is
+//!    stale (no metrics, failed or old scrape). Flow control is skipped and the request goes on
+//!    to the scheduler, which answers 503 (`FailClose`) or routes by in-flight count
+//!    (`FailOpen`). Holding would only end in a 503 after `max_wait_ms`, and would hold every
+//!    request while the poller is down;
+//! 3. otherwise asks the group's queue: go on, hold (paused), or reject (429 shed or queue full).
+//!
+//! [`Gate::tick`] (from the root context's tick) renews each group's capacity and returns what
+//! to release or reject; a group that can no longer be judged releases everything it holds
+//! (step 2). [`Gate::cancel`] forgets a request whose client went away.
+//!
+//! # Metrics
+//! [`Gate::take_metrics`] turns the queues' counters into named metric updates (names in
+//! `crate::telemetry`, each with `;priority=N`): counters per outcome, the total time queued, a
+//! gauge of requests held (increments and decrements, so the workers' contributions add up),
+//! and one histogram sample per request released or timed out.
+
+use std::collections::BTreeMap;
+
+use hashbrown::HashMap;
+
+use crate::config::Config;
+use crate::errors::Rejection;
+use crate::flow::{self, Admission, Capacity, FlowControlConfig, FlowQueue, Ticket};
+use crate::inflight::InflightCounts;
+use crate::ports::{SharedStore, StoreError};
+use crate::priority::PriorityDecision;
+use crate::saturation::{saturated, SaturationParams};
+use crate::scheduler::filter::serves;
+use crate::snapshot::{EndpointStatus, Snapshot};
+use crate::telemetry;
+
+/// Most histogram samples kept between two [`Gate::take_metrics`] calls; later ones are dropped
+/// (the counters still count them). The host drains every tick, so this only bounds memory if
+/// it stops doing so.
+pub const MAX_PENDING_SAMPLES: usize = 4096;
+
+/// Shared-data key of the counter that numbers the worker VMs (see [`claim_worker_id`]).
+pub const WORKER_SEQ_KEY: &str = "inference-picker/flow-worker-seq";
+
+/// A worker id no other VM of this Envoy process holds: the next value of a shared counter
+/// (CAS; shared data is per process, which is all the flow records need). Ids start at 1 and
+/// are never reused while the process lives; a restarted VM takes a new one, and its old id
+/// ages out of the records after `worker_ttl_ms`.
+pub fn claim_worker_id(store: &dyn SharedStore) -> Result<u64, StoreError> {
+    for _ in 0..crate::inflight::MAX_CAS_ATTEMPTS {
+        let (current, cas) = match store.get(WORKER_SEQ_KEY)? {
+            Some((v, cas)) => {
+                (std::str::from_utf8(&v).ok().and_then(|t| t.parse::<u64>().ok()).unwrap_or(0), cas)
+            }
+            None => (0, 0),
+        };
+        let next = current.wrapping_add(1).max(1);
+        match store.set(WORKER_SEQ_KEY, next.to_string().as_bytes(), cas) {
+            Ok(()) => return Ok(next),
+            Err(StoreError::CasMismatch) => continue,
+            Err(e) => return Err(e),
+        }
+    }
+    Err(StoreError::CasMismatch)
+}
+
+/// The group's capacity now, or `None` when flow control must be skipped: no endpoint serves
+/// `group`, or every one that does is stale.
+pub fn capacity(
+    sat: &SaturationParams,
+    snapshot: &Snapshot,
+    group: &str,
+    inflight: &InflightCounts,
+    now_ms: u64,
+) -> Option<Capacity> {
+    let endpoints: Vec<&EndpointStatus> = snapshot.endpoints.iter().filter(|e| serves(e, group)).collect();
+    if endpoints.is_empty() {
+        return None;
+    }
+    let report = saturated(sat, &endpoints, &|a| inflight.get(a), now_ms);
+    if report.stale == report.endpoints {
+        return None;
+    }
+    Some(Capacity::new(snapshot.version, &report))
+}
+
+/// What to do with a request whose body is complete.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Decision {
+    /// Go on now: pick the endpoint and continue.
+    Go,
+    /// Pause it; a later [`Gate::tick`] releases or rejects it. `evicted` is a request of this
+    /// worker pushed out to make room: answer it with the rejection now.
+    Held { evicted: Option<(u32, Rejection)> },
+    /// Answer with this error now.
+    Reject(Rejection),
+}
+
+/// A metric change for the host to apply.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum MetricUpdate {
+    /// Add to a counter.
+    Count { name: String, delta: u64 },
+    /// Add to (or subtract from) a gauge.
+    GaugeAdd { name: String, delta: i64 },
+    /// One histogram sample.
+    Sample { name: String, value: u64 },
+}
+
+#[derive(Debug, Clone)]
+struct HeldBy {
+    group: String,
+    priority: i32,
+}
+
+/// Flow control of one worker VM: a queue per group, and which requests it holds.
+#[derive(Debug)]
+pub struct Gate {
+    flow: FlowControlConfig,
+    sat: SaturationParams,
+    worker_id: u64,
+    queues: BTreeMap<String, FlowQueue>,
+    /// Held requests: context id → where.
+    held: HashMap<u32, HeldBy>,
+    /// Since the last `take_metrics`: requests evicted per priority (they count as `queue_full`
+    /// in the queue's stats, but leave the waiting gauge too).
+    evicted: BTreeMap<i32, u64>,
+    /// Since the last `take_metrics`: requests that skipped flow control, per priority.
+    fail_open: BTreeMap<i32, u64>,
+    /// Since the last `take_metrics`: (priority, ms held) of released and timed-out requests.
+    samples: Vec<(i32, u64)>,
+}
+
+impl Gate {
+    /// `worker_id` must differ between the VMs that share the store (a random u64 per VM).
+    pub fn new(cfg: &Config, worker_id: u64) -> Self {
+        Self {
+            flow: cfg.flow_control.clone(),
+            sat: cfg.saturation.params(cfg.poller.stale_after_ms),
+            worker_id,
+            queues: BTreeMap::new(),
+            held: HashMap::new(),
+            evicted: BTreeMap::new(),
+            fail_open: BTreeMap::new(),
+            samples: Vec::new(),
+        }
+    }
+
+    /// Requests held by this worker.
+    pub fn held(&self) -> usize {
+        self.held.len()
+    }
+
+    /// True while [`Gate::tick`] has work (something held, or a shared summary to withdraw).
+    pub fn needs_tick(&self) -> bool {
+        self.queues.values().any(FlowQueue::needs_tick)
+    }
+
+    /// Admits the request with context id `id`, sent to the base model `group`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn admit(
+        &mut self,
+        store: &dyn SharedStore,
+        snapshot: &Snapshot,
+        inflight: &InflightCounts,
+        id: u32,
+        group: &str,
+        priority: &PriorityDecision,
+        now_ms: u64,
+    ) -> Decision {
+        let Some(cap) = capacity(&self.sat, snapshot, group, inflight, now_ms) else {
+            *self.fail_open.entry(priority.priority).or_default() += 1;
+            return Decision::Go;
+        };
+        // Groups are base models of the config or of the snapshot: bounded by the pool.
+        let queue = match self.queues.get_mut(group) {
+            Some(q) => q,
+            None => self
+                .queues
+                .entry(group.to_string())
+                .or_insert_with(|| FlowQueue::new(&self.flow, group, self.worker_id)),
+        };
+        let ticket = Ticket { id, priority: priority.priority, fairness_id: &priority.fairness_id };
+        match queue.admit(store, &ticket, &cap, now_ms) {
+            Admission::Pass => Decision::Go,
+            Admission::Reject(r) => Decision::Reject(r),
+            Admission::Held { evicted } => {
+                if let Some((gone, _)) = &evicted {
+                    if let Some(h) = self.held.remove(gone) {
+                        *self.evicted.entry(h.priority).or_default() += 1;
+                    }
+                }
+                self.held.insert(id, HeldBy { group: group.to_string(), priority: priority.priority });
+                Decision::Held { evicted }
+            }
+        }
+    }
+
+    /// Renews every group's capacity and returns the held requests to release or reject now
+    /// (releases in the order they must go).
+    pub fn tick(
+        &mut self,
+        store: &dyn SharedStore,
+        snapshot: &Snapshot,
+        inflight: &InflightCounts,
+        now_ms: u64,
+    ) -> Vec<flow::Action> {
+        let mut out = Vec::new();
+        for (group, queue) in self.queues.iter_mut() {
+            if !queue.needs_tick() {
+                continue;
+            }
+            let actions = match capacity(&self.sat, snapshot, group, inflight, now_ms) {
+                Some(cap) => queue.on_tick(store, &cap, now_ms),
+                None => queue.release_all(store, now_ms),
+            };
+            out.extend(actions);
+        }
+        for a in &out {
+            let (flow::Action::Release { id, priority, waited_ms }
+            | flow::Action::Reject { id, priority, waited_ms, .. }) = a;
+            self.held.remove(id);
+            if self.samples.len() < MAX_PENDING_SAMPLES {
+                self.samples.push((*priority, *waited_ms));
+            }
+        }
+        out
+    }
+
+    /// The client went away (or the stream ended): forget the request if it is held. Safe for
+    /// any id. Returns whether it was held.
+    pub fn cancel(&mut self, id: u32, now_ms: u64) -> bool {
+        let Some(h) = self.held.remove(&id) else { return false };
+        self.queues.get_mut(&h.group).is_some_and(|q| q.cancel(id, now_ms))
+    }
+
+    /// The metric changes since the last call (only non-zero ones).
+    pub fn take_metrics(&mut self) -> Vec<MetricUpdate> {
+        let mut by_priority: BTreeMap<i32, flow::PriorityStats> = BTreeMap::new();
+        for q in self.queues.values_mut() {
+            for (p, s) in q.take_stats().by_priority {
+                let t = by_priority.entry(p).or_default();
+                t.passed += s.passed;
+                t.held += s.held;
+                t.released += s.released;
+                t.timed_out += s.timed_out;
+                t.shed += s.shed;
+                t.queue_full += s.queue_full;
+                t.cancelled += s.cancelled;
+                t.queued_ms += s.queued_ms;
+            }
+        }
+        let evicted = std::mem::take(&mut self.evicted);
+        let fail_open = std::mem::take(&mut self.fail_open);
+        for p in evicted.keys().chain(fail_open.keys()) {
+            by_priority.entry(*p).or_default();
+        }
+        let mut out = Vec::new();
+        for (p, s) in &by_priority {
+            let prio = p.to_string();
+            let count = |out: &mut Vec<MetricUpdate>, outcome: &str, delta: u64| {
+                if delta > 0 {
+                    let name = telemetry::name(
+                        telemetry::FLOW_REQUESTS,
+                        &[("priority", &prio), ("outcome", outcome)],
+                    );
+                    out.push(MetricUpdate::Count { name, delta });
+                }
+            };
+            count(&mut out, "passed", s.passed);
+            count(&mut out, "held", s.held);
+            count(&mut out, "released", s.released);
+            count(&mut out, "timed_out", s.timed_out);
+            count(&mut out, "shed", s.shed);
+            count(&mut out, "queue_full", s.queue_full);
+            count(&mut out, "cancelled", s.cancelled);
+            count(&mut out, "fail_open", fail_open.get(p).copied().unwrap_or(0));
+            if s.queued_ms > 0 {
+                let name = telemetry::name(telemetry::FLOW_QUEUED_MS, &[("priority", &prio)]);
+                out.push(MetricUpdate::Count { name, delta: s.queued_ms });
+            }
+            let left = s.released + s.timed_out + s.cancelled + evicted.get(p).copied().unwrap_or(0);
+            let delta = i64::try_from(s.held).unwrap_or(i64::MAX) - i64::try_from(left).unwrap_or(i64::MAX);
+            if delta != 0 {
+                let name = telemetry::name(telemetry::FLOW_WAITING, &[("priority", &prio)]);
+                out.push(MetricUpdate::GaugeAdd { name, delta });
+            }
+        }
+        for (p, ms) in std::mem::take(&mut self.samples) {
+            let name = telemetry::name(telemetry::FLOW_QUEUE_TIME, &[("priority", &p.to_string())]);
+            out.push(MetricUpdate::Sample { name, value: ms });
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::metrics::EndpointMetrics;
+    use crate::ports::MemStore;
+    use crate::priority::PrioritySource;
+
+    const NOW: u64 = 1_000_000;
+
+    fn cfg(extra: &str) -> Config {
+        let json = format!(
+            r#"{{"version":1,
+                "endpoints":[{{"address":"10.0.0.1:8000","models":["m"]}},
+                             {{"address":"10.0.0.2:8000","models":["m"]}},
+                             {{"address":"10.0.0.3:8000","models":["other"]}}],
+                "models":[{{"name":"m"}},{{"name":"other"}}],
+                "saturation":{{"max_inflight_per_endpoint":2}},
+                "flow_control":{{"max_wait_ms":1000,"max_queue":3}}{extra}}}"#
+        );
+        Config::from_json(json.as_bytes()).unwrap()
+    }
+
+    fn ep(addr: &str, model: &str, age_ms: u64) -> EndpointStatus {
+        EndpointStatus {
+            address: addr.into(),
+            models: vec![model.into()],
+            metrics: Some(EndpointMetrics {
+                queue: Some(0.0),
+                kv_usage: Some(0.1),
+                ..EndpointMetrics::default()
+            }),
+            scraped_ms: NOW - age_ms,
+            failures: 0,
+        }
+    }
+
+    fn snap(version: u64, age_ms: u64) -> Snapshot {
+        Snapshot {
+            version,
+            published_ms: NOW,
+            endpoints: vec![
+                ep("10.0.0.1:8000", "m", age_ms),
+                ep("10.0.0.2:8000", "m", age_ms),
+                ep("10.0.0.3:8000", "other", 10),
+            ],
+        }
+    }
+
+    /// `snap(version, 10)` as seen at `now`: every endpoint scraped 10 ms before `now`.
+    fn fresh_at(version: u64, now: u64) -> Snapshot {
+        let mut s = snap(version, 10);
+        for e in &mut s.endpoints {
+            e.scraped_ms = now - 10;
+        }
+        s
+    }
+
+    /// In-flight counts from `addr=n;...` text.
+    fn inflight(text: &str) -> InflightCounts {
+        InflightCounts::decode(text.as_bytes())
+    }
+
+    const FULL: &str = "10.0.0.1:8000=2;10.0.0.2:8000=2";
+
+    fn prio(p: i32) -> PriorityDecision {
+        PriorityDecision {
+            priority: p,
+            source: PrioritySource::Model,
+            objective: None,
+            tier: None,
+            fairness_id: "default-flow".into(),
+        }
+    }
+
+    #[test]
+    fn capacity_judges_only_the_groups_endpoints() {
+        let sat = cfg("").saturation.params(1000);
+        // m: both endpoints at 2/2 in flight → saturated; 'other' is untouched.
+        let c = capacity(&sat, &snap(7, 10), "m", &inflight(FULL), NOW).unwrap();
+        assert_eq!(c, Capacity { epoch: 7, slots: 0, saturated: true });
+        // One in flight on .1: room min(ceil(5-0), 2-1) = 1 there, 2 on .2 → 3 slots.
+        let c = capacity(&sat, &snap(7, 10), "m", &inflight("10.0.0.1:8000=1"), NOW).unwrap();
+        assert_eq!(c, Capacity { epoch: 7, slots: 3, saturated: false });
+        let c = capacity(&sat, &snap(7, 10), "other", &inflight(FULL), NOW).unwrap();
+        assert!(!c.saturated);
+    }
+
+    #[test]
+    fn capacity_fails_open_when_nothing_can_be_judged() {
+        let sat = cfg("").saturation.params(1000);
+        // Every endpoint of m is 1001 ms old (stale after 1000).
+        assert_eq!(capacity(&sat, &snap(7, 1001), "m", &inflight(""), NOW), None);
+        // No endpoint serves the group (an empty snapshot before the first publish, too).
+        assert_eq!(capacity(&sat, &snap(7, 10), "nobody", &inflight(""), NOW), None);
+        assert_eq!(capacity(&sat, &Snapshot::default(), "m", &inflight(""), NOW), None);
+        // One stale and one full endpoint: judged, and saturated (stale is full).
+        let mut s = snap(7, 10);
+        s.endpoints[0].scraped_ms = NOW - 5000;
+        let c = capacity(&sat, &s, "m", &inflight("10.0.0.2:8000=2"), NOW).unwrap();
+        assert!(c.saturated);
+    }
+
+    #[test]
+    fn holds_when_saturated_and_releases_in_priority_order() {
+        let store = MemStore::new();
+        let mut g = Gate::new(&cfg(""), 1);
+        let full = inflight(FULL);
+        // Arrivals 1 (p0), 2 (p10), 3 (p0) while both endpoints are full: all held.
+        for (id, p) in [(1, 0), (2, 10), (3, 0)] {
+            assert_eq!(
+                g.admit(&store, &snap(1, 10), &full, id, "m", &prio(p), NOW),
+                Decision::Held { evicted: None }
+            );
+        }
+        assert_eq!(g.held(), 3);
+        // Still full at the next tick: nothing moves.
+        assert!(g.tick(&store, &snap(1, 10), &full, NOW + 50).is_empty());
+        // Snapshot 2 shows one free slot on .1 (1 in flight): the p10 request goes first.
+        let a = g.tick(&store, &snap(2, 10), &inflight("10.0.0.1:8000=1;10.0.0.2:8000=2"), NOW + 100);
+        assert_eq!(a, vec![flow::Action::Release { id: 2, priority: 10, waited_ms: 100 }]);
+        // Snapshot 3, two slots: the two p0 requests in arrival order.
+        let a = g.tick(&store, &snap(3, 10), &inflight("10.0.0.2:8000=2"), NOW + 200);
+        let ids: Vec<u32> = a
+            .iter()
+            .map(|x| match x {
+                flow::Action::Release { id, .. } | flow::Action::Reject { id, .. } => *id,
+            })
+            .collect();
+        assert_eq!(ids, vec![1, 3]);
+        assert_eq!(g.held(), 0);
+        assert!(!g.needs_tick());
+    }
+
+    #[test]
+    fn sheddable_is_rejected_at_once_only_while_saturated() {
+        let store = MemStore::new();
+        let mut g = Gate::new(&cfg(""), 1);
+        let Decision::Reject(r) = g.admit(&store, &snap(1, 10), &inflight(FULL), 1, "m", &prio(-5), NOW)
+        else {
+            panic!("expected a rejection")
+        };
+        assert_eq!((r.status, r.code, r.retry_after_s), (429, "request_shed", Some(1)));
+        // With room, a sheddable request goes on like any other.
+        assert_eq!(g.admit(&store, &snap(1, 10), &inflight(""), 2, "m", &prio(-5), NOW), Decision::Go);
+    }
+
+    #[test]
+    fn all_stale_skips_flow_control_and_drains_what_was_held() {
+        let store = MemStore::new();
+        let mut g = Gate::new(&cfg(""), 1);
+        let full = inflight(FULL);
+        assert!(matches!(g.admit(&store, &snap(1, 10), &full, 1, "m", &prio(0), NOW), Decision::Held { .. }));
+        // Metrics now 1001 ms old: a new request, even sheddable, skips flow control...
+        assert_eq!(g.admit(&store, &snap(1, 1001), &full, 2, "m", &prio(-5), NOW), Decision::Go);
+        // ...and the held one is let go at the next tick, for the scheduler to decide.
+        let a = g.tick(&store, &snap(1, 1001), &full, NOW + 20);
+        assert_eq!(a, vec![flow::Action::Release { id: 1, priority: 0, waited_ms: 20 }]);
+        assert!(!g.needs_tick(), "summary withdrawn");
+        let m = g.take_metrics();
+        assert!(m.contains(&MetricUpdate::Count {
+            name: "inference_picker_flow_requests_total;priority=-5;outcome=fail_open".into(),
+            delta: 1
+        }));
+    }
+
+    #[test]
+    fn timeout_eviction_and_cancel_keep_the_books() {
+        let store = MemStore::new();
+        let mut g = Gate::new(&cfg(""), 1);
+        let full = inflight(FULL);
+        let s = snap(1, 10);
+        // max_queue 3: ids 1, 2, 3 at p0 fill it.
+        for id in 1..=3 {
+            assert!(matches!(
+                g.admit(&store, &s, &full, id, "m", &prio(0), NOW),
+                Decision::Held { evicted: None }
+            ));
+        }
+        // A fourth p0 gets 429 queue_full; a p5 evicts the newest p0 (id 3).
+        let Decision::Reject(r) = g.admit(&store, &s, &full, 4, "m", &prio(0), NOW) else { panic!() };
+        assert_eq!((r.status, r.code), (429, "queue_full"));
+        let Decision::Held { evicted: Some((3, r)) } = g.admit(&store, &s, &full, 5, "m", &prio(5), NOW + 10)
+        else {
+            panic!()
+        };
+        assert_eq!(r.code, "queue_full");
+        assert!(!g.cancel(3, NOW + 10), "an evicted request is no longer held");
+        // Client of id 2 goes away at +30.
+        assert!(g.cancel(2, NOW + 30));
+        assert!(!g.cancel(2, NOW + 30));
+        // At +1000 (max_wait_ms) ids 1 and 5 time out with 503 (5 was held at +10: not yet).
+        // (Metrics scraped 10 ms before each tick: saturated, not stale.)
+        let a = g.tick(&store, &fresh_at(1, NOW + 1000), &full, NOW + 1000);
+        assert_eq!(a.len(), 1, "{a:?}");
+        let flow::Action::Reject { id: 1, priority: 0, waited_ms: 1000, rejection } = &a[0] else {
+            panic!("{a:?}")
+        };
+        assert_eq!(
+            (rejection.status, rejection.code, rejection.retry_after_s),
+            (503, "queue_timeout", Some(1))
+        );
+        let a = g.tick(&store, &fresh_at(1, NOW + 1010), &full, NOW + 1010);
+        assert!(matches!(a.as_slice(), [flow::Action::Reject { id: 5, waited_ms: 1000, .. }]));
+
+        let mut m = g.take_metrics();
+        m.sort_by(|a, b| format!("{a:?}").cmp(&format!("{b:?}")));
+        let count = |name: &str, delta| MetricUpdate::Count { name: name.into(), delta };
+        let expected = {
+            let mut e = vec![
+                count("inference_picker_flow_requests_total;priority=0;outcome=held", 3),
+                // id 4 refused + id 3 evicted.
+                count("inference_picker_flow_requests_total;priority=0;outcome=queue_full", 2),
+                count("inference_picker_flow_requests_total;priority=0;outcome=cancelled", 1),
+                count("inference_picker_flow_requests_total;priority=0;outcome=timed_out", 1),
+                // id 3: 10 ms (evicted), id 2: 30 ms (cancelled), id 1: 1000 ms.
+                count("inference_picker_flow_queued_ms_total;priority=0", 1040),
+                count("inference_picker_flow_requests_total;priority=5;outcome=held", 1),
+                count("inference_picker_flow_requests_total;priority=5;outcome=timed_out", 1),
+                count("inference_picker_flow_queued_ms_total;priority=5", 1000),
+                // Every request that was held has left: 3 - (1 + 1 + 1 evicted) = 0 and 1 - 1 = 0,
+                // so no gauge change is reported at all.
+                MetricUpdate::Sample {
+                    name: "inference_picker_flow_queue_time_ms;priority=0".into(),
+                    value: 1000,
+                },
+                MetricUpdate::Sample {
+                    name: "inference_picker_flow_queue_time_ms;priority=5".into(),
+                    value: 1000,
+                },
+            ];
+            e.sort_by(|a, b| format!("{a:?}").cmp(&format!("{b:?}")));
+            e
+        };
+        assert_eq!(m, expected);
+        assert!(g.take_metrics().is_empty(), "drained");
+    }
+
+    #[test]
+    fn waiting_gauge_moves_up_and_down() {
+        let store = MemStore::new();
+        let mut g = Gate::new(&cfg(""), 1);
+        for id in 1..=2 {
+            g.admit(&store, &snap(1, 10), &inflight(FULL), id, "m", &prio(3), NOW);
+        }
+        let gauge = |m: &[MetricUpdate]| {
+            m.iter()
+                .find_map(|u| match u {
+                    MetricUpdate::GaugeAdd { name, delta }
+                        if name == "inference_picker_flow_waiting;priority=3" =>
+                    {
+                        Some(*delta)
+                    }
+                    _ => None,
+                })
+                .unwrap_or(0)
+        };
+        assert_eq!(gauge(&g.take_metrics()), 2);
+        g.tick(&store, &snap(2, 10), &inflight("10.0.0.2:8000=2"), NOW + 5);
+        // Two slots on .1 in epoch 2: both released.
+        assert_eq!(gauge(&g.take_metrics()), -2);
+    }
+
+    #[test]
+    fn worker_ids_are_unique_and_survive_garbage() {
+        let store = MemStore::new();
+        assert_eq!(claim_worker_id(&store), Ok(1));
+        assert_eq!(claim_worker_id(&store), Ok(2));
+        // An unreadable counter restarts at 1 rather than failing configuration.
+        store.set(WORKER_SEQ_KEY, b"junk", 0).unwrap();
+        assert_eq!(claim_worker_id(&store), Ok(1));
+    }
+
+    #[test]
+    fn groups_are_independent() {
+        let store = MemStore::new();
+        let mut g = Gate::new(&cfg(""), 1);
+        // m is full, other is not: a request to other goes on while m's are held.
+        assert!(matches!(
+            g.admit(&store, &snap(1, 10), &inflight(FULL), 1, "m", &prio(0), NOW),
+            Decision::Held { .. }
+        ));
+        assert_eq!(g.admit(&store, &snap(1, 10), &inflight(FULL), 2, "other", &prio(0), NOW), Decision::Go);
+        assert_eq!(store.keys(), vec![flow::shared_key("m")]);
+    }
+}
