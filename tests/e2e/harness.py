@@ -135,12 +135,13 @@ class Envoy:
     """Envoy running envoy/envoy.yaml with its ports, .wasm path and plugin configuration
     replaced."""
 
-    def __init__(self, config: dict, concurrency: int = 2, base_yaml: Path = ENVOY_YAML):
+    def __init__(self, config: dict, concurrency: int = 2, base_yaml: Path = ENVOY_YAML,
+                 front_filters: list[dict] | None = None):
         self.port = free_port()
         self.admin_port = free_port()
         self.tmp = tempfile.TemporaryDirectory(prefix="picker-envoy-")
         doc = yaml.safe_load(base_yaml.read_text())
-        doc = render(doc, config, self.port, self.admin_port)
+        doc = render(doc, config, self.port, self.admin_port, front_filters or [])
         path = Path(self.tmp.name) / "envoy.yaml"
         path.write_text(yaml.safe_dump(doc))
         self.log_path = Path(self.tmp.name) / "envoy.log"
@@ -193,6 +194,10 @@ class Envoy:
     def stats_prometheus(self) -> str:
         return requests.get(self.admin + "/stats/prometheus", timeout=5).text
 
+    def metric(self, name: str, **labels) -> float:
+        """The value of one Prometheus series (0 when absent), matched on the given labels."""
+        return metric_value(self.stats_prometheus(), name, **labels)
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.terminate()
@@ -204,13 +209,45 @@ class Envoy:
         self.tmp.cleanup()
 
 
-def render(doc: dict, config: dict, port: int, admin_port: int) -> dict:
+def metric_value(text: str, name: str, **labels) -> float:
+    """Finds `name{...}` in Prometheus text whose labels include `labels`; 0 when absent."""
+    want = [f'{k}="{v}"' for k, v in labels.items()]
+    for line in text.splitlines():
+        if line.startswith("#"):
+            continue
+        series, _, value = line.rpartition(" ")
+        base, _, rest = series.partition("{")
+        if base != name:
+            continue
+        have = rest.rstrip("}").split(",") if rest else []
+        if all(w in have for w in want):
+            return float(value)
+    return 0.0
+
+
+def wait_until(predicate, timeout: float, what: str, interval: float = 0.05):
+    """Polls `predicate` until it returns a truthy value (returned), or fails after `timeout`."""
+    deadline = time.time() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.time() >= deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(interval)
+
+
+def render(doc: dict, config: dict, port: int, admin_port: int, front_filters: list[dict] = ()) -> dict:
     """Applies ports, the absolute .wasm path and the plugin configuration to a parsed
-    envoy.yaml (the same structure `make run` uses)."""
+    envoy.yaml (the same structure `make run` uses). `front_filters` are HTTP filters inserted
+    before the inference-picker filter (for example one that sets a trusted header)."""
     doc = copy.deepcopy(doc)
     cfg_json = json.dumps(config)
     doc["admin"]["address"]["socket_address"]["port_value"] = admin_port
     doc["static_resources"]["listeners"][0]["address"]["socket_address"]["port_value"] = port
+    if front_filters:
+        hcm = doc["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+        hcm["http_filters"] = list(front_filters) + hcm["http_filters"]
 
     def visit(node):
         if isinstance(node, dict):
