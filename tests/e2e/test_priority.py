@@ -269,3 +269,79 @@ def test_a_client_that_leaves_frees_its_place(strict_pool):
     # previous test: the blockers outlast max_wait_ms).
     assert newcomer.status_code == 503 and newcomer.json()["error"]["code"] == "queue_timeout"
     assert sim.requests_total() - before_sim == 2
+
+
+def test_tenants_take_turns_within_a_priority():
+    """Round-robin over fairness ids inside one priority level. Fairness is per worker (see
+    docs/priority.md), so this runs one worker: the order is then exact."""
+    sim = slow_sim("fair-sim")
+    lua = TIER_LUA.replace(
+        'headers:remove("x-llm-tier")',
+        'headers:remove("x-llm-tier")\n  headers:remove("x-gateway-inference-fairness-id")\n'
+        '  local tenant = (headers:get("authorization") or ""):match("^Bearer (tenant%-%a+)$")\n'
+        '  if tenant ~= nil then headers:add("x-gateway-inference-fairness-id", tenant) end',
+    )
+    front = {"name": TIER_FILTER["name"], "typed_config": dict(TIER_FILTER["typed_config"],
+                                                              default_source_code={"inline_string": lua})}
+    cfg = picker_config(
+        [endpoint(sim)],
+        priority={"trust_fairness_header": True},
+        saturation={"max_inflight_per_endpoint": 2},
+        flow_control={"max_wait_ms": 30000},
+    )
+    envoy = Envoy(cfg, concurrency=1, front_filters=[front])
+    try:
+        envoy.wait_routable()
+        wait_until(lambda: inflight(envoy, sim) == 0, 10, "warm-up request finished")
+        with cf.ThreadPoolExecutor(10) as pool:
+            blockers = start_blockers(envoy, sim, pool, max_tokens=20)
+            futs = []
+            # Tenant a queues 4 requests first, then tenant b queues 2.
+            for i, tenant in enumerate(["a"] * 4 + ["b"] * 2):
+                headers = {"authorization": f"Bearer tenant-{tenant}"}
+                futs.append((tenant, pool.submit(post, envoy, f"{tenant} {i}", SHORT_TOKENS, headers)))
+                time.sleep(0.02)
+            rows = [(tenant, f.result()) for tenant, f in futs]
+            for f in blockers:
+                assert f.result()[1].status_code == 200
+        for _, (_, resp, _, _) in rows:
+            assert resp.status_code == 200, resp.text
+        released = {tag: start + queue_ms(resp) / 1000 for _, (tag, resp, start, _) in rows}
+        # Two slots per release: (a 0, b 4), then (a 1, b 5), then (a 2, a 3). Without
+        # round-robin, b would wait behind all of a's requests.
+        assert max(released["b 4"], released["b 5"]) < min(released["a 2"], released["a 3"])
+    finally:
+        envoy.stop()
+        sim.stop()
+
+
+def test_flow_control_steps_aside_when_every_endpoint_is_stale():
+    """The poller cannot read any metrics (wrong path: every scrape fails), so every endpoint
+    is stale. Flow control must not hold requests for a saturation it cannot see;
+    `filter.failure_mode: FailOpen` then routes by in-flight count."""
+    sim = slow_sim("stale-sim")
+    cfg = picker_config(
+        [endpoint(sim)],
+        saturation={"max_inflight_per_endpoint": 2},
+        flow_control={"max_wait_ms": 30000},
+        filter={"failure_mode": "FailOpen"},
+    )
+    cfg["poller"]["metrics_path"] = "/no-metrics-here"
+    envoy = Envoy(cfg, concurrency=4)
+    try:
+        envoy.wait_routable()
+        wait_until(lambda: inflight(envoy, sim) == 0, 10, "warm-up request finished")
+        with cf.ThreadPoolExecutor(4) as pool:
+            blockers = start_blockers(envoy, sim, pool, max_tokens=30)
+            # Two in flight = "full" by the in-flight limit, but stale is unjudgeable: not held.
+            _, resp, start, end = post(envoy, "third", SHORT_TOKENS)
+            assert resp.status_code == 200, resp.text
+            assert queue_ms(resp) == 0
+            for f in blockers:
+                assert f.result()[1].status_code == 200
+        wait_until(lambda: flow(envoy, 0, "fail_open") >= 3, 5, "fail-open metrics flushed")
+        assert flow(envoy, 0, "held") == 0
+        assert envoy.metric("inference_picker_requests_total", outcome="fail_open") >= 3
+    finally:
+        envoy.stop()
+        sim.stop()
