@@ -208,8 +208,8 @@ def test_queue_full_429_and_max_wait_503(strict_pool):
         blockers = start_blockers(envoy, sim, pool, max_tokens=60)
         held = [pool.submit(post, envoy, f"held {i}", SHORT_TOKENS) for i in range(2)]
         wait_until(lambda: waiting(envoy, 0) == 2, 5, "two requests held")
-        # The queue (2, over all workers) is full. This client claims premium, but the header is
-        # untrusted: it is priority 0 like the held ones, so it may not evict them; 429.
+        # The queue (2, over all workers) is full: 429 at once. (This client also claims the
+        # premium tier, untrusted here; the one-worker eviction test shows it gains nothing.)
         _, full, start, end = post(envoy, "one too many", SHORT_TOKENS, {"x-llm-tier": "premium"})
         assert full.status_code == 429, full.text
         assert full.json()["error"]["code"] == "queue_full"
@@ -342,6 +342,57 @@ def test_flow_control_steps_aside_when_every_endpoint_is_stale():
         wait_until(lambda: flow(envoy, 0, "fail_open") >= 3, 5, "fail-open metrics flushed")
         assert flow(envoy, 0, "held") == 0
         assert envoy.metric("inference_picker_requests_total", outcome="fail_open") >= 3
+    finally:
+        envoy.stop()
+        sim.stop()
+
+
+def test_a_higher_priority_arrival_evicts_the_newest_lower_one():
+    """A full queue and a more important arrival: the newest lower-priority request held on the
+    same worker is pushed out with 429 (the eviction is answered from the arrival's own
+    callback, on the evicted request's context). Eviction only looks at the arrival's worker,
+    so this runs one worker."""
+    sim = slow_sim("evict-sim")
+    cfg = picker_config(
+        [endpoint(sim)],
+        priority={"objectives": [{"name": "urgent", "priority": 10}], "trust_objective_header": True,
+                  # Configured, but not trusted: no filter in front sets it.
+                  "tier": {"header": "x-llm-tier", "trusted": False, "values": TIERS}},
+        saturation={"max_inflight_per_endpoint": 2},
+        flow_control={"max_wait_ms": 1500, "max_queue": 2},
+    )
+    envoy = Envoy(cfg, concurrency=1)
+    try:
+        envoy.wait_routable()
+        wait_until(lambda: inflight(envoy, sim) == 0, 10, "warm-up request finished")
+        with cf.ThreadPoolExecutor(8) as pool:
+            blockers = start_blockers(envoy, sim, pool, max_tokens=60)
+            first = pool.submit(post, envoy, "first", SHORT_TOKENS)
+            wait_until(lambda: waiting(envoy, 0) == 1, 5, "first held")
+            newest = pool.submit(post, envoy, "newest", SHORT_TOKENS)
+            wait_until(lambda: waiting(envoy, 0) == 2, 5, "queue full")
+            # A client claiming the premium tier itself: untrusted, so priority 0 like the held
+            # ones. It may not push them out: 429 for itself, at once.
+            _, forged, start, end = post(envoy, "forged", SHORT_TOKENS, {"x-llm-tier": "premium"})
+            assert forged.status_code == 429 and forged.json()["error"]["code"] == "queue_full"
+            assert end - start < 1.0 and waiting(envoy, 0) == 2
+            urgent = pool.submit(post, envoy, "urgent", SHORT_TOKENS,
+                                 {"x-gateway-inference-objective": "urgent"})
+            _, pushed, start, end = newest.result()
+            assert pushed.status_code == 429, pushed.text
+            assert pushed.json()["error"]["code"] == "queue_full"
+            # Answered when the urgent request arrived, long before max_wait_ms.
+            assert end - start < 1.4 and queue_ms(pushed) < 1400
+            # The other two stay held, then time out (the blockers outlast max_wait_ms).
+            for f in (first, urgent):
+                resp = f.result()[1]
+                assert resp.status_code == 503 and resp.json()["error"]["code"] == "queue_timeout"
+            for f in blockers:
+                assert f.result()[1].status_code == 200
+        wait_until(lambda: flow(envoy, 10, "timed_out") == 1, 5, "metrics flushed")
+        assert flow(envoy, 0, "queue_full") == 2  # the forged one refused, the newest evicted
+        assert flow(envoy, 10, "held") == 1
+        assert waiting(envoy, 0) == 0 and waiting(envoy, 10) == 0
     finally:
         envoy.stop()
         sim.stop()
