@@ -135,7 +135,13 @@ def test_lora_request_prefers_the_endpoint_running_the_adapter():
         for s in sims:
             s.reset_stats()
         # Scores: sim 1 = 1.0 (running), sim 2 = 0.8 (free slot), sim 0 = 0 (slot taken).
-        got = [served(post(envoy, {"model": "sql-lora", "max_tokens": 1, "messages": [{"role": "user", "content": f"q{i}"}]})) for i in range(8)]
+        # Probes are paced by more than a poll interval, so that each one sees the previous one
+        # finished (its in-flight count released, the queue empty) and only LoRA state differs.
+        got = []
+        for i in range(8):
+            got.append(served(post(envoy, {"model": "sql-lora", "max_tokens": 1,
+                                            "messages": [{"role": "user", "content": f"q{i}"}]})))
+            time.sleep(1.5 * POLL_S)
         assert got == ["lora-1"] * 8, got
     finally:
         background.shutdown(wait=False, cancel_futures=True)
