@@ -52,13 +52,21 @@ pub const MAX_BODY_BYTES_LIMIT: usize = 64 * 1024 * 1024;
 /// poller.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
+// `endpoints` needs an entry only when there is no `discovery`.
+#[cfg_attr(
+    feature = "schema",
+    schemars(extend(
+        "if" = serde_json::json!({"not": {"required": ["discovery"], "properties": {"discovery": {"type": "object"}}}}),
+        "then" = serde_json::json!({"properties": {"endpoints": {"minItems": 1}}})
+    ))
+)]
 #[serde(deny_unknown_fields)]
 pub struct Config {
     /// Version of this document's format. Must be 1.
     #[cfg_attr(feature = "schema", schemars(extend("const" = CONFIG_VERSION)))]
     pub version: u32,
-    /// The pool's endpoints (model servers) and the base models each serves. At least one.
-    #[cfg_attr(feature = "schema", schemars(length(min = 1)))]
+    /// The pool's endpoints (model servers) and the base models each serves. At least one, unless
+    /// `discovery` is set.
     pub endpoints: Vec<EndpointConfig>,
     /// The base models the pool serves, with their LoRA adapters. At least one.
     #[cfg_attr(feature = "schema", schemars(length(min = 1)))]
@@ -275,6 +283,7 @@ pub struct KubernetesDiscoveryConfig {
     /// Equality label selector (InferencePool `spec.selector.matchLabels`); at least one label.
     pub selector: std::collections::BTreeMap<String, String>,
     /// Ports on each pod (InferencePool `spec.targetPorts`), 1 to 8; each port is its own endpoint.
+    #[cfg_attr(feature = "schema", schemars(length(min = 1, max = crate::discovery::MAX_TARGET_PORTS)))]
     pub target_ports: Vec<u16>,
     /// Base models (from `models`) every discovered endpoint serves. Default: all of `models`.
     #[serde(default)]
@@ -293,10 +302,11 @@ pub struct KubernetesDiscoveryConfig {
     /// `vm_config.environment_variables`, Istio `vmConfig.env`).
     #[serde(default)]
     pub token_env: Option<String>,
-    /// How often the pod list is fetched again. Default 5000 ms.
+    /// How often the pod list is fetched again, in ms. At least 1000. Default 5000.
     #[serde(default = "default_refresh_ms")]
+    #[cfg_attr(feature = "schema", schemars(range(min = crate::discovery::MIN_REFRESH_MS)))]
     pub refresh_ms: u64,
-    /// Timeout of one list request. Default 2000 ms.
+    /// Timeout of one list request, in ms: 1 to `refresh_ms`. Default 2000.
     #[serde(default = "default_list_timeout_ms")]
     pub timeout_ms: u64,
 }

@@ -725,7 +725,10 @@ mod tests {
         assert_eq!(k.target_ports, [8000]);
         assert_eq!(k.token_source(), TokenSource::Env("K8S_TOKEN"));
         // Without the section there is no discovery.
-        let c = crate::config::Config::from_json(br#"{"version":1,"endpoints":[],"models":[]}"#).unwrap();
+        let c = crate::config::Config::from_json(
+            br#"{"version":1,"endpoints":[{"address":"10.0.0.1:8000","models":["m"]}],"models":[{"name":"m"}]}"#,
+        )
+        .unwrap();
         assert_eq!(c.discovery, None);
     }
 }

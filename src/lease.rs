@@ -554,20 +554,4 @@ mod tests {
         // Stalls happened, so the lease moved between roots.
         assert!(holders_seen.len() >= 2, "{holders_seen:?}");
     }
-
-    #[test]
-    fn poller_mode_config_defaults_to_singleton() {
-        use crate::config::{Config, PollerMode};
-        let c = Config::from_json(br#"{"version":1,"endpoints":[],"models":[]}"#).unwrap();
-        assert_eq!(c.poller.mode, PollerMode::Singleton);
-        assert_eq!(c.poller.lease_ttl_ms, 1000);
-        let c = Config::from_json(
-            br#"{"version":1,"endpoints":[],"models":[],"poller":{"mode":"lease","lease_ttl_ms":3000}}"#,
-        )
-        .unwrap();
-        assert_eq!(c.poller.mode, PollerMode::Lease);
-        assert_eq!(c.poller.lease_ttl_ms, 3000);
-        assert!(Config::from_json(br#"{"version":1,"endpoints":[],"models":[],"poller":{"mode":"Lease"}}"#)
-            .is_err());
-    }
 }

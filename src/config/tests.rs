@@ -347,7 +347,8 @@ fn discovery_errors_have_paths() {
     let v = with(base(), "/discovery", discovery());
     let v = with(v, "/discovery/kubernetes/target_ports", json!([]));
     assert_only(&errors(&v), "discovery.kubernetes.target_ports", "needs 1 to 8 ports");
-    let v = with(with(base(), "/discovery", discovery()), "/discovery/kubernetes/models", json!(["sql-lora"]));
+    let v =
+        with(with(base(), "/discovery", discovery()), "/discovery/kubernetes/models", json!(["sql-lora"]));
     assert_only(&errors(&v), "discovery.kubernetes.models[0]", "not a base model");
     let v = with(with(base(), "/discovery", discovery()), "/discovery/kubernetes/selector", json!({}));
     assert_only(&errors(&v), "discovery.kubernetes.selector", "at least one label");
