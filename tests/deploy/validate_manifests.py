@@ -25,6 +25,8 @@ Each directory under envoy/istio/ holds the manifests for one proxy. Three check
    with `envoy --mode validate`, which checks every field and loads the .wasm (running
    on_vm_start and on_configure with the manifest's configuration). The module image reference
    and in-pod file paths are replaced by the local .wasm and a test CA file.
+   Validate mode does not start bootstrap extensions, so a singleton's configuration is not run
+   through the module there; check 2 requires it to equal the filter's, which is.
 
 Usage:
     validate_manifests.py [--envoy .venv/bin/envoy --wasm target/.../inference_picker.wasm]
