@@ -209,3 +209,40 @@ def test_wasmplugin_translation_has_no_vm_id_nor_stop_iteration():
     assert "allow_on_headers_stop_iteration" not in cfg
     assert cfg["failure_policy"] == "FAIL_CLOSED"
     assert cfg["vm_config"]["environment_variables"] == {"host_env_keys": ["K8S_TOKEN"]}
+
+
+# ---- config-from-crds examples against the Gateway API Inference Extension CRDs ------------------
+
+GIE_SCHEMAS = sorted((REPO / "tests" / "fixtures" / "schemas").glob("gie-*.yaml"))
+CRD_EXAMPLES = sorted((REPO / "tools" / "config-from-crds" / "examples").glob("*.yaml"))
+
+
+@pytest.fixture
+def gie_crds():
+    crds = {}
+    for path in GIE_SCHEMAS:
+        crds.update(vm.load_crds(path))
+    return crds
+
+
+def test_config_from_crds_examples_match_the_gie_schemas(gie_crds):
+    assert len(GIE_SCHEMAS) == 3 and len(CRD_EXAMPLES) >= 2
+    kinds = set()
+    for path in CRD_EXAMPLES:
+        docs = vm.load_docs(path)
+        for d in docs:
+            d.setdefault("metadata", {}).setdefault("namespace", "inference")
+            kinds.add(d["kind"])
+        report = vm.Report()
+        vm.check_schema(path, docs, gie_crds, report)
+        assert report.errors == [], path
+    assert kinds == {"InferencePool", "InferenceObjective", "InferenceModelRewrite"}
+
+
+def test_gie_schema_catches_bad_pools(gie_crds):
+    pool = copy.deepcopy(vm.load_docs(CRD_EXAMPLES[0])[0])
+    assert pool["kind"] == "InferencePool"
+    pool["spec"]["targetPorts"] = [{"number": 8000 + i} for i in range(9)]  # at most 8
+    pool["spec"]["endpointPickerRef"]["failureMode"] = "FailSometimes"
+    errs = schema_errors(gie_crds, [pool])
+    assert any("targetPorts" in e for e in errs) and any("FailSometimes" in e for e in errs), errs
