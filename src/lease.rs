@@ -84,6 +84,16 @@ pub fn takeover_bound_ms(ttl_ms: u64, tick_ms: u64) -> u64 {
     ttl_ms.saturating_add(tick_ms.saturating_mul(2))
 }
 
+/// A non-zero holder id for one root context, from host entropy (e.g. the clock's nanoseconds, or
+/// better `RandomState`, which reads WASI `random_get`) and the root's context id. Mixing both
+/// keeps two roots that read the same clock value apart.
+pub fn holder_id(entropy: u64, context_id: u32) -> u64 {
+    use crate::ports::Rng;
+    let mut mix =
+        crate::ports::SplitMix64::new(entropy ^ (u64::from(context_id) << 32 | u64::from(context_id)));
+    mix.next_u64().max(1)
+}
+
 /// A parsed lease record.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Record {
@@ -252,6 +262,14 @@ mod tests {
 
     fn record_of(store: &MemStore) -> Record {
         parse_record(&store.get(LEASE_KEY).unwrap().unwrap().0)
+    }
+
+    #[test]
+    fn holder_ids_are_non_zero_and_differ_by_context() {
+        assert_ne!(holder_id(42, 1), holder_id(42, 2));
+        assert_ne!(holder_id(42, 1), holder_id(43, 1));
+        assert_eq!(holder_id(42, 1), holder_id(42, 1));
+        assert!((0..1000).all(|i| holder_id(i, 0) != 0));
     }
 
     #[test]
