@@ -652,7 +652,7 @@ mod tests {
 
     #[test]
     fn validation_reports_paths() {
-        let models = [ModelConfig { name: "m".into(), adapters: vec![] }];
+        let models: [ModelConfig; 1] = [serde_json::from_str(r#"{"name":"m"}"#).unwrap()];
         let mut ok = cfg(&[8000]);
         ok.models = vec!["m".into()];
         let mut errs = Vec::new();

@@ -9,7 +9,7 @@
 //! | InferencePool | `spec.targetPorts[].number` | `discovery.kubernetes.target_ports` |
 //! | InferencePool | `spec.endpointPickerRef.failureMode` (default FailClose) | `filter.failure_mode` |
 //! | InferenceModelRewrite | `spec.rules[]` (resources by creation time, then name) | `scheduler.rewrites[]` |
-//! | InferenceObjective | `metadata.name` → `spec.priority` (unset = 0) | not emitted: this build's configuration has no priority section; see [`objective_priorities`] |
+//! | InferenceObjective | `metadata.name` → `spec.priority` (unset = 0) | `priority.objectives[]` (by name) |
 //!
 //! Not mapped: `endpointPickerRef` name and port (this module is the picker, inside the proxy),
 //! and `appProtocol` (the data cluster's protocol is Envoy configuration; `kubernetes.io/h2c` gets a
@@ -22,6 +22,7 @@ use std::collections::BTreeMap;
 use inference_picker::config::{
     Config, DiscoveryConfig, FailureMode, KubernetesDiscoveryConfig, ModelConfig, PollerMode,
 };
+use inference_picker::priority::ObjectiveConfig;
 use inference_picker::scheduler::config::{MatchType, ModelMatch, RewriteMatch, RewriteRule, RewriteTarget};
 use serde::Deserialize;
 
@@ -41,7 +42,8 @@ pub struct Options {
     /// `discovery.kubernetes.token_env`.
     pub token_env: Option<String>,
     /// A configuration document to start from; its `discovery`, `filter.failure_mode`,
-    /// `scheduler.rewrites` and (when `models` is not empty) `models` are replaced.
+    /// `poller.mode`, `scheduler.rewrites` and `priority.objectives` (when the input has any), and
+    /// `models` (when `models` is not empty) are replaced.
     pub base: Option<serde_json::Value>,
 }
 
@@ -212,8 +214,7 @@ fn typed<T: for<'de> Deserialize<'de>>(doc: &serde_yaml::Value, what: &str) -> R
     serde_yaml::from_value(doc.clone()).map_err(|e| format!("{what} {name}: {e}"))
 }
 
-/// InferenceObjective name → priority, for the objectives of `pool` (unset priority = 0). Kept
-/// for when the configuration has a place for it; [`convert`] only reports them.
+/// InferenceObjective name → priority, for the objectives of `pool` (unset priority = 0).
 pub fn objective_priorities(docs: &[serde_yaml::Value], pool: &str) -> Result<BTreeMap<String, i64>, String> {
     let mut out = BTreeMap::new();
     for doc in docs {
@@ -323,11 +324,20 @@ pub fn convert(docs: &[serde_yaml::Value], opts: &Options) -> Result<Output, Vec
         ));
     }
     let objectives = objective_priorities(docs, &pool.metadata.name).map_err(|e| vec![e])?;
-    if !objectives.is_empty() {
+    let mut objective_configs = Vec::new();
+    for (name, priority) in &objectives {
+        let Ok(priority) = i32::try_from(*priority) else {
+            return Err(vec![format!(
+                "InferenceObjective {name}: priority {priority} does not fit in 32 bits"
+            )]);
+        };
+        objective_configs.push(ObjectiveConfig { name: name.clone(), priority });
+    }
+    if !objective_configs.is_empty() {
         warnings.push(format!(
-            "{} InferenceObjective(s) not written ({}): this build's configuration has no priority section",
-            objectives.len(),
-            objectives.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join(", ")
+            "{} InferenceObjective(s) written to priority.objectives; requests select one with \
+             x-gateway-inference-objective only when priority.trust_objective_header is true",
+            objective_configs.len()
         ));
     }
     let rewrites = rewrite_rules(docs, &pool.metadata.name).map_err(|e| vec![e])?;
@@ -372,6 +382,13 @@ pub fn convert(docs: &[serde_yaml::Value], opts: &Options) -> Result<Output, Vec
             serde_json::to_value(&rewrites).map_err(|e| vec![e.to_string()])?,
         );
     }
+    if !objective_configs.is_empty() {
+        set_path(
+            obj,
+            &["priority", "objectives"],
+            serde_json::to_value(&objective_configs).map_err(|e| vec![e.to_string()])?,
+        );
+    }
     let bytes = serde_json::to_vec(&doc).map_err(|e| vec![e.to_string()])?;
     let config =
         Config::from_json(&bytes).map_err(|errs| errs.iter().map(|e| e.to_string()).collect::<Vec<_>>())?;
@@ -408,5 +425,7 @@ pub fn parse_model_arg(arg: &str) -> Result<ModelConfig, String> {
     if name.trim().is_empty() {
         return Err(format!("--model {arg:?}: empty model name"));
     }
-    Ok(ModelConfig { name: name.trim().to_string(), adapters })
+    // Through serde, so that fields this tool does not set keep their documented defaults.
+    serde_json::from_value(serde_json::json!({"name": name.trim(), "adapters": adapters}))
+        .map_err(|e| format!("--model {arg:?}: {e}"))
 }

@@ -37,9 +37,13 @@ fn llama_pool_maps_selector_ports_failure_mode_and_rewrites() {
     let targets: Vec<(&str, Option<u32>)> =
         rules[0].targets.iter().map(|t| (t.model_rewrite.as_str(), t.weight)).collect();
     assert_eq!(targets, [("food-review-1", Some(90)), ("food-review-2", Some(10))]);
-    // Objectives have no place in this configuration yet: reported, not written.
+    let objectives: Vec<(&str, i32)> =
+        c.priority.objectives.iter().map(|o| (o.name.as_str(), o.priority)).collect();
+    assert_eq!(objectives, [("batch-summaries", -5), ("interactive-chat", 10)]);
+    // The objectives only matter once the header is trusted, which the resources cannot say.
+    assert!(!c.priority.trust_objective_header);
     assert_eq!(out.warnings.len(), 1);
-    assert!(out.warnings[0].contains("batch-summaries=-5, interactive-chat=10"), "{:?}", out.warnings);
+    assert!(out.warnings[0].contains("2 InferenceObjective(s) written"), "{:?}", out.warnings);
     // What it writes reads back through the module's parser unchanged.
     let json = serde_json::to_vec(c).unwrap();
     assert_eq!(&Config::from_json(&json).unwrap(), c);
@@ -156,7 +160,7 @@ fn command_line_writes_a_valid_document() {
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let c = Config::from_json(&out.stdout).unwrap();
     assert_eq!(c.discovery.unwrap().kubernetes.target_ports, [8000]);
-    assert!(String::from_utf8_lossy(&out.stderr).contains("note: 2 InferenceObjective(s) not written"));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("note: 2 InferenceObjective(s) written"));
 
     let bad = Command::new(&exe).arg(&example).output().unwrap();
     assert!(!bad.status.success());
