@@ -11,7 +11,7 @@ WASM := target/wasm32-wasip1/release/inference_picker.wasm
 SIM := target/release/model-server-sim
 ENVOY_VERSION := 1.40.0
 
-.PHONY: all run test wasm sim venv fmt-check clippy unit validate e2e bench bench-check schema clean
+.PHONY: all run test wasm sim venv fmt-check clippy unit validate deploy-check e2e bench bench-check schema oci clean
 
 all: wasm
 
@@ -48,6 +48,19 @@ unit:
 validate: wasm venv
 	$(PY) tests/validate_envoy_configs.py --envoy $(ENVOY)
 
+## deploy-check: Istio manifests against Istio's CRD schemas, their Envoy pieces through
+## envoy --mode validate, the OCI layout writer, the fake Kubernetes API, config-from-crds examples.
+deploy-check: wasm venv
+	ENVOY=$(ENVOY) WASM=$(WASM) $(VENV)/bin/pytest -q tests/deploy tests/test_fake_k8s_api.py tools/oci
+
+## oci: the .wasm as an OCI image layout (Istio's Wasm image format) in target/oci.
+oci: wasm
+	python3 tools/oci/build_oci.py --wasm $(WASM) --out target/oci
+
+## schema: regenerate filter-config/schema.json from the Rust types.
+schema:
+	cargo run -q -p config-schema > filter-config/schema.json
+
 e2e: wasm sim venv
 	$(VENV)/bin/pytest -q tests/e2e
 
@@ -57,7 +70,7 @@ bench-check:
 bench:
 	cargo bench -p inference-picker
 
-test: fmt-check clippy unit bench-check wasm validate e2e
+test: fmt-check clippy unit bench-check wasm validate deploy-check e2e
 	@echo "make test: all checks passed"
 
 clean:
