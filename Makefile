@@ -8,7 +8,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 ENVOY := $(VENV)/bin/envoy
 WASM := target/wasm32-wasip1/release/inference_picker.wasm
-SIM := target/release/model-server-sim
+SIM := target/tools/model-server-sim
 ENVOY_VERSION := 1.40.0
 
 .PHONY: all run test wasm sim venv fmt-check clippy unit validate deploy-check e2e bench bench-check schema oci clean
@@ -28,7 +28,7 @@ wasm:
 	@ls -l $(WASM) | awk '{print "wasm size: " $$5 " bytes"}'
 
 sim:
-	cargo build -p model-server-sim --release
+	cargo build -p model-server-sim --profile tools
 
 ## run: Envoy on 127.0.0.1:8080 with the module, in front of three simulated model servers.
 run: wasm sim venv

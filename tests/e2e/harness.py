@@ -19,7 +19,7 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[2]
 WASM = Path(os.environ.get("PICKER_WASM", REPO / "target/wasm32-wasip1/release/inference_picker.wasm"))
-SIM = Path(os.environ.get("PICKER_SIM", REPO / "target/release/model-server-sim"))
+SIM = Path(os.environ.get("PICKER_SIM", REPO / "target/tools/model-server-sim"))
 ENVOY = Path(os.environ.get("PICKER_ENVOY", REPO / ".venv/bin/envoy"))
 ENVOY_YAML = REPO / "envoy" / "envoy.yaml"
 
