@@ -52,13 +52,21 @@ pub const MAX_BODY_BYTES_LIMIT: usize = 64 * 1024 * 1024;
 /// poller.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
+// `endpoints` needs an entry only when there is no `discovery`.
+#[cfg_attr(
+    feature = "schema",
+    schemars(extend(
+        "if" = serde_json::json!({"not": {"required": ["discovery"], "properties": {"discovery": {"type": "object"}}}}),
+        "then" = serde_json::json!({"properties": {"endpoints": {"minItems": 1}}})
+    ))
+)]
 #[serde(deny_unknown_fields)]
 pub struct Config {
     /// Version of this document's format. Must be 1.
     #[cfg_attr(feature = "schema", schemars(extend("const" = CONFIG_VERSION)))]
     pub version: u32,
-    /// The pool's endpoints (model servers) and the base models each serves. At least one.
-    #[cfg_attr(feature = "schema", schemars(length(min = 1)))]
+    /// The pool's endpoints (model servers) and the base models each serves. At least one, unless
+    /// `discovery` is set.
     pub endpoints: Vec<EndpointConfig>,
     /// The base models the pool serves, with their LoRA adapters. At least one.
     #[cfg_attr(feature = "schema", schemars(length(min = 1)))]
@@ -84,6 +92,9 @@ pub struct Config {
     /// Default: every field at its default (on).
     #[serde(default = "FlowControlConfig::default")]
     pub flow_control: FlowControlConfig,
+    /// Where endpoints come from besides `endpoints`. Default: none (only the static list).
+    #[serde(default)]
+    pub discovery: Option<DiscoveryConfig>,
 }
 
 /// One model server.
@@ -151,6 +162,31 @@ pub struct PollerConfig {
     #[serde(default = "default_metrics_path")]
     #[cfg_attr(feature = "schema", schemars(regex(pattern = r"^/\S*$")))]
     pub metrics_path: String,
+    /// Which root context polls. Default `singleton`. See [`PollerMode`].
+    #[serde(default = "default_poller_mode")]
+    pub mode: PollerMode,
+    /// `lease` mode only: how long one renewal of the poller lease is valid. Default 1000 ms. A
+    /// poller that stops renewing is replaced within `lease_ttl_ms + 2 × interval_ms`; a shorter
+    /// ttl replaces it sooner but a worker stalled for longer than the ttl loses the lease. Must
+    /// be at least twice `interval_ms` (the tick that renews it).
+    #[serde(default = "default_lease_ttl_ms")]
+    pub lease_ttl_ms: u64,
+}
+
+/// Which root context scrapes the endpoints and publishes the snapshot.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
+#[serde(rename_all = "snake_case")]
+pub enum PollerMode {
+    /// A `WasmService` with `singleton: true` (root id `inference-picker-poller`, same `vm_id`)
+    /// in Envoy's `bootstrap_extensions` polls; the filter's roots never do. Use it whenever you
+    /// control the bootstrap: plain Envoy, or an Istio sidecar or gateway pod whose bootstrap can
+    /// be overridden (`sidecar.istio.io/bootstrapOverride`).
+    Singleton,
+    /// The HTTP filter's own root contexts (main thread and every worker) elect one poller through
+    /// a lease in shared data (see `lease.rs`). Use it where no bootstrap singleton can be added:
+    /// Istio gateways deployed from Gateway API resources, or ECDS-only deployments.
+    Lease,
 }
 
 /// What the filter does when no endpoint of the requested model has fresh metrics.
@@ -194,6 +230,12 @@ fn default_metrics_cluster() -> String {
 fn default_metrics_path() -> String {
     "/metrics".to_string()
 }
+fn default_poller_mode() -> PollerMode {
+    PollerMode::Singleton
+}
+fn default_lease_ttl_ms() -> u64 {
+    1000
+}
 fn default_max_body_bytes() -> usize {
     4 * 1024 * 1024
 }
@@ -209,6 +251,8 @@ impl Default for PollerConfig {
             stale_after_ms: default_stale_after_ms(),
             cluster: default_metrics_cluster(),
             metrics_path: default_metrics_path(),
+            mode: default_poller_mode(),
+            lease_ttl_ms: default_lease_ttl_ms(),
         }
     }
 }
@@ -217,6 +261,67 @@ impl Default for FilterConfig {
     fn default() -> Self {
         Self { max_body_bytes: default_max_body_bytes(), failure_mode: default_failure_mode() }
     }
+}
+
+/// Endpoint discovery sources. Exactly one source for now.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
+#[serde(deny_unknown_fields)]
+pub struct DiscoveryConfig {
+    /// List the pool's pods from the Kubernetes API, like an InferencePool does.
+    pub kubernetes: KubernetesDiscoveryConfig,
+}
+
+/// Pod discovery through the Kubernetes API (`GET /api/v1/namespaces/NS/pods?labelSelector=...`),
+/// sent by the poller with `dispatch_http_call` through an Envoy cluster. See `discovery.rs`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
+#[serde(deny_unknown_fields)]
+pub struct KubernetesDiscoveryConfig {
+    /// Namespace of the model-server pods (the InferencePool's namespace).
+    pub namespace: String,
+    /// Equality label selector (InferencePool `spec.selector.matchLabels`); at least one label.
+    pub selector: std::collections::BTreeMap<String, String>,
+    /// Ports on each pod (InferencePool `spec.targetPorts`), 1 to 8; each port is its own endpoint.
+    #[cfg_attr(feature = "schema", schemars(length(min = 1, max = crate::discovery::MAX_TARGET_PORTS)))]
+    pub target_ports: Vec<u16>,
+    /// Base models (from `models`) every discovered endpoint serves. Default: all of `models`.
+    #[serde(default)]
+    pub models: Vec<String>,
+    /// The Envoy cluster that reaches the API server (TLS to kubernetes.default.svc:443).
+    #[serde(default = "default_api_cluster")]
+    pub api_cluster: String,
+    /// `:authority` of the API request. Default `kubernetes.default.svc`.
+    #[serde(default = "default_api_authority")]
+    pub api_authority: String,
+    /// Bearer token, inline. Prefer `token_env`. At most one of the two; neither sends no
+    /// `authorization` header (for an API proxy that adds it).
+    #[serde(default)]
+    pub token: Option<String>,
+    /// Name of a VM environment variable holding the bearer token (Envoy
+    /// `vm_config.environment_variables`, Istio `vmConfig.env`).
+    #[serde(default)]
+    pub token_env: Option<String>,
+    /// How often the pod list is fetched again, in ms. At least 1000. Default 5000.
+    #[serde(default = "default_refresh_ms")]
+    #[cfg_attr(feature = "schema", schemars(range(min = crate::discovery::MIN_REFRESH_MS)))]
+    pub refresh_ms: u64,
+    /// Timeout of one list request, in ms: 1 to `refresh_ms`. Default 2000.
+    #[serde(default = "default_list_timeout_ms")]
+    pub timeout_ms: u64,
+}
+
+fn default_api_cluster() -> String {
+    "kubernetes_api".to_string()
+}
+fn default_api_authority() -> String {
+    "kubernetes.default.svc".to_string()
+}
+fn default_refresh_ms() -> u64 {
+    5000
+}
+fn default_list_timeout_ms() -> u64 {
+    2000
 }
 
 /// A configuration error: the JSON path of the bad field (`endpoints[2].address`, `$` for the
@@ -350,6 +455,9 @@ impl Config {
         errs.0.extend(self.scheduler.validate(&|name| {
             self.models.iter().any(|m| m.name == name || m.adapters.iter().any(|a| a == name))
         }));
+        if let Some(d) = &self.discovery {
+            d.kubernetes.validate_into("discovery.kubernetes", &self.models, &mut errs.0);
+        }
         if errs.0.is_empty() {
             Ok(())
         } else {
@@ -412,8 +520,8 @@ impl Config {
     }
 
     fn validate_endpoints(&self, names: &HashMap<&str, NameKind>, errs: &mut Errors) {
-        if self.endpoints.is_empty() {
-            errs.push("endpoints", "at least one endpoint is required");
+        if self.endpoints.is_empty() && self.discovery.is_none() {
+            errs.push("endpoints", "at least one endpoint is required (or a `discovery` source)");
         }
         let mut seen: HashMap<SocketAddr, usize> = HashMap::new();
         for (i, ep) in self.endpoints.iter().enumerate() {
@@ -488,6 +596,15 @@ impl PollerConfig {
         }
         if self.cluster.is_empty() {
             errs.push(field(at, "cluster"), "must not be empty");
+        }
+        if self.mode == PollerMode::Lease && self.lease_ttl_ms < self.interval_ms.saturating_mul(2) {
+            errs.push(
+                field(at, "lease_ttl_ms"),
+                format!(
+                    "must be at least twice interval_ms ({}), got {}: the holder renews once per tick",
+                    self.interval_ms, self.lease_ttl_ms
+                ),
+            );
         }
         if self.metrics_path.is_empty() {
             errs.push(field(at, "metrics_path"), "must not be empty");

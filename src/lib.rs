@@ -14,9 +14,11 @@
 pub mod admission;
 pub mod body;
 pub mod config;
+pub mod discovery;
 pub mod errors;
 pub mod flow;
 pub mod inflight;
+pub mod lease;
 pub mod metrics;
 pub mod poller;
 pub mod ports;

@@ -314,6 +314,52 @@ fn poller_empty_cluster() {
 }
 
 #[test]
+fn poller_mode_and_lease_ttl() {
+    let c = parse(&base()).unwrap();
+    assert_eq!((c.poller.mode, c.poller.lease_ttl_ms), (PollerMode::Singleton, 1000));
+    let c = parse(&with(base(), "/poller", json!({"mode": "lease", "lease_ttl_ms": 400}))).unwrap();
+    assert_eq!((c.poller.mode, c.poller.lease_ttl_ms), (PollerMode::Lease, 400));
+    // The default interval is 200 ms: a ttl below two ticks would expire between renewals.
+    let v = with(base(), "/poller", json!({"mode": "lease", "lease_ttl_ms": 399}));
+    assert_only(&errors(&v), "poller.lease_ttl_ms", "must be at least twice interval_ms (200), got 399");
+    // In singleton mode the ttl is not used, so it is not checked.
+    assert!(parse(&with(base(), "/poller", json!({"interval_ms": 900, "stale_after_ms": 2000}))).is_ok());
+    let v = with(base(), "/poller", json!({"mode": "Lease"}));
+    assert_has(&errors(&v), "poller.mode", "unknown variant `Lease`");
+}
+
+fn discovery() -> Value {
+    json!({"kubernetes": {"namespace": "inference", "selector": {"app": "vllm"}, "target_ports": [8000]}})
+}
+
+#[test]
+fn discovery_allows_an_empty_static_pool() {
+    let v = with(with(base(), "/endpoints", json!([])), "/discovery", discovery());
+    let c = parse(&v).unwrap();
+    let k = c.discovery.unwrap().kubernetes;
+    assert_eq!((k.api_cluster.as_str(), k.refresh_ms), ("kubernetes_api", 5000));
+    // Without discovery, an empty pool is still an error.
+    assert_only(&errors(&with(base(), "/endpoints", json!([]))), "endpoints", "at least one endpoint");
+}
+
+#[test]
+fn discovery_errors_have_paths() {
+    let v = with(base(), "/discovery", discovery());
+    let v = with(v, "/discovery/kubernetes/target_ports", json!([]));
+    assert_only(&errors(&v), "discovery.kubernetes.target_ports", "needs 1 to 8 ports");
+    let v =
+        with(with(base(), "/discovery", discovery()), "/discovery/kubernetes/models", json!(["sql-lora"]));
+    assert_only(&errors(&v), "discovery.kubernetes.models[0]", "not a base model");
+    let v = with(with(base(), "/discovery", discovery()), "/discovery/kubernetes/selector", json!({}));
+    assert_only(&errors(&v), "discovery.kubernetes.selector", "at least one label");
+    let v = with(with(base(), "/discovery", discovery()), "/discovery/kubernetes/token_env", json!("T"));
+    let v = with(v, "/discovery/kubernetes/token", json!("x"));
+    assert_only(&errors(&v), "discovery.kubernetes.token", "not both");
+    let v = with(with(base(), "/discovery", discovery()), "/discovery/kubernetes/port", json!(1));
+    assert_has(&errors(&v), "discovery.kubernetes.port", "unknown field `port`");
+}
+
+#[test]
 fn poller_metrics_path() {
     let v = with(base(), "/poller", json!({"metrics_path": ""}));
     assert_only(&errors(&v), "poller.metrics_path", "must not be empty");

@@ -197,7 +197,23 @@ pub fn send_json(status: u32, body: &[u8]) -> bool {
     send_local(status, &[("content-type", "application/json")], body, "inference_picker_local")
 }
 
-/// Starts an HTTP callout; returns its token.
+/// Starts an HTTP callout with the given headers (pseudo-headers included); returns its token.
+pub fn dispatch(cluster: &str, headers: &[(&'static str, String)], timeout_ms: u64) -> Result<u32, String> {
+    let headers: Vec<(&str, &str)> = headers.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    hostcalls::dispatch_http_call(cluster, headers, None, vec![], Duration::from_millis(timeout_ms))
+        .map_err(|s| format!("{s:?}"))
+}
+
+/// 64 bits from the host's random source (WASI `random_get`, through std's hasher seeding),
+/// mixed with the clock in case the host gives none.
+pub fn entropy() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u64(now_nanos());
+    h.finish()
+}
+
+/// Starts an HTTP GET callout to one pod; returns its token.
 pub fn dispatch_get(cluster: &str, path: &str, authority: &str, timeout_ms: u64) -> Result<u32, String> {
     let headers = vec![
         (":method", "GET"),

@@ -21,7 +21,7 @@ use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{ContextType, LogLevel};
 
 use crate::admission::{claim_worker_id, Gate, MetricUpdate};
-use crate::config::Config;
+use crate::config::{Config, PollerMode};
 use crate::flow;
 use crate::inflight;
 use crate::ports::{Rng, SplitMix64};
@@ -109,11 +109,15 @@ enum Role {
 struct Root {
     context_id: u32,
     role: Role,
+    /// `poller.mode: lease`: this filter root's part in electing and running the poller.
+    leased: Option<Box<poller::LeasedPoller>>,
+    /// When the leased poller ticks next (ms).
+    leased_due_ms: u64,
 }
 
 impl Root {
     fn new(context_id: u32) -> Self {
-        Root { context_id, role: Role::Unconfigured }
+        Root { context_id, role: Role::Unconfigured, leased: None, leased_due_ms: 0 }
     }
 }
 
@@ -128,6 +132,17 @@ impl Context for Root {
         if let Role::Poller(p) = &mut self.role {
             p.on_response(token_id, num_headers, body_size);
         }
+        if let Some(l) = &mut self.leased {
+            l.on_response(token_id, num_headers, body_size);
+        }
+    }
+
+    fn on_done(&mut self) -> bool {
+        // Hand the lease over at once instead of letting it expire.
+        if let Some(l) = &mut self.leased {
+            l.release();
+        }
+        true
     }
 }
 
@@ -148,9 +163,17 @@ impl RootContext for Root {
             }
         };
         self.role = if root_id == POLLER_ROOT_ID {
-            info!("inference-picker: poller configured, {} endpoints", cfg.endpoints.len());
+            if cfg.poller.mode != PollerMode::Singleton {
+                warn!("inference-picker-poller: poller.mode is not singleton; this singleton stays idle");
+                return true;
+            }
+            info!("inference-picker: poller singleton configured, {} static endpoints", cfg.endpoints.len());
+            io::set_tick_period_ms(cfg.poller.interval_ms);
             Role::Poller(Box::new(poller::PollerRole::new(cfg)))
         } else {
+            if cfg.poller.mode == PollerMode::Lease {
+                self.leased = Some(Box::new(poller::LeasedPoller::new(cfg.clone(), self.context_id)));
+            }
             if root_id != FILTER_ROOT_ID {
                 info!("inference-picker: root id {root_id:?} runs as the HTTP filter");
             }
@@ -167,7 +190,13 @@ impl RootContext for Root {
                 }
             };
             let rng = SplitMix64::new(seed ^ worker_id.wrapping_mul(0x9E37_79B9_7F4A_7C15));
-            io::set_tick_period_ms(FILTER_TICK_MS);
+            // One tick period per root: flow control's, or the poll interval when that is shorter
+            // (lease mode polls from this root too).
+            let period = match cfg.poller.mode {
+                PollerMode::Lease => FILTER_TICK_MS.min(cfg.poller.interval_ms),
+                _ => FILTER_TICK_MS,
+            };
+            io::set_tick_period_ms(period);
             Role::Filter(Rc::new(Worker {
                 scheduler: RefCell::new(Scheduler::new(&cfg)),
                 snapshots: RefCell::new(SnapshotCache::new()),
@@ -182,10 +211,21 @@ impl RootContext for Root {
     }
 
     fn on_tick(&mut self) {
-        match &mut self.role {
-            Role::Poller(p) => p.on_tick(),
+        let now = io::now_ms();
+        match &self.role {
+            Role::Poller(_) | Role::Unconfigured => {}
             Role::Filter(w) => w.on_tick(self.context_id),
-            Role::Unconfigured => {}
+        }
+        if let Role::Poller(p) = &mut self.role {
+            p.tick(now);
+        }
+        if let Some(l) = &mut self.leased {
+            // The filter root ticks every FILTER_TICK_MS for flow control; the leased poller
+            // keeps its own cadence, poller.interval_ms (half a tick early, for timer jitter).
+            if now >= self.leased_due_ms {
+                self.leased_due_ms = now + l.interval_ms().saturating_sub(FILTER_TICK_MS / 2);
+                l.tick(now);
+            }
         }
     }
 

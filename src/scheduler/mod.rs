@@ -350,6 +350,9 @@ impl Scheduler {
         let px: Vec<f64> = cands
             .iter()
             .map(|c| {
+                if hashes.is_empty() {
+                    return 0.0;
+                }
                 let local = self.local.matched(c.address, &hashes);
                 let shared = if lookup.hits.is_empty() { 0 } else { lookup.matched(endpoint_key(c.address)) };
                 prefix::score(local.max(shared), hashes.len())

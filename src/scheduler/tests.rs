@@ -543,3 +543,15 @@ fn a_missing_signal_never_wins() {
         assert_eq!(pick(&mut s, &req("llama"), &sn, &Default::default(), seed).unwrap().primary, "a:1");
     }
 }
+
+#[test]
+fn debug_scores_are_bounded_and_best_first() {
+    let mut s = Scheduler::new(&config(r#","scheduler":{"debug_scores":true}"#));
+    // Queues 0..40: endpoint i has queue i, so the best is 10.0.0.1 (queue 0).
+    let sn = snap((0..40).map(|i| ep(&format!("10.0.1.{i}:8000"), &["llama"], f64::from(i), 0.5)).collect());
+    let p = pick(&mut s, &req("llama"), &sn, &Default::default(), 1).unwrap();
+    let d = p.debug_scores.unwrap();
+    assert_eq!(d.split(", ").count(), DEBUG_MAX_ENDPOINTS);
+    assert!(d.starts_with("10.0.1.0:8000 t="), "{d}");
+    assert!(d.is_ascii() && !d.contains('\n'));
+}

@@ -166,6 +166,10 @@ fn field_paths(schema: &Value, node: &Value, prefix: &str, out: &mut Vec<String>
     if let Some(items) = node.get("items") {
         field_paths(schema, items, &format!("{prefix}[]"), out);
     }
+    // An optional struct (`Option<T>`) is `anyOf: [{$ref: T}, {type: null}]`.
+    for alternative in node.get("anyOf").and_then(Value::as_array).into_iter().flatten() {
+        field_paths(schema, alternative, prefix, out);
+    }
 }
 
 #[test]
