@@ -102,3 +102,27 @@ def test_pod_discovery_follows_readiness_and_new_pods(tmp_path):
             envoy.stop()
             for s in sims:
                 s.stop()
+
+
+@pytest.mark.parametrize("mode", ["FailOpen", "FailClose"])
+def test_stale_snapshot_fail_open_routes_fail_close_answers_503(mode):
+    """InferencePool failureMode mapped to filter.failure_mode: every scrape fails (the metrics
+    path does not exist), so no endpoint has fresh metrics."""
+    sims = [Sim(f"{mode}-{i}") for i in range(2)]
+    cfg = picker_config([endpoint(s) for s in sims], filter={"failure_mode": mode})
+    cfg["poller"]["metrics_path"] = "/no-such-metrics"
+    envoy = Envoy(cfg, concurrency=2)
+    try:
+        time.sleep(5 * POLL_S)  # several failed rounds published
+        results = [envoy.chat(content=f"r{i}") for i in range(6)]
+        if mode == "FailOpen":
+            assert all(r.status_code == 200 for r in results), [r.text for r in results]
+            assert {r.json()["served_by"] for r in results} <= {s.name for s in sims}
+        else:
+            assert all(r.status_code == 503 for r in results), [r.text for r in results]
+            assert all(r.json()["error"]["code"] == "no_healthy_endpoint" for r in results)
+            assert all(s.requests_total() == 0 for s in sims)
+    finally:
+        envoy.stop()
+        for s in sims:
+            s.stop()
