@@ -2,8 +2,9 @@
 //!
 //! Parsed once in `on_configure` by [`Config::from_json`]: serde with `deny_unknown_fields`
 //! everywhere and an explicit `version`, then [`Config::validate`], which reports every problem at
-//! once, each with the JSON path of the bad field (`endpoints[2].address`) and a reason. The filter
-//! then builds a [`ModelTable`] once with [`Config::model_table`] and only reads it per request.
+//! once, each with the JSON path of the bad field (`endpoints[2].address`) and a reason. The
+//! scheduler then builds its model lookup once (`scheduler::models::ModelTable`) and only reads it
+//! per request.
 //!
 //! The field reference is `filter-config/README.md`; the JSON Schema is `filter-config/schema.json`,
 //! generated from these types (feature `schema`) and kept equal to them by a test.
@@ -20,7 +21,6 @@
 //! 4. Document it in `filter-config/README.md` (a test fails when a schema field is missing there).
 
 mod locate;
-mod model_table;
 #[cfg(test)]
 mod tests;
 
@@ -30,7 +30,6 @@ use std::net::SocketAddr;
 use serde::{Deserialize, Serialize};
 
 pub use crate::scheduler::config::SchedulerConfig;
-pub use model_table::{ModelTable, Resolved};
 
 use crate::flow::FlowControlConfig;
 use crate::priority::{Criticality, PriorityConfig};
@@ -463,12 +462,6 @@ impl Config {
         } else {
             Err(errs.0)
         }
-    }
-
-    /// Builds the name → base model → endpoints lookup the filter uses per request. Build it once,
-    /// after [`Config::validate`] succeeded (on an invalid config the first of duplicates wins).
-    pub fn model_table(&self) -> ModelTable {
-        ModelTable::build(self)
     }
 
     /// Checks `models` and returns every model and adapter name with what it is, for the checks of

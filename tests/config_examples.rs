@@ -36,14 +36,21 @@ fn every_example_parses_and_validates() {
 #[test]
 fn three_sims_routes_as_make_run_expects() {
     let cfg = load("three-sims.json");
-    let table = cfg.model_table();
-    let llama = table.resolve("meta-llama/Llama-3.1-8B-Instruct").unwrap();
-    let addrs: Vec<&str> = llama.endpoints.iter().map(|e| &**e).collect();
-    assert_eq!(addrs, ["127.0.0.1:8001", "127.0.0.1:8002", "127.0.0.1:8003"]);
-    let lora = table.resolve("sql-lora").unwrap();
+    let serving = |model: &str| -> Vec<&str> {
+        cfg.endpoints
+            .iter()
+            .filter(|e| e.models.iter().any(|m| m == model))
+            .map(|e| e.address.as_str())
+            .collect()
+    };
+    assert_eq!(
+        serving("meta-llama/Llama-3.1-8B-Instruct"),
+        ["127.0.0.1:8001", "127.0.0.1:8002", "127.0.0.1:8003"]
+    );
+    assert_eq!(serving("qwen"), ["127.0.0.1:8003"]);
+    let table = inference_picker::scheduler::models::ModelTable::new(&cfg);
+    let lora = table.resolve("sql-lora", &Default::default()).unwrap();
     assert_eq!((lora.base, lora.adapter), ("meta-llama/Llama-3.1-8B-Instruct", Some("sql-lora")));
-    let qwen = table.resolve("qwen").unwrap();
-    assert_eq!(qwen.endpoints.iter().map(|e| &**e).collect::<Vec<_>>(), ["127.0.0.1:8003"]);
 }
 
 #[test]
