@@ -178,7 +178,12 @@ def test_f_inflight_count_is_shared_across_workers():
             futs = []
             for i in range(n):
                 futs.append(ex.submit(one, i))
-                time.sleep(0.01)  # staggered well inside one poll interval
+                # Wait (bounded) until a simulator has received it: its routing decision, and its
+                # in-flight increment, happened before the next request is sent, whichever
+                # worker gets that one. All requests are still running together.
+                deadline = time.time() + 10
+                while sum(s.requests_total() for s in sims) < i + 1 and time.time() < deadline:
+                    time.sleep(0.005)
             results = [f.result() for f in futs]
         assert all(code == 200 for code, _ in results), results
         counts = {s.name: sum(1 for _, by in results if by == s.name) for s in sims}
