@@ -68,6 +68,10 @@ struct Args {
     jobs: usize,
     #[arg(long, default_value_t = 1)]
     seed: u64,
+    /// JSON object replacing `ours`' `scheduler` configuration section, to measure a proposed
+    /// default, e.g. '{"weights":{"inflight":3}}'.
+    #[arg(long)]
+    ours_scheduler: Option<String>,
 }
 
 fn main() -> ExitCode {
@@ -122,7 +126,16 @@ fn real_main() -> Result<(), String> {
             w.extras.clear();
         }
     }
-    let common = Common { poll_ms: args.poll_ms, metrics_delay_ms: args.metrics_delay_ms, seed: args.seed };
+    let ours_scheduler = match &args.ours_scheduler {
+        Some(j) => Some(serde_json::from_str(j).map_err(|e| format!("--ours-scheduler: {e}"))?),
+        None => None,
+    };
+    let common = Common {
+        poll_ms: args.poll_ms,
+        metrics_delay_ms: args.metrics_delay_ms,
+        seed: args.seed,
+        ours_scheduler,
+    };
     let total: usize = workloads.iter().map(|w| w.strategies.len() * w.loads.len() + w.extras.len()).sum();
     eprintln!("replay-bench: {total} runs on {} threads", args.jobs);
     let progress = |r: &RunResult| {

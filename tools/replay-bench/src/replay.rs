@@ -58,6 +58,8 @@ pub struct RunConfig {
     /// Arrival-rate multiplier.
     pub load: f64,
     pub seed: u64,
+    /// Replaces `ours`' scheduler section (see `strategy::config`).
+    pub ours_scheduler: Option<serde_json::Value>,
 }
 
 impl RunConfig {
@@ -134,9 +136,9 @@ pub fn run(trace: &Trace, policy: Policy, rc: &RunConfig) -> Result<RunResult, S
     // The configuration document is the same for every policy's poller (endpoints, interval);
     // Scheduler-based policies also take their scheduler section from it.
     let cfg: Config = if policy.uses_scheduler() {
-        strategy::config(policy, n, trace.adapters, rc.poll_ms)?
+        strategy::config(policy, n, trace.adapters, rc.poll_ms, rc.ours_scheduler.as_ref())?
     } else {
-        strategy::config(Policy::Ours, n, trace.adapters, rc.poll_ms)?
+        strategy::config(Policy::Ours, n, trace.adapters, rc.poll_ms, None)?
     };
     let mut rng = SplitMix64::new(rc.seed ^ 0x5eed);
     let mut replicas: Vec<Replica> = (0..rc.replicas)

@@ -100,13 +100,21 @@ pub fn adapter_name(i: u16) -> String {
     format!("lora-{i}")
 }
 
-/// The configuration document for a Scheduler-based policy over `servers` endpoints.
-pub fn config(policy: Policy, servers: usize, adapters: u16, poll_ms: u64) -> Result<Config, String> {
+/// The configuration document for a Scheduler-based policy over `servers` endpoints. For `ours`,
+/// `ours_scheduler` (a JSON object) replaces the default `scheduler` section: the way to measure
+/// a proposed default (`--ours-scheduler`); the report prints it when set.
+pub fn config(
+    policy: Policy,
+    servers: usize,
+    adapters: u16,
+    poll_ms: u64,
+    ours_scheduler: Option<&serde_json::Value>,
+) -> Result<Config, String> {
     let endpoints: Vec<serde_json::Value> =
         (0..servers).map(|i| json!({"address": address(i), "models": [MODEL]})).collect();
     let adapter_names: Vec<String> = (0..adapters).map(adapter_name).collect();
     let scheduler = match policy {
-        Policy::Ours => json!({}),
+        Policy::Ours => ours_scheduler.cloned().unwrap_or_else(|| json!({})),
         Policy::GieDefault | Policy::GieDefaultLora => json!({
             "weights": {
                 "prefix": 3.0, "queue": 2.0, "kv_cache": 2.0, "inflight": 0.0, "session": 0.0,
@@ -148,17 +156,17 @@ mod tests {
     #[test]
     fn configs_validate_and_gie_matches_its_profile() {
         for p in Policy::ALL.into_iter().filter(|p| p.uses_scheduler()) {
-            config(p, 8, 3, 200).unwrap_or_else(|e| panic!("{}: {e}", p.name()));
+            config(p, 8, 3, 200, None).unwrap_or_else(|e| panic!("{}: {e}", p.name()));
         }
-        let g = config(Policy::GieDefault, 8, 0, 200).unwrap().scheduler;
+        let g = config(Policy::GieDefault, 8, 0, 200, None).unwrap().scheduler;
         assert_eq!((g.weights.prefix, g.weights.queue, g.weights.kv_cache), (3.0, 2.0, 2.0));
         assert_eq!((g.weights.inflight, g.weights.session, g.weights.lora), (0.0, 0.0, 0.0));
         assert_eq!((g.prefix.block_chars, g.prefix.max_blocks, g.prefix.index_blocks), (64, 256, 31_250));
         assert_eq!((g.prefix.shared_shards, g.prefix.index_blocks_total), (0, 250_000));
         // Ours is the unmodified default.
-        let o = config(Policy::Ours, 8, 0, 200).unwrap();
+        let o = config(Policy::Ours, 8, 0, 200, None).unwrap();
         assert_eq!(o.scheduler, inference_picker::config::SchedulerConfig::default());
-        assert!(config(Policy::Random, 8, 0, 200).is_err());
+        assert!(config(Policy::Random, 8, 0, 200, None).is_err());
         assert_eq!(Policy::parse("least-request"), Ok(Policy::LeastRequest));
         assert!(Policy::parse("nope").unwrap_err().contains("round-robin"));
     }

@@ -33,13 +33,15 @@ pub struct Common {
     pub poll_ms: u64,
     pub metrics_delay_ms: u64,
     pub seed: u64,
+    /// Replaces `ours`' scheduler section (a proposal under test).
+    pub ours_scheduler: Option<serde_json::Value>,
 }
 
 impl Default for Common {
     fn default() -> Self {
         // 200 ms: our poller's default interval (`poller.interval_ms`). 20 ms: a scrape's round
         // trip plus the wait for the round to complete and the snapshot to be published.
-        Common { poll_ms: 200, metrics_delay_ms: 20, seed: 1 }
+        Common { poll_ms: 200, metrics_delay_ms: 20, seed: 1, ours_scheduler: None }
     }
 }
 
@@ -123,9 +125,12 @@ pub fn default_suite(data: &Path, scale: f64) -> Result<Vec<Workload>, String> {
         servers: 8,
         server: base.clone(),
         strategies: CORE.to_vec(),
-        loads: vec![1.0, 3.0, 4.0, cap, 5.0, 1.5 * cap],
+        loads: vec![3.0, 4.0, cap, 5.0, 1.5 * cap],
         topology: (1, 1),
         extras: vec![
+            // The unloaded reference of the tier target (load 1 replays a whole hour of virtual
+            // time, mostly polls, so only ours runs it).
+            Extra { policy: Policy::Ours, load: 1.0, replicas: 1, workers: 1 },
             Extra { policy: Policy::Ours, load: 4.0, replicas: 4, workers: 4 },
             Extra { policy: Policy::Ours, load: 3.0, replicas: 4, workers: 4 },
             Extra { policy: Policy::GieDefault, load: 4.0, replicas: 4, workers: 4 },
@@ -253,6 +258,9 @@ pub struct WorkloadResult {
     pub runs: Vec<RunResult>,
 }
 
+/// (workload index, task index, result).
+type Finished = (usize, usize, Result<RunResult, String>);
+
 /// Runs every workload's runs on `jobs` threads; `progress` gets one line per finished run.
 pub fn execute(
     workloads: &[Workload],
@@ -266,7 +274,7 @@ pub fn execute(
         .flat_map(|(wi, w)| w.runs().into_iter().map(move |(p, l, r, k)| (wi, p, l, r, k)))
         .collect();
     let next = AtomicUsize::new(0);
-    let results: Mutex<Vec<(usize, usize, Result<RunResult, String>)>> = Mutex::new(Vec::new());
+    let results: Mutex<Vec<Finished>> = Mutex::new(Vec::new());
     std::thread::scope(|s| {
         for _ in 0..jobs.max(1) {
             s.spawn(|| loop {
@@ -282,6 +290,7 @@ pub fn execute(
                     metrics_delay_ms: common.metrics_delay_ms,
                     load,
                     seed: common.seed,
+                    ours_scheduler: common.ours_scheduler.clone(),
                 };
                 let r = run(&w.trace, p, &rc);
                 if let Ok(r) = &r {
