@@ -268,7 +268,11 @@ pub fn run(trace: &Trace, policy: Policy, rc: &RunConfig) -> Result<RunResult, S
             let rep = &mut replicas[ri];
             let counts = inflight::read(&rep.store).unwrap_or_default();
             let chosen: Result<usize, String> = match policy {
-                Policy::Ours | Policy::GieDefault | Policy::GieDefaultLora | Policy::LoadOnly => {
+                Policy::Ours
+                | Policy::GieDefault
+                | Policy::GieDefaultLora
+                | Policy::Gie111
+                | Policy::LoadOnly => {
                     let body = text::chat_body(&model, &msgs, req.output_tokens);
                     let snap = w.cache.refresh(&rep.store).map_err(|e| format!("snapshot: {e:?}"))?;
                     let snap = if policy.hides_cache_info() { gie_view(&mut w.view, snap) } else { snap };

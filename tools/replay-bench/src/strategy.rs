@@ -5,6 +5,7 @@
 //! | `ours` | `inference_picker::scheduler::Scheduler` with the default configuration | per worker (+ the replica's shared prefix table and in-flight counts) |
 //! | `gie-default` | the same Scheduler configured as GIE's default profile (below) | per worker, nothing shared |
 //! | `gie-default+lora` | `gie-default` plus GIE's `lora-affinity-scorer` (weight 2), for LoRA workloads | per worker |
+//! | `gie-1-1-1` | `gie-default` with GIE's earlier weights prefix 1, queue 1, KV 1: the configuration of llm-d's published "estimated-scheduling" run | per worker |
 //! | `load-only` | llm-d's "load-scheduling" profile: queue 1 + KV 1, no prefix | per worker |
 //! | `sglang` | SGLang's cache-aware policy (`crate::sglang`) | per replica (one router process) |
 //! | `least-request` | Envoy `LEAST_REQUEST`: power of two random choices on the replica's in-flight counts | per replica counts |
@@ -36,6 +37,7 @@ pub enum Policy {
     Ours,
     GieDefault,
     GieDefaultLora,
+    Gie111,
     LoadOnly,
     Sglang,
     LeastRequest,
@@ -44,10 +46,11 @@ pub enum Policy {
 }
 
 impl Policy {
-    pub const ALL: [Policy; 8] = [
+    pub const ALL: [Policy; 9] = [
         Policy::Ours,
         Policy::GieDefault,
         Policy::GieDefaultLora,
+        Policy::Gie111,
         Policy::LoadOnly,
         Policy::Sglang,
         Policy::LeastRequest,
@@ -60,6 +63,7 @@ impl Policy {
             Policy::Ours => "ours",
             Policy::GieDefault => "gie-default",
             Policy::GieDefaultLora => "gie-default+lora",
+            Policy::Gie111 => "gie-1-1-1",
             Policy::LoadOnly => "load-only",
             Policy::Sglang => "sglang",
             Policy::LeastRequest => "least-request",
@@ -77,7 +81,10 @@ impl Policy {
 
     /// Runs the real Scheduler (and so parses bodies with the real parser).
     pub fn uses_scheduler(self) -> bool {
-        matches!(self, Policy::Ours | Policy::GieDefault | Policy::GieDefaultLora | Policy::LoadOnly)
+        matches!(
+            self,
+            Policy::Ours | Policy::GieDefault | Policy::GieDefaultLora | Policy::Gie111 | Policy::LoadOnly
+        )
     }
 
     /// Needs the prompt text (parses the body).
@@ -87,7 +94,7 @@ impl Policy {
 
     /// GIE sizes its prefix LRU by configuration only: hide `cache_config_info`.
     pub fn hides_cache_info(self) -> bool {
-        matches!(self, Policy::GieDefault | Policy::GieDefaultLora)
+        matches!(self, Policy::GieDefault | Policy::GieDefaultLora | Policy::Gie111)
     }
 }
 
@@ -115,10 +122,14 @@ pub fn config(
     let adapter_names: Vec<String> = (0..adapters).map(adapter_name).collect();
     let scheduler = match policy {
         Policy::Ours => ours_scheduler.cloned().unwrap_or_else(|| json!({})),
-        Policy::GieDefault | Policy::GieDefaultLora => json!({
-            "weights": {
-                "prefix": 3.0, "queue": 2.0, "kv_cache": 2.0, "inflight": 0.0, "session": 0.0,
-                "lora": if policy == Policy::GieDefaultLora { 2.0 } else { 0.0 },
+        Policy::GieDefault | Policy::GieDefaultLora | Policy::Gie111 => json!({
+            "weights": if policy == Policy::Gie111 {
+                json!({"prefix": 1.0, "queue": 1.0, "kv_cache": 1.0, "inflight": 0.0, "session": 0.0, "lora": 0.0})
+            } else {
+                json!({
+                    "prefix": 3.0, "queue": 2.0, "kv_cache": 2.0, "inflight": 0.0, "session": 0.0,
+                    "lora": if policy == Policy::GieDefaultLora { 2.0 } else { 0.0 },
+                })
             },
             "prefix": {
                 "block_chars": 64,

@@ -98,10 +98,9 @@ pub fn data_dir() -> PathBuf {
 pub const MOONCAKE_CAPACITY_LOAD: f64 = 4.5;
 
 /// The llm-d shape's pool: llm-d's 307,328 KV tokens per pod (19,208 blocks of 16) with the
-/// default step model. Its pods were Qwen3-32B on 2 GPUs, which we do not model; with this step
-/// model the prefix-aware throughput lands near the published one (see the report), so the speed
-/// is left at 1.
-pub const LLM_D_SPEED: f64 = 1.0;
+/// default step model (speed 1: the prefix-aware throughput then lands near the published one)
+/// and, in `shared-prefix-slow`, at half speed. Its pods were Qwen3-32B on 2 GPUs, which we do
+/// not model.
 pub const LLM_D_KV_BLOCKS: u64 = 19_208;
 
 /// The default set. `scale` < 1 keeps only that fraction of each trace's requests (for quick
@@ -161,14 +160,15 @@ pub fn default_suite(data: &Path, scale: f64) -> Result<Vec<Workload>, String> {
     let mut sp = trace::shared_prefix("shared-prefix", &shape, 7);
     shrink(&mut sp, scale);
     let mut strategies = CORE.to_vec();
-    strategies.insert(2, Policy::LoadOnly);
-    out.push(Workload {
-        key: "shared-prefix".into(),
-        about: format!(
+    strategies.insert(2, Policy::Gie111);
+    strategies.insert(3, Policy::LoadOnly);
+    let about = |speed: f64| {
+        format!(
             "Synthetic shared-prefix workload in the shape of llm-d's published run: {} groups × {} \
-             users, system prompt {} tokens, question {} tokens, {} output tokens, Poisson \
-             arrivals ramping from 3/s to 60/s after a 15/s warm-up ({} requests). 8 servers with \
-             llm-d's KV size ({} tokens each) and the default step model at speed {}.",
+             users, system prompt {} tokens, question {} tokens, {} output tokens (see \
+             `SharedPrefixShape::llm_d` for why not 1,000), Poisson arrivals ramping from 3/s to \
+             60/s after a 15/s warm-up ({} requests). 8 servers with llm-d's KV size ({} tokens \
+             each) and the default step model at speed {speed}.",
             shape.groups,
             shape.users,
             shape.system_tokens,
@@ -176,12 +176,30 @@ pub fn default_suite(data: &Path, scale: f64) -> Result<Vec<Workload>, String> {
             shape.output_tokens,
             sp.requests.len(),
             LLM_D_KV_BLOCKS * 16,
-            LLM_D_SPEED
+        )
+    };
+    out.push(Workload {
+        key: "shared-prefix".into(),
+        about: about(1.0),
+        trace: sp.clone(),
+        servers: 8,
+        server: ServerConfig { num_gpu_blocks: LLM_D_KV_BLOCKS, ..base.clone() },
+        strategies,
+        loads: vec![1.0],
+        topology: (1, 1),
+        extras: vec![],
+        llm_d_check: true,
+    });
+    out.push(Workload {
+        key: "shared-prefix-slow".into(),
+        about: format!(
+            "{} Pods at half speed: less headroom at the top of the ladder, as llm-d's 32B pods had.",
+            about(0.5)
         ),
         trace: sp,
         servers: 8,
-        server: ServerConfig { num_gpu_blocks: LLM_D_KV_BLOCKS, speed: LLM_D_SPEED, ..base.clone() },
-        strategies,
+        server: ServerConfig { num_gpu_blocks: LLM_D_KV_BLOCKS, speed: 0.5, ..base.clone() },
+        strategies: vec![Policy::Ours, Policy::GieDefault, Policy::Gie111, Policy::LoadOnly, Policy::Random],
         loads: vec![1.0],
         topology: (1, 1),
         extras: vec![],
@@ -419,6 +437,39 @@ pub fn table(w: &WorkloadResult) -> String {
             format!("{} ({})", r.rejected, why.join(", "))
         };
         let _ = writeln!(s, " {rej} |");
+    }
+    s
+}
+
+/// For each load (1 × 1 runs): ours against the best other strategy, by TTFT p90.
+pub fn versus_best(w: &WorkloadResult) -> String {
+    let mut loads: Vec<f64> =
+        w.runs.iter().filter(|r| (r.replicas, r.workers) == (1, 1)).map(|r| r.load).collect();
+    loads.sort_by(f64::total_cmp);
+    loads.dedup();
+    let mut s = String::new();
+    for l in loads {
+        let Some(ours) = find(&w.runs, "ours", l, (1, 1)) else { continue };
+        let best = w
+            .runs
+            .iter()
+            .filter(|r| r.strategy != "ours" && r.load == l && (r.replicas, r.workers) == (1, 1))
+            .min_by(|a, b| a.ttft_p90_s.total_cmp(&b.ttft_p90_s));
+        if let Some(b) = best {
+            let _ = writeln!(
+                s,
+                "- load {}: ours {:.2} s, best other {} {:.2} s → {}",
+                fmt_load(l),
+                ours.ttft_p90_s,
+                b.strategy,
+                b.ttft_p90_s,
+                if ours.ttft_p90_s <= b.ttft_p90_s {
+                    format!("ours best ({:.2}× better)", b.ttft_p90_s / ours.ttft_p90_s.max(1e-9))
+                } else {
+                    format!("ours {:.2}× worse", ours.ttft_p90_s / b.ttft_p90_s.max(1e-9))
+                }
+            );
+        }
     }
     s
 }
