@@ -118,7 +118,8 @@ pub fn default_suite(data: &Path, scale: f64) -> Result<Vec<Workload>, String> {
         key: "mooncake".into(),
         about: "Mooncake conversation trace (12,031 requests, 1 h, ~12k-token prompts with shared \
                 512-token blocks), 8 servers. Every request also carries an SLA tier label \
-                (20 % premium, 50 % standard, 30 % sheddable); see the tier section."
+                (20 % premium, 50 % standard, 30 % sheddable): the last-but-one column gives the \
+                TTFT p90 per tier (labels only, no priority handling on main)."
             .into(),
         trace: mooncake,
         servers: 8,
