@@ -8,10 +8,10 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 ENVOY := $(VENV)/bin/envoy
 WASM := target/wasm32-wasip1/release/inference_picker.wasm
-SIM := target/release/model-server-sim
+SIM := target/tools/model-server-sim
 ENVOY_VERSION := 1.40.0
 
-.PHONY: all run test wasm sim venv fmt-check clippy unit validate e2e bench bench-check bench-routing schema clean
+.PHONY: all run test wasm sim venv fmt-check clippy unit validate deploy-check e2e bench bench-check bench-routing schema oci clean
 
 all: wasm
 
@@ -28,7 +28,7 @@ wasm:
 	@ls -l $(WASM) | awk '{print "wasm size: " $$5 " bytes"}'
 
 sim:
-	cargo build -p model-server-sim --release
+	cargo build -p model-server-sim --profile tools
 
 ## run: Envoy on 127.0.0.1:8080 with the module, in front of three simulated model servers.
 run: wasm sim venv
@@ -48,6 +48,19 @@ unit:
 validate: wasm venv
 	$(PY) tests/validate_envoy_configs.py --envoy $(ENVOY)
 
+## deploy-check: Istio manifests against Istio's CRD schemas, their Envoy pieces through
+## envoy --mode validate, the OCI layout writer, the fake Kubernetes API, config-from-crds examples.
+deploy-check: wasm venv
+	ENVOY=$(ENVOY) WASM=$(WASM) $(VENV)/bin/pytest -q tests/deploy tests/test_fake_k8s_api.py tools/oci
+
+## oci: the .wasm as an OCI image layout (Istio's Wasm image format) in target/oci.
+oci: wasm
+	python3 tools/oci/build_oci.py --wasm $(WASM) --out target/oci
+
+## schema: regenerate filter-config/schema.json from the Rust types.
+schema:
+	cargo run -q -p config-schema > filter-config/schema.json
+
 e2e: wasm sim venv
 	$(VENV)/bin/pytest -q tests/e2e
 
@@ -62,10 +75,10 @@ bench:
 ## one SUMMARY line per trace. TRACE=path/to/file replays any Mooncake-JSONL or Azure-CSV file
 ## (optionally .gz) instead of the default set; BENCH_ARGS passes more flags (see --help).
 bench-routing: venv
-	cargo run --release -p replay-bench -- --out target/routing-report $(if $(TRACE),--trace $(TRACE)) $(BENCH_ARGS)
+	cargo run --profile tools -p replay-bench -- --out target/routing-report $(if $(TRACE),--trace $(TRACE)) $(BENCH_ARGS)
 	$(PY) tools/replay-bench/plot.py target/routing-report
 
-test: fmt-check clippy unit bench-check wasm validate e2e
+test: fmt-check clippy unit bench-check wasm validate deploy-check e2e
 	@echo "make test: all checks passed"
 
 clean:

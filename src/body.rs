@@ -505,6 +505,18 @@ mod tests {
         #[test]
         fn never_panics(s in ".{0,200}") {
             let _ = parse("/v1/chat/completions", &s);
+            let _ = rewrite_model(s.as_bytes(), "m");
+        }
+
+        #[test]
+        fn rewrite_model_round_trips(old in "\\PC{1,20}", new in "\\PC{1,20}", content in "\\PC{0,40}") {
+            let body = serde_json::json!({"messages":[{"role":"user","content":content}],"model":old,"stream":true});
+            let bytes = serde_json::to_vec(&body).unwrap();
+            let out = rewrite_model(&bytes, &new).unwrap();
+            let mut expected = body.clone();
+            expected["model"] = new.clone().into();
+            let got: serde_json::Value = serde_json::from_slice(&out).unwrap();
+            proptest::prop_assert_eq!(got, expected);
         }
     }
 }

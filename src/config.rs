@@ -32,6 +32,10 @@ use serde::{Deserialize, Serialize};
 pub use crate::scheduler::config::SchedulerConfig;
 pub use model_table::{ModelTable, Resolved};
 
+use crate::flow::FlowControlConfig;
+use crate::priority::{Criticality, PriorityConfig};
+use crate::saturation::SaturationConfig;
+
 /// The only configuration version this build understands.
 pub const CONFIG_VERSION: u32 = 1;
 /// Smallest `poller.interval_ms`: below this the poller itself becomes the load (llm-d #1842 saw
@@ -48,13 +52,21 @@ pub const MAX_BODY_BYTES_LIMIT: usize = 64 * 1024 * 1024;
 /// poller.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
+// `endpoints` needs an entry only when there is no `discovery`.
+#[cfg_attr(
+    feature = "schema",
+    schemars(extend(
+        "if" = serde_json::json!({"not": {"required": ["discovery"], "properties": {"discovery": {"type": "object"}}}}),
+        "then" = serde_json::json!({"properties": {"endpoints": {"minItems": 1}}})
+    ))
+)]
 #[serde(deny_unknown_fields)]
 pub struct Config {
     /// Version of this document's format. Must be 1.
     #[cfg_attr(feature = "schema", schemars(extend("const" = CONFIG_VERSION)))]
     pub version: u32,
-    /// The pool's endpoints (model servers) and the base models each serves. At least one.
-    #[cfg_attr(feature = "schema", schemars(length(min = 1)))]
+    /// The pool's endpoints (model servers) and the base models each serves. At least one, unless
+    /// `discovery` is set.
     pub endpoints: Vec<EndpointConfig>,
     /// The base models the pool serves, with their LoRA adapters. At least one.
     #[cfg_attr(feature = "schema", schemars(length(min = 1)))]
@@ -68,6 +80,21 @@ pub struct Config {
     /// Scorer weights, prefix/session/guard settings and model rewrites (see `crate::scheduler`).
     #[serde(default = "SchedulerConfig::default")]
     pub scheduler: SchedulerConfig,
+    /// Where a request's priority comes from and which priority headers are trusted (see
+    /// `crate::priority`). Default: the model's criticality only, no header trusted.
+    #[serde(default = "PriorityConfig::default")]
+    pub priority: PriorityConfig,
+    /// When the endpoints of a model have no room (see `crate::saturation`). Default: GIE's
+    /// thresholds.
+    #[serde(default = "SaturationConfig::default")]
+    pub saturation: SaturationConfig,
+    /// Holding requests inside the proxy while their endpoints are saturated (see `crate::flow`).
+    /// Default: every field at its default (on).
+    #[serde(default = "FlowControlConfig::default")]
+    pub flow_control: FlowControlConfig,
+    /// Where endpoints come from besides `endpoints`. Default: none (only the static list).
+    #[serde(default)]
+    pub discovery: Option<DiscoveryConfig>,
 }
 
 /// One model server.
@@ -100,6 +127,10 @@ pub struct ModelConfig {
     #[serde(default)]
     #[cfg_attr(feature = "schema", schemars(inner(length(min = 1))))]
     pub adapters: Vec<String>,
+    /// Default priority of this model's requests, through `priority.criticality`; a trusted
+    /// objective or tier header overrides it. Default `Standard`.
+    #[serde(default = "Criticality::default")]
+    pub criticality: Criticality,
 }
 
 /// The poller: the one VM that scrapes every endpoint's metrics and publishes the snapshot.
@@ -131,6 +162,31 @@ pub struct PollerConfig {
     #[serde(default = "default_metrics_path")]
     #[cfg_attr(feature = "schema", schemars(regex(pattern = r"^/\S*$")))]
     pub metrics_path: String,
+    /// Which root context polls. Default `singleton`. See [`PollerMode`].
+    #[serde(default = "default_poller_mode")]
+    pub mode: PollerMode,
+    /// `lease` mode only: how long one renewal of the poller lease is valid. Default 1000 ms. A
+    /// poller that stops renewing is replaced within `lease_ttl_ms + 2 × interval_ms`; a shorter
+    /// ttl replaces it sooner but a worker stalled for longer than the ttl loses the lease. Must
+    /// be at least twice `interval_ms` (the tick that renews it).
+    #[serde(default = "default_lease_ttl_ms")]
+    pub lease_ttl_ms: u64,
+}
+
+/// Which root context scrapes the endpoints and publishes the snapshot.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
+#[serde(rename_all = "snake_case")]
+pub enum PollerMode {
+    /// A `WasmService` with `singleton: true` (root id `inference-picker-poller`, same `vm_id`)
+    /// in Envoy's `bootstrap_extensions` polls; the filter's roots never do. Use it whenever you
+    /// control the bootstrap: plain Envoy, or an Istio sidecar or gateway pod whose bootstrap can
+    /// be overridden (`sidecar.istio.io/bootstrapOverride`).
+    Singleton,
+    /// The HTTP filter's own root contexts (main thread and every worker) elect one poller through
+    /// a lease in shared data (see `lease.rs`). Use it where no bootstrap singleton can be added:
+    /// Istio gateways deployed from Gateway API resources, or ECDS-only deployments.
+    Lease,
 }
 
 /// What the filter does when no endpoint of the requested model has fresh metrics.
@@ -174,6 +230,12 @@ fn default_metrics_cluster() -> String {
 fn default_metrics_path() -> String {
     "/metrics".to_string()
 }
+fn default_poller_mode() -> PollerMode {
+    PollerMode::Singleton
+}
+fn default_lease_ttl_ms() -> u64 {
+    1000
+}
 fn default_max_body_bytes() -> usize {
     4 * 1024 * 1024
 }
@@ -189,6 +251,8 @@ impl Default for PollerConfig {
             stale_after_ms: default_stale_after_ms(),
             cluster: default_metrics_cluster(),
             metrics_path: default_metrics_path(),
+            mode: default_poller_mode(),
+            lease_ttl_ms: default_lease_ttl_ms(),
         }
     }
 }
@@ -197,6 +261,67 @@ impl Default for FilterConfig {
     fn default() -> Self {
         Self { max_body_bytes: default_max_body_bytes(), failure_mode: default_failure_mode() }
     }
+}
+
+/// Endpoint discovery sources. Exactly one source for now.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
+#[serde(deny_unknown_fields)]
+pub struct DiscoveryConfig {
+    /// List the pool's pods from the Kubernetes API, like an InferencePool does.
+    pub kubernetes: KubernetesDiscoveryConfig,
+}
+
+/// Pod discovery through the Kubernetes API (`GET /api/v1/namespaces/NS/pods?labelSelector=...`),
+/// sent by the poller with `dispatch_http_call` through an Envoy cluster. See `discovery.rs`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
+#[serde(deny_unknown_fields)]
+pub struct KubernetesDiscoveryConfig {
+    /// Namespace of the model-server pods (the InferencePool's namespace).
+    pub namespace: String,
+    /// Equality label selector (InferencePool `spec.selector.matchLabels`); at least one label.
+    pub selector: std::collections::BTreeMap<String, String>,
+    /// Ports on each pod (InferencePool `spec.targetPorts`), 1 to 8; each port is its own endpoint.
+    #[cfg_attr(feature = "schema", schemars(length(min = 1, max = crate::discovery::MAX_TARGET_PORTS)))]
+    pub target_ports: Vec<u16>,
+    /// Base models (from `models`) every discovered endpoint serves. Default: all of `models`.
+    #[serde(default)]
+    pub models: Vec<String>,
+    /// The Envoy cluster that reaches the API server (TLS to kubernetes.default.svc:443).
+    #[serde(default = "default_api_cluster")]
+    pub api_cluster: String,
+    /// `:authority` of the API request. Default `kubernetes.default.svc`.
+    #[serde(default = "default_api_authority")]
+    pub api_authority: String,
+    /// Bearer token, inline. Prefer `token_env`. At most one of the two; neither sends no
+    /// `authorization` header (for an API proxy that adds it).
+    #[serde(default)]
+    pub token: Option<String>,
+    /// Name of a VM environment variable holding the bearer token (Envoy
+    /// `vm_config.environment_variables`, Istio `vmConfig.env`).
+    #[serde(default)]
+    pub token_env: Option<String>,
+    /// How often the pod list is fetched again, in ms. At least 1000. Default 5000.
+    #[serde(default = "default_refresh_ms")]
+    #[cfg_attr(feature = "schema", schemars(range(min = crate::discovery::MIN_REFRESH_MS)))]
+    pub refresh_ms: u64,
+    /// Timeout of one list request, in ms: 1 to `refresh_ms`. Default 2000.
+    #[serde(default = "default_list_timeout_ms")]
+    pub timeout_ms: u64,
+}
+
+fn default_api_cluster() -> String {
+    "kubernetes_api".to_string()
+}
+fn default_api_authority() -> String {
+    "kubernetes.default.svc".to_string()
+}
+fn default_refresh_ms() -> u64 {
+    5000
+}
+fn default_list_timeout_ms() -> u64 {
+    2000
 }
 
 /// A configuration error: the JSON path of the bad field (`endpoints[2].address`, `$` for the
@@ -324,9 +449,15 @@ impl Config {
         self.validate_endpoints(&names, &mut errs);
         self.poller.validate_into("poller", &mut errs);
         self.filter.validate_into("filter", &mut errs);
+        self.priority.validate("priority", &mut errs.0);
+        self.saturation.validate("saturation", self.poller.interval_ms, &mut errs.0);
+        self.flow_control.validate("flow_control", &mut errs.0);
         errs.0.extend(self.scheduler.validate(&|name| {
             self.models.iter().any(|m| m.name == name || m.adapters.iter().any(|a| a == name))
         }));
+        if let Some(d) = &self.discovery {
+            d.kubernetes.validate_into("discovery.kubernetes", &self.models, &mut errs.0);
+        }
         if errs.0.is_empty() {
             Ok(())
         } else {
@@ -389,11 +520,10 @@ impl Config {
     }
 
     fn validate_endpoints(&self, names: &HashMap<&str, NameKind>, errs: &mut Errors) {
-        if self.endpoints.is_empty() {
-            errs.push("endpoints", "at least one endpoint is required");
+        if self.endpoints.is_empty() && self.discovery.is_none() {
+            errs.push("endpoints", "at least one endpoint is required (or a `discovery` source)");
         }
         let mut seen: HashMap<SocketAddr, usize> = HashMap::new();
-        let mut served = vec![false; self.models.len()];
         for (i, ep) in self.endpoints.iter().enumerate() {
             let ep_path = index("endpoints", i);
             let addr_path = field(&ep_path, "address");
@@ -421,11 +551,7 @@ impl Config {
                     continue;
                 }
                 match names.get(name.as_str()) {
-                    Some(NameKind::Base(m)) => {
-                        if let Some(s) = served.get_mut(*m) {
-                            *s = true;
-                        }
-                    }
+                    Some(NameKind::Base(_)) => {}
                     Some(NameKind::Adapter { model, .. }) => {
                         let base = self.models.get(*model).map_or("", |m| m.name.as_str());
                         errs.push(
@@ -437,17 +563,6 @@ impl Config {
                     }
                     None => errs.push(path, format!("unknown model {name:?}: not a models[].name")),
                 }
-            }
-        }
-        // A model no endpoint serves would answer every request with 503: almost surely a typo.
-        // Only reported when the names themselves are fine, so that one typo gives one error.
-        for (i, m) in self.models.iter().enumerate() {
-            let is_first_of_name = matches!(names.get(m.name.as_str()), Some(NameKind::Base(b)) if *b == i);
-            if is_first_of_name && !served.get(i).copied().unwrap_or(true) && !self.endpoints.is_empty() {
-                errs.push(
-                    field(&index("models", i), "name"),
-                    format!("no endpoint serves model {:?}", m.name),
-                );
             }
         }
     }
@@ -481,6 +596,15 @@ impl PollerConfig {
         }
         if self.cluster.is_empty() {
             errs.push(field(at, "cluster"), "must not be empty");
+        }
+        if self.mode == PollerMode::Lease && self.lease_ttl_ms < self.interval_ms.saturating_mul(2) {
+            errs.push(
+                field(at, "lease_ttl_ms"),
+                format!(
+                    "must be at least twice interval_ms ({}), got {}: the holder renews once per tick",
+                    self.interval_ms, self.lease_ttl_ms
+                ),
+            );
         }
         if self.metrics_path.is_empty() {
             errs.push(field(at, "metrics_path"), "must not be empty");

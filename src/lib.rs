@@ -13,13 +13,19 @@
 
 pub mod body;
 pub mod config;
+pub mod discovery;
 pub mod errors;
+pub mod flow;
 pub mod inflight;
+pub mod lease;
 pub mod metrics;
 pub mod poller;
 pub mod ports;
+pub mod priority;
 pub mod request;
+pub mod saturation;
 pub mod scheduler;
 pub mod snapshot;
+pub mod telemetry;
 
 mod host;

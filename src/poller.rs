@@ -19,7 +19,8 @@
 //! - Publishing once per round (not per response) bounds snapshot writes to one per interval,
 //!   and each worker decodes at most one snapshot per interval.
 
-use crate::config::Config;
+use crate::config::{Config, KubernetesDiscoveryConfig};
+use crate::discovery::{parse_pod_list_response, DiscoveryError};
 use crate::metrics::parse_metrics;
 use crate::snapshot::{EndpointStatus, Snapshot};
 
@@ -56,13 +57,106 @@ pub struct Poller {
     targets: Vec<Target>,
     version: u64,
     timeout_ms: u64,
+    interval_ms: u64,
+    last_round_ms: Option<u64>,
+    /// Static endpoints from the configuration; they win over discovered ones.
+    static_endpoints: Vec<(String, Vec<String>)>,
+    /// Models that discovered pods serve.
+    discovered_models: Vec<String>,
+    discovery_refresh_ms: Option<u64>,
+    last_discovery_ms: Option<u64>,
+    discovery_outstanding_since: Option<u64>,
+    discovery_timeout_ms: u64,
 }
 
 impl Poller {
     pub fn new(cfg: &Config) -> Self {
-        let mut p = Poller { targets: Vec::new(), version: 0, timeout_ms: cfg.poller.timeout_ms };
-        p.set_endpoints(cfg.endpoints.iter().map(|e| (e.address.clone(), e.models.clone())).collect());
+        let static_endpoints: Vec<(String, Vec<String>)> =
+            cfg.endpoints.iter().map(|e| (e.address.clone(), e.models.clone())).collect();
+        let k8s = cfg.discovery.as_ref().map(|d| &d.kubernetes);
+        let discovered_models = match k8s {
+            Some(k) if !k.models.is_empty() => k.models.clone(),
+            _ => cfg.models.iter().map(|m| m.name.clone()).collect(),
+        };
+        let mut p = Poller {
+            targets: Vec::new(),
+            version: 0,
+            timeout_ms: cfg.poller.timeout_ms,
+            interval_ms: cfg.poller.interval_ms,
+            last_round_ms: None,
+            static_endpoints: static_endpoints.clone(),
+            discovered_models,
+            discovery_refresh_ms: k8s.map(|k| k.refresh_ms),
+            last_discovery_ms: None,
+            discovery_outstanding_since: None,
+            discovery_timeout_ms: k8s.map_or(0, |k| k.timeout_ms),
+        };
+        p.set_endpoints(static_endpoints);
         p
+    }
+
+    /// The endpoints to scrape if a round is due at `now_ms`, else `None`. A round is due one
+    /// interval after the previous one started, less a quarter interval of tolerance for tick
+    /// jitter (a tick that fires a little early must not skip a whole round).
+    pub fn start_round_if_due(&mut self, now_ms: u64) -> Option<Vec<String>> {
+        if let Some(last) = self.last_round_ms {
+            if now_ms.saturating_add(self.interval_ms / 4) < last.saturating_add(self.interval_ms) {
+                return None;
+            }
+        }
+        self.last_round_ms = Some(now_ms);
+        Some(self.due(now_ms))
+    }
+
+    /// True when the pod list should be fetched now (marks the fetch outstanding).
+    pub fn discovery_due(&mut self, now_ms: u64) -> bool {
+        let Some(refresh) = self.discovery_refresh_ms else {
+            return false;
+        };
+        if let Some(since) = self.discovery_outstanding_since {
+            if now_ms.saturating_sub(since) <= self.discovery_timeout_ms + LOST_CALL_GRACE_MS {
+                return false;
+            }
+        }
+        if let Some(last) = self.last_discovery_ms {
+            if now_ms < last.saturating_add(refresh) {
+                return false;
+            }
+        }
+        self.last_discovery_ms = Some(now_ms);
+        self.discovery_outstanding_since = Some(now_ms);
+        true
+    }
+
+    /// Applies a pod-list response: on success the endpoint set becomes the static endpoints
+    /// plus the discovered ones (static entries win on a duplicate address); on any error the
+    /// previous set is kept. Returns the number of endpoints now polled.
+    pub fn on_discovery(
+        &mut self,
+        k8s: &KubernetesDiscoveryConfig,
+        status: Option<u32>,
+        body: &[u8],
+    ) -> Result<usize, DiscoveryError> {
+        self.discovery_outstanding_since = None;
+        let discovered = parse_pod_list_response(status.unwrap_or(0), body, k8s)?;
+        let mut next = self.static_endpoints.clone();
+        for e in discovered.endpoint_configs(&self.discovered_models) {
+            if !next.iter().any(|(a, _)| *a == e.address) {
+                next.push((e.address, e.models));
+            }
+        }
+        let n = next.len();
+        self.set_endpoints(next);
+        Ok(n)
+    }
+
+    /// Forgets outstanding scrapes (a lease holder that lost its lease ignores their answers).
+    pub fn abandon_outstanding(&mut self) {
+        for t in &mut self.targets {
+            t.outstanding_since = None;
+        }
+        self.discovery_outstanding_since = None;
+        self.last_round_ms = None;
     }
 
     /// Replaces the endpoint list (static config or discovery), keeping the state of endpoints
@@ -87,7 +181,8 @@ impl Poller {
         self.targets = next;
     }
 
-    /// Endpoints to scrape now. Marks them outstanding; expires calls that never answered.
+    /// Endpoints to scrape now (ignoring the round cadence). Marks them outstanding; expires
+    /// calls that never answered.
     pub fn due(&mut self, now_ms: u64) -> Vec<String> {
         let mut out = Vec::new();
         for t in &mut self.targets {
@@ -259,5 +354,82 @@ vllm:kv_cache_usage_perc{engine=\"0\",model_name=\"m\"} 0.25\n";
         assert_eq!(s.endpoints[1].address, "127.0.0.1:8003");
         p.dispatch_failed("127.0.0.1:8003");
         assert_eq!(p.snapshot(7).endpoints[1].failures, 1);
+    }
+
+    #[test]
+    fn rounds_follow_the_interval_with_jitter_tolerance() {
+        // interval 200 ms: tolerance 50 ms.
+        let mut p = Poller::new(&cfg());
+        assert_eq!(p.start_round_if_due(1000).map(|v| v.len()), Some(2));
+        p.on_result("127.0.0.1:8001", 1001, ScrapeResult::Failed).unwrap_err();
+        p.on_result("127.0.0.1:8002", 1001, ScrapeResult::Failed).unwrap_err();
+        assert_eq!(p.start_round_if_due(1100), None);
+        assert_eq!(p.start_round_if_due(1149), None);
+        // A tick 40 ms early still starts the round.
+        assert!(p.start_round_if_due(1160).is_some());
+        assert_eq!(p.start_round_if_due(1200), None);
+    }
+
+    fn k8s_cfg() -> Config {
+        Config::from_json(
+            br#"{"version":1,"endpoints":[{"address":"127.0.0.1:8001","models":["m"]}],"models":[{"name":"m"}],
+                "discovery":{"kubernetes":{"namespace":"llm","selector":{"app":"vllm"},"target_ports":[8000],
+                "api_cluster":"kubernetes_api","api_authority":"kubernetes.default.svc","refresh_ms":5000,"timeout_ms":1000}}}"#,
+        )
+        .unwrap()
+    }
+
+    fn pod_list(ips: &[&str]) -> Vec<u8> {
+        let items: Vec<String> = ips
+            .iter()
+            .enumerate()
+            .map(|(i, ip)| {
+                format!(
+                    r#"{{"metadata":{{"name":"p{i}","namespace":"llm","labels":{{"app":"vllm"}}}},
+                       "status":{{"phase":"Running","podIP":"{ip}","conditions":[{{"type":"Ready","status":"True"}}]}}}}"#
+                )
+            })
+            .collect();
+        format!(
+            r#"{{"kind":"PodList","apiVersion":"v1","metadata":{{"resourceVersion":"7"}},"items":[{}]}}"#,
+            items.join(",")
+        )
+        .into_bytes()
+    }
+
+    #[test]
+    fn discovery_merges_with_static_endpoints_and_keeps_state() {
+        let cfg = k8s_cfg();
+        let k = &cfg.discovery.as_ref().unwrap().kubernetes;
+        let mut p = Poller::new(&cfg);
+        assert!(p.discovery_due(0));
+        // Outstanding: not due again until it answers (or times out: 1000 + grace 1000).
+        assert!(!p.discovery_due(1500));
+        assert_eq!(p.on_discovery(k, Some(200), &pod_list(&["10.1.0.5", "10.1.0.6"])).unwrap(), 3);
+        p.due(10);
+        p.on_result("10.1.0.5:8000", 20, ScrapeResult::Response { status: 200, body: VLLM }).unwrap();
+        // Refresh every 5000 ms; pod 10.1.0.6 went away, 10.1.0.7 joined; 10.1.0.5 keeps its state.
+        assert!(!p.discovery_due(4999));
+        assert!(p.discovery_due(5000));
+        assert_eq!(p.on_discovery(k, Some(200), &pod_list(&["10.1.0.5", "10.1.0.7"])).unwrap(), 3);
+        let s = p.snapshot(5001);
+        let addrs: Vec<&str> = s.endpoints.iter().map(|e| e.address.as_str()).collect();
+        assert_eq!(addrs, ["127.0.0.1:8001", "10.1.0.5:8000", "10.1.0.7:8000"]);
+        assert_eq!(s.endpoints[1].scraped_ms, 20);
+        assert_eq!(s.endpoints[2].models, ["m"]);
+        // Errors keep the previous set.
+        assert!(p.discovery_due(10_000));
+        assert!(p.on_discovery(k, Some(403), b"{}").is_err());
+        assert!(p.discovery_due(15_000));
+        assert!(p.on_discovery(k, None, b"").is_err());
+        assert_eq!(p.snapshot(15_001).endpoints.len(), 3);
+    }
+
+    #[test]
+    fn abandoning_outstanding_scrapes_allows_a_fresh_round() {
+        let mut p = Poller::new(&cfg());
+        assert!(p.start_round_if_due(0).is_some());
+        p.abandon_outstanding();
+        assert_eq!(p.start_round_if_due(1).map(|v| v.len()), Some(2));
     }
 }

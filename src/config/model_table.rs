@@ -179,7 +179,11 @@ mod tests {
                  "models": [{"name": "a", "adapters": ["x"]}]}"#,
         )
         .unwrap();
-        cfg.models.push(crate::config::ModelConfig { name: "a".into(), adapters: vec!["a".into()] });
+        cfg.models.push(crate::config::ModelConfig {
+            name: "a".into(),
+            adapters: vec!["a".into()],
+            criticality: crate::priority::Criticality::Standard,
+        });
         cfg.endpoints.push(crate::config::EndpointConfig {
             address: "10.0.0.1:80".into(),
             models: vec!["zzz".into(), "x".into(), "a".into()],

@@ -13,6 +13,7 @@ use crate::request::{
     self, BodyInputs, HeadDecision, RequestHead, CLIENT_ROUTING_HEADERS, DEBUG_SCORES_HEADER,
     DESTINATION_HEADER, ORIGINAL_DST_HEADER, SERVED_HEADER,
 };
+use crate::telemetry;
 
 pub(crate) struct Filter {
     worker: Rc<Worker>,
@@ -41,6 +42,10 @@ impl Filter {
 
     fn reject(&mut self, rej: &Rejection) -> Action {
         self.answered = true;
+        self.worker
+            .metrics
+            .borrow_mut()
+            .count(telemetry::name(telemetry::REJECTIONS, &[("reason", rej.code)]));
         io::send_rejection(rej);
         Action::Pause
     }
@@ -95,8 +100,8 @@ impl HttpContext for Filter {
             }
         };
         let inflight = inflight::read(&store).unwrap_or_default();
-        let inputs =
-            BodyInputs { snapshot: &snapshot, inflight: &inflight, store: &store, now_ms: io::now_ms() };
+        let now_ms = io::now_ms();
+        let inputs = BodyInputs { snapshot: &snapshot, inflight: &inflight, store: &store, now_ms };
         let routed = {
             let mut scheduler = worker.scheduler.borrow_mut();
             let mut rng = worker.rng.borrow_mut();
@@ -119,10 +124,30 @@ impl HttpContext for Filter {
         }
         io::set_request_header(DESTINATION_HEADER, Some(&routed.pick.destination_header()));
         io::set_request_header(ORIGINAL_DST_HEADER, Some(&routed.pick.primary));
+        let mut metrics = worker.metrics.borrow_mut();
         match inflight::adjust(&store, &routed.pick.primary, 1) {
-            Ok(_) => self.holding = Some(routed.pick.primary.clone()),
+            Ok(n) => {
+                self.holding = Some(routed.pick.primary.clone());
+                metrics.gauge(
+                    telemetry::name(telemetry::ENDPOINT_INFLIGHT, &[("endpoint", &routed.pick.primary)]),
+                    u64::from(n),
+                );
+            }
             Err(e) => warn!("inference-picker: in-flight increment failed: {e:?}"),
         }
+        metrics.count(telemetry::name(
+            telemetry::REQUESTS,
+            &[
+                ("model", &routed.pick.target_model),
+                ("endpoint", &routed.pick.primary),
+                ("outcome", routed.pick.reason.as_str()),
+            ],
+        ));
+        metrics.gauge(
+            telemetry::name(telemetry::SNAPSHOT_AGE, &[]),
+            now_ms.saturating_sub(snapshot.published_ms),
+        );
+        drop(metrics);
         self.primary = Some(routed.pick.primary);
         self.session_token = Some(routed.pick.session_token);
         self.debug_scores = routed.pick.debug_scores;
@@ -147,8 +172,12 @@ impl HttpContext for Filter {
 
     fn on_log(&mut self) {
         if let Some(addr) = self.holding.take() {
-            if let Err(e) = inflight::adjust(&io::HostStore, &addr, -1) {
-                warn!("inference-picker: in-flight release for {addr} failed: {e:?}");
+            match inflight::adjust(&io::HostStore, &addr, -1) {
+                Ok(n) => self.worker.metrics.borrow_mut().gauge(
+                    telemetry::name(telemetry::ENDPOINT_INFLIGHT, &[("endpoint", &addr)]),
+                    u64::from(n),
+                ),
+                Err(e) => warn!("inference-picker: in-flight release for {addr} failed: {e:?}"),
             }
         }
     }

@@ -174,7 +174,23 @@ pub fn send_json(status: u32, body: &[u8]) -> bool {
     send_local(status, &[("content-type", "application/json")], body, "inference_picker_local")
 }
 
-/// Starts an HTTP callout; returns its token.
+/// Starts an HTTP callout with the given headers (pseudo-headers included); returns its token.
+pub fn dispatch(cluster: &str, headers: &[(&'static str, String)], timeout_ms: u64) -> Result<u32, String> {
+    let headers: Vec<(&str, &str)> = headers.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    hostcalls::dispatch_http_call(cluster, headers, None, vec![], Duration::from_millis(timeout_ms))
+        .map_err(|s| format!("{s:?}"))
+}
+
+/// 64 bits from the host's random source (WASI `random_get`, through std's hasher seeding),
+/// mixed with the clock in case the host gives none.
+pub fn entropy() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u64(now_nanos());
+    h.finish()
+}
+
+/// Starts an HTTP GET callout to one pod; returns its token.
 pub fn dispatch_get(cluster: &str, path: &str, authority: &str, timeout_ms: u64) -> Result<u32, String> {
     let headers = vec![
         (":method", "GET"),
@@ -207,5 +223,42 @@ mod tests {
     fn header_serialisation_matches_the_abi() {
         let b = serialize_headers(&[("a", "bc")]);
         assert_eq!(b, [1, 0, 0, 0, 1, 0, 0, 0, 2, 0, 0, 0, b'a', 0, b'b', b'c', 0]);
+    }
+}
+
+/// The filter's own Prometheus metrics. Each distinct name is defined once per VM and its id
+/// cached; Envoy merges same-named metrics of all workers into one stat.
+#[derive(Default)]
+pub struct Metrics {
+    ids: hashbrown::HashMap<String, u32>,
+}
+
+impl Metrics {
+    fn id(&mut self, kind: proxy_wasm::types::MetricType, name: String) -> Option<u32> {
+        if let Some(id) = self.ids.get(&name) {
+            return Some(*id);
+        }
+        match hostcalls::define_metric(kind, &name) {
+            Ok(id) => {
+                self.ids.insert(name, id);
+                Some(id)
+            }
+            Err(s) => {
+                warn!("define_metric {name} failed: {s:?}");
+                None
+            }
+        }
+    }
+
+    pub fn count(&mut self, name: String) {
+        if let Some(id) = self.id(proxy_wasm::types::MetricType::Counter, name) {
+            let _ = hostcalls::increment_metric(id, 1);
+        }
+    }
+
+    pub fn gauge(&mut self, name: String, value: u64) {
+        if let Some(id) = self.id(proxy_wasm::types::MetricType::Gauge, name) {
+            let _ = hostcalls::record_metric(id, value);
+        }
     }
 }

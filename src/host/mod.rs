@@ -15,11 +15,11 @@ mod poller;
 use std::cell::RefCell;
 use std::rc::Rc;
 
-use log::{error, info};
+use log::{error, info, warn};
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{ContextType, LogLevel};
 
-use crate::config::Config;
+use crate::config::{Config, PollerMode};
 use crate::ports::SplitMix64;
 use crate::scheduler::Scheduler;
 use crate::snapshot::SnapshotCache;
@@ -38,6 +38,7 @@ pub(crate) struct Worker {
     pub scheduler: RefCell<Scheduler>,
     pub snapshots: RefCell<SnapshotCache>,
     pub rng: RefCell<SplitMix64>,
+    pub metrics: RefCell<io::Metrics>,
 }
 
 enum Role {
@@ -49,11 +50,13 @@ enum Role {
 struct Root {
     context_id: u32,
     role: Role,
+    /// `poller.mode: lease`: this filter root's part in electing and running the poller.
+    leased: Option<Box<poller::LeasedPoller>>,
 }
 
 impl Root {
     fn new(context_id: u32) -> Self {
-        Root { context_id, role: Role::Unconfigured }
+        Root { context_id, role: Role::Unconfigured, leased: None }
     }
 }
 
@@ -68,6 +71,17 @@ impl Context for Root {
         if let Role::Poller(p) = &mut self.role {
             p.on_response(token_id, num_headers, body_size);
         }
+        if let Some(l) = &mut self.leased {
+            l.on_response(token_id, num_headers, body_size);
+        }
+    }
+
+    fn on_done(&mut self) -> bool {
+        // Hand the lease over at once instead of letting it expire.
+        if let Some(l) = &mut self.leased {
+            l.release();
+        }
+        true
     }
 }
 
@@ -88,9 +102,18 @@ impl RootContext for Root {
             }
         };
         self.role = if root_id == POLLER_ROOT_ID {
-            info!("inference-picker: poller configured, {} endpoints", cfg.endpoints.len());
+            if cfg.poller.mode != PollerMode::Singleton {
+                warn!("inference-picker-poller: poller.mode is not singleton; this singleton stays idle");
+                return true;
+            }
+            info!("inference-picker: poller singleton configured, {} static endpoints", cfg.endpoints.len());
+            io::set_tick_period_ms(cfg.poller.interval_ms);
             Role::Poller(Box::new(poller::PollerRole::new(cfg)))
         } else {
+            if cfg.poller.mode == PollerMode::Lease {
+                self.leased = Some(Box::new(poller::LeasedPoller::new(cfg.clone(), self.context_id)));
+                io::set_tick_period_ms(cfg.poller.interval_ms);
+            }
             if root_id != FILTER_ROOT_ID {
                 info!("inference-picker: root id {root_id:?} runs as the HTTP filter");
             }
@@ -99,6 +122,7 @@ impl RootContext for Root {
                 scheduler: RefCell::new(Scheduler::new(&cfg)),
                 snapshots: RefCell::new(SnapshotCache::new()),
                 rng: RefCell::new(SplitMix64::new(seed)),
+                metrics: RefCell::new(io::Metrics::default()),
                 cfg,
             }))
         };
@@ -106,8 +130,12 @@ impl RootContext for Root {
     }
 
     fn on_tick(&mut self) {
+        let now = io::now_ms();
         if let Role::Poller(p) = &mut self.role {
-            p.on_tick();
+            p.tick(now);
+        }
+        if let Some(l) = &mut self.leased {
+            l.tick(now);
         }
     }
 

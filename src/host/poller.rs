@@ -1,12 +1,20 @@
-//! The poller role: ticks, scrape callouts, publishing. Decisions live in `crate::poller`.
+//! The poller: ticks, scrape and pod-list callouts, publishing. Decisions live in
+//! `crate::poller`; this file only moves data between them and the host.
+//!
+//! It runs in one of two places (`poller.mode`):
+//! - `singleton`: in the `inference-picker-poller` WasmService root (one VM on the main thread);
+//! - `lease`: in every filter root, but only the root holding the lease in shared data polls
+//!   (see `crate::lease`); the others only try to take the lease over on each tick.
 
 use std::rc::Rc;
 
 use hashbrown::HashMap;
-use log::{debug, warn};
+use log::{debug, info, warn};
 
 use super::io;
 use crate::config::Config;
+use crate::discovery::TokenSource;
+use crate::lease::{holder_id, Lease, LeaseState};
 use crate::poller::{Poller, ScrapeResult};
 use crate::ports::SharedStore;
 use crate::snapshot::{self, SNAPSHOT_VERSION_KEY};
@@ -14,41 +22,62 @@ use crate::snapshot::{self, SNAPSHOT_VERSION_KEY};
 pub(crate) struct PollerRole {
     cfg: Rc<Config>,
     core: Poller,
-    /// Outstanding callouts: token → endpoint address.
+    /// Outstanding scrapes: token → endpoint address.
     calls: HashMap<u32, String>,
-    started: bool,
-    /// Publish at the next tick even if the round is not complete.
+    /// Outstanding pod-list call, if any.
+    discovery_call: Option<u32>,
+    /// A result arrived since the last publish.
     dirty: bool,
 }
 
 impl PollerRole {
     pub fn new(cfg: Rc<Config>) -> Self {
-        let mut core = Poller::new(&cfg);
-        // Continue the version sequence of a previous VM, so workers see the next publish.
-        if let Ok(Some((v, _))) = io::HostStore.get(SNAPSHOT_VERSION_KEY) {
-            if let Some(n) = std::str::from_utf8(&v).ok().and_then(|s| s.parse().ok()) {
-                core.resume_version_after(n);
-            }
-        }
-        // Callouts start from on_tick, not here: clusters may not be ready yet.
-        io::set_tick_period_ms(cfg.poller.interval_ms);
-        PollerRole { cfg, core, calls: HashMap::new(), started: false, dirty: false }
+        let core = Poller::new(&cfg);
+        let mut p = PollerRole { cfg, core, calls: HashMap::new(), discovery_call: None, dirty: false };
+        p.continue_versions();
+        p
     }
 
-    pub fn on_tick(&mut self) {
-        let now = io::now_ms();
-        if self.started && (self.dirty || !self.calls.is_empty()) {
-            // The previous round did not finish within an interval: publish what we have.
+    /// Continues the version sequence found in shared data (a previous VM or lease holder), so
+    /// that workers see our next publish as newer.
+    fn continue_versions(&mut self) {
+        if let Ok(Some((v, _))) = io::HostStore.get(SNAPSHOT_VERSION_KEY) {
+            if let Some(n) = std::str::from_utf8(&v).ok().and_then(|s| s.parse().ok()) {
+                self.core.resume_version_after(n);
+            }
+        }
+    }
+
+    /// One tick: publish what a slow round left, refresh discovery, start a round if due.
+    /// Callouts start from ticks, never from configuration: clusters may not be ready yet.
+    pub fn tick(&mut self, now: u64) {
+        if self.dirty && !self.calls.is_empty() {
+            // The previous round is not finished one interval later: publish what we have.
             self.publish(now);
         }
-        self.started = true;
-        for address in self.core.due(now) {
-            match io::dispatch_get(
-                &self.cfg.poller.cluster,
-                &self.cfg.poller.metrics_path,
-                &address,
-                self.cfg.poller.timeout_ms,
-            ) {
+        if let Some(k) = self.cfg.discovery.as_ref().map(|d| &d.kubernetes) {
+            if self.core.discovery_due(now) {
+                let token = match k.token_source() {
+                    TokenSource::None => None,
+                    TokenSource::Inline(t) => Some(t.to_string()),
+                    TokenSource::Env(name) => std::env::var(name).ok(),
+                };
+                let headers = k.pod_list_headers(token.as_deref());
+                match io::dispatch(&k.api_cluster, &headers, k.timeout_ms) {
+                    Ok(t) => self.discovery_call = Some(t),
+                    Err(e) => {
+                        warn!("inference-picker-poller: cannot list pods through {}: {e}", k.api_cluster);
+                        let _ = self.core.on_discovery(k, None, b"");
+                    }
+                }
+            }
+        }
+        let Some(due) = self.core.start_round_if_due(now) else {
+            return;
+        };
+        for address in due {
+            let p = &self.cfg.poller;
+            match io::dispatch_get(&p.cluster, &p.metrics_path, &address, p.timeout_ms) {
                 Ok(token) => {
                     self.calls.insert(token, address);
                 }
@@ -65,10 +94,25 @@ impl PollerRole {
     }
 
     pub fn on_response(&mut self, token: u32, num_headers: usize, body_size: usize) {
+        let now = io::now_ms();
+        if self.discovery_call == Some(token) {
+            self.discovery_call = None;
+            let Some(k) = self.cfg.discovery.as_ref().map(|d| &d.kubernetes) else {
+                return;
+            };
+            let status = if num_headers == 0 { None } else { io::call_response_status() };
+            let body = io::call_response_body(body_size);
+            match self.core.on_discovery(k, status, &body) {
+                Ok(n) => debug!("inference-picker-poller: discovery: {n} endpoints"),
+                Err(e) => {
+                    warn!("inference-picker-poller: pod list unusable, keeping the previous endpoints: {e}")
+                }
+            }
+            return;
+        }
         let Some(address) = self.calls.remove(&token) else {
             return;
         };
-        let now = io::now_ms();
         // A failed call (reset, connect failure, timeout) arrives with no headers.
         let body;
         let result = if num_headers == 0 {
@@ -80,14 +124,18 @@ impl PollerRole {
         if let Err(e) = self.core.on_result(&address, now, result) {
             debug!("inference-picker-poller: scrape of {address} failed: {e:?}");
         }
-        self.finish_if_round_done(now);
-    }
-
-    fn finish_if_round_done(&mut self, now: u64) {
         self.dirty = true;
         if self.calls.is_empty() && self.core.round_complete() {
             self.publish(now);
         }
+    }
+
+    /// Stops waiting for outstanding calls (after losing the lease: their answers are ignored).
+    fn abandon(&mut self) {
+        self.calls.clear();
+        self.discovery_call = None;
+        self.core.abandon_outstanding();
+        self.dirty = false;
     }
 
     fn publish(&mut self, now: u64) {
@@ -96,5 +144,52 @@ impl PollerRole {
             warn!("inference-picker-poller: publishing snapshot failed: {e:?}");
         }
         self.dirty = false;
+    }
+}
+
+/// A filter root's share of lease-mode polling.
+pub(crate) struct LeasedPoller {
+    lease: Lease,
+    poller: PollerRole,
+    held: bool,
+}
+
+impl LeasedPoller {
+    pub fn new(cfg: Rc<Config>, context_id: u32) -> Self {
+        let lease = Lease::new(holder_id(io::entropy(), context_id), cfg.poller.lease_ttl_ms);
+        LeasedPoller { lease, poller: PollerRole::new(cfg), held: false }
+    }
+
+    pub fn tick(&mut self, now: u64) {
+        let state = self.lease.try_acquire_or_renew(&io::HostStore, now);
+        match (&state, self.held) {
+            (LeaseState::Held { .. }, false) => {
+                info!("inference-picker: this root now holds the poller lease");
+                self.held = true;
+                self.poller.continue_versions();
+            }
+            (s, true) if !s.is_held() => {
+                info!("inference-picker: poller lease lost ({s:?})");
+                self.held = false;
+                self.poller.abandon();
+            }
+            _ => {}
+        }
+        if self.held {
+            self.poller.tick(now);
+        }
+    }
+
+    pub fn on_response(&mut self, token: u32, num_headers: usize, body_size: usize) {
+        if self.held {
+            self.poller.on_response(token, num_headers, body_size);
+        }
+    }
+
+    pub fn release(&mut self) {
+        if self.held {
+            let _ = self.lease.release(&io::HostStore);
+            self.held = false;
+        }
     }
 }

@@ -119,12 +119,12 @@ pub struct PrefixConfig {
     /// Default 4.
     #[serde(default = "default_chars_per_token")]
     pub chars_per_token: usize,
-    /// Shared-data shard keys of the cross-worker prefix table. Default 64. 0 disables the table
+    /// Shared-data shard keys of the cross-worker prefix table. Default 256. 0 disables the table
     /// (each worker then only knows the prefixes it sent itself).
     #[serde(default = "default_shared_shards")]
     pub shared_shards: usize,
-    /// Entries (checkpoint hash → endpoint) per shard, oldest dropped first. Default 256
-    /// (3 KiB per shard value, which every read copies).
+    /// Entries (checkpoint hash → endpoint) per shard, oldest dropped first. Default 64
+    /// (768 bytes per shard value, which every read copies; 16384 entries in all).
     #[serde(default = "default_shared_entries")]
     pub shared_entries_per_shard: usize,
 }
@@ -246,10 +246,10 @@ fn default_chars_per_token() -> usize {
     4
 }
 fn default_shared_shards() -> usize {
-    64
+    256
 }
 fn default_shared_entries() -> usize {
-    256
+    64
 }
 fn default_session_header() -> String {
     "x-session-id".to_string()

@@ -293,10 +293,14 @@ impl Scheduler {
             &mut hashes,
         );
         self.local.sync(snapshot.version, &mut snapshot.endpoints.iter().map(|e| e.address.as_str()));
-        let lookup = if hashes.is_empty() { Default::default() } else { self.shared.lookup(store, &hashes) };
+        let mut lookup =
+            if hashes.is_empty() { Default::default() } else { self.shared.lookup(store, &hashes) };
         let px: Vec<f64> = cands
             .iter()
             .map(|c| {
+                if hashes.is_empty() {
+                    return 0.0;
+                }
                 let local = self.local.matched(c.address, &hashes);
                 let shared = if lookup.hits.is_empty() { 0 } else { lookup.matched(endpoint_key(c.address)) };
                 prefix::score(local.max(shared), hashes.len())
@@ -351,7 +355,7 @@ impl Scheduler {
         if let Some(c) = primary_cand {
             let cap = prefix::capacity(&self.cfg.prefix, c.metrics, snapshot.endpoints.len());
             self.local.record(c.address, &hashes, cap);
-            self.shared.record(store, &hashes, endpoint_key(c.address), &lookup);
+            self.shared.record(store, &hashes, endpoint_key(c.address), &mut lookup);
         }
         let prefix_blocks = hashes.len();
         self.hashes = hashes;

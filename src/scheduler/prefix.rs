@@ -5,9 +5,10 @@
 //! messages in order), cut into fixed blocks of `block_chars` bytes (default 256 ≈ 64 tokens),
 //! at most `max_blocks` (default 256) blocks, so the first 64 KiB are compared. GIE uses 64 × 256
 //! = 16 KiB, which truncates long prompts: a Mooncake-size prompt (~12k tokens ≈ 48 KiB) would be
-//! compared on its first third only. Bigger blocks cost nothing in precision that matters (a
-//! 64-token granularity is finer than a KV block of 16 tokens only 4×, and a partial block is
-//! rarely worth a routing decision) and make hashing and lookups 4× cheaper. A trailing partial
+//! compared on its first third only. Bigger blocks cost little precision (a 64-token
+//! block spans four 16-token vLLM KV blocks, so at most ~63 reusable tokens are not credited at
+//! the boundary, negligible beside a multi-KiB prefix) and make lookups and index memory 4×
+//! cheaper per KiB. A trailing partial
 //! block is not hashed (as in GIE): it is still being written by the conversation. "Characters"
 //! are UTF-8 bytes, like GIE's Go string slicing: block boundaries may split a character, which
 //! does not matter for hashing and is identical in every worker.
@@ -113,7 +114,10 @@ impl EndpointIndex {
     pub fn insert(&mut self, h: u64, cap: usize) {
         let half = (cap / 2).max(1);
         if self.current.len() >= half {
-            self.previous = std::mem::take(&mut self.current);
+            // Rotate by swapping and clearing: the old generation's allocation is reused, so a
+            // busy endpoint's index stops allocating once it has rotated once.
+            std::mem::swap(&mut self.previous, &mut self.current);
+            self.current.clear();
         }
         self.current.insert(h);
         // A capacity that shrank (fewer reported GPU blocks, more endpoints) takes effect at

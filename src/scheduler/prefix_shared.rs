@@ -8,21 +8,22 @@
 //! conversations with a common system prompt would pile on one endpoint, and it ignores where
 //! load actually sent a conversation. The table records the real decision.
 //!
-//! **Layout (bounded whatever the traffic).** `shared_shards` keys (default 64)
-//! `inference-picker/prefix/NNNN`. Each value is a sequence of 12-byte records
+//! **Layout (bounded whatever the traffic).** `shared_shards` keys
+//! `inference-picker/prefix/NNNN` (default 256). Each value is a sequence of 12-byte records
 //! `le64(block hash) ‖ le32(endpoint key)`, oldest first, at most `shared_entries_per_shard`
-//! (default 256 → 3 KiB) records; writing a hash that is present moves it to the end, and the
+//! (default 64 → 768 bytes, which every read copies) records; writing a hash that is present moves it to the end, and the
 //! oldest records fall off the front. A hash lives in shard `hash mod shards`. The endpoint key
 //! is the low 32 bits of `xxh3_64(address)`; it is only ever compared with the keys of the
 //! current candidates, so a stale entry for an endpoint that left names nothing (a 32-bit
 //! collision among a pool's candidates has odds ~n²/2³³, 1e-4 for 1024 endpoints, and would
 //! only misdirect a soft score).
 //!
-//! **Checkpoints.** Only the blocks at positions 1, 2, 4, 8, … (block counts, powers of two up
-//! to the request's block count) are stored. A later turn extends an earlier one, so it contains
+//! **Checkpoints.** Only the blocks at positions 4, 8, 16, … (block counts, powers of two from
+//! [`FIRST_CHECKPOINT`] up to the request's block count) are stored; a prompt shorter than 4
+//! blocks (1 KiB) is not shared across workers, since so short a prefix is cheap to recompute. A later turn extends an earlier one, so it contains
 //! every checkpoint the earlier turn wrote. Reads walk the checkpoints in ascending order and
 //! stop at the first miss (a chain that misses at 2^j misses beyond it too, unless it was
-//! evicted): a fresh prompt costs 1 read, a conversation of n blocks about log2(n) + 1. The match
+//! evicted): a fresh prompt costs 1 read, a conversation of n blocks about log2(n/4) + 2. The match
 //! length is a lower bound within a factor of 2 of the truth; the local index gives the exact
 //! count when this worker sent the earlier turns itself.
 //!
@@ -52,9 +53,13 @@ pub fn endpoint_key(address: &str) -> u32 {
     xxh3_64(address.as_bytes()) as u32
 }
 
-/// Checkpoint positions (in blocks) for a request of `n` blocks: 1, 2, 4, … ≤ n.
+/// The first checkpoint, in blocks (1 KiB of text with the default 256-byte blocks). A shorter
+/// shared prefix is cheap to recompute and not worth a shared-data write per request.
+pub const FIRST_CHECKPOINT: usize = 4;
+
+/// Checkpoint positions (in blocks) for a request of `n` blocks: 4, 8, 16, … ≤ n.
 pub fn checkpoints(n: usize) -> impl Iterator<Item = usize> {
-    std::iter::successors(Some(1usize), |p| p.checked_mul(2)).take_while(move |&p| p <= n)
+    std::iter::successors(Some(FIRST_CHECKPOINT), |p| p.checked_mul(2)).take_while(move |&p| p <= n)
 }
 
 fn records(value: &[u8]) -> impl DoubleEndedIterator<Item = (u64, u32)> + '_ {
@@ -76,12 +81,26 @@ pub fn find(value: &[u8], h: u64) -> Option<u32> {
 
 /// `value` with `updates` moved/added to the end and the oldest records dropped beyond `max`.
 pub fn upsert(value: &[u8], updates: &[(u64, u32)], max: usize) -> Vec<u8> {
-    let kept: Vec<(u64, u32)> =
-        records(value).filter(|(h, _)| !updates.iter().any(|(u, _)| u == h)).collect();
-    let total = kept.len() + updates.len();
-    let skip = total.saturating_sub(max);
-    let mut out = Vec::with_capacity(total.min(max) * RECORD_BYTES);
-    for (h, e) in kept.iter().chain(updates).skip(skip) {
+    let usable = if value.len().is_multiple_of(RECORD_BYTES) { value } else { &[] };
+    let updated = |h: u64| updates.iter().any(|&(u, _)| u == h);
+    let kept = records(usable).filter(|&(h, _)| !updated(h)).count();
+    let mut skip = (kept + updates.len()).saturating_sub(max);
+    let mut out = Vec::with_capacity((kept + updates.len()).min(max) * RECORD_BYTES);
+    for (rec, (h, _)) in usable.chunks_exact(RECORD_BYTES).zip(records(usable)) {
+        if updated(h) {
+            continue;
+        }
+        if skip > 0 {
+            skip -= 1;
+            continue;
+        }
+        out.extend_from_slice(rec);
+    }
+    for (h, e) in updates {
+        if skip > 0 {
+            skip -= 1;
+            continue;
+        }
         out.extend_from_slice(&h.to_le_bytes());
         out.extend_from_slice(&e.to_le_bytes());
     }
@@ -168,7 +187,8 @@ impl SharedPrefix {
 
     /// Writes `key` at every checkpoint of `hashes` not already known to map to it. Returns the
     /// number of successful shard writes.
-    pub fn record(&self, store: &dyn SharedStore, hashes: &[u64], key: u32, lookup: &Lookup) -> usize {
+    /// Consumes the values the lookup read (they become the first CAS attempt's input).
+    pub fn record(&self, store: &dyn SharedStore, hashes: &[u64], key: u32, lookup: &mut Lookup) -> usize {
         if !self.enabled() {
             return 0;
         }
@@ -227,9 +247,10 @@ mod tests {
     #[test]
     fn checkpoint_positions() {
         assert_eq!(checkpoints(0).collect::<Vec<_>>(), Vec::<usize>::new());
-        assert_eq!(checkpoints(1).collect::<Vec<_>>(), vec![1]);
-        assert_eq!(checkpoints(9).collect::<Vec<_>>(), vec![1, 2, 4, 8]);
-        assert_eq!(checkpoints(256).count(), 9);
+        assert_eq!(checkpoints(3).collect::<Vec<_>>(), Vec::<usize>::new());
+        assert_eq!(checkpoints(4).collect::<Vec<_>>(), vec![4]);
+        assert_eq!(checkpoints(17).collect::<Vec<_>>(), vec![4, 8, 16]);
+        assert_eq!(checkpoints(256).count(), 7);
     }
 
     #[test]
@@ -252,21 +273,24 @@ mod tests {
     fn second_worker_finds_first_workers_conversation() {
         let store = MemStore::new();
         let t = SharedPrefix::new(8, 64);
-        // Turn 1: 5 blocks → checkpoints 1, 2, 4 written for endpoint 7.
-        let turn1: Vec<u64> = (100..105).collect();
-        let l = t.lookup(&store, &turn1);
+        // Turn 1: 10 blocks → checkpoints 4 and 8 written for endpoint 7.
+        let turn1: Vec<u64> = (100..110).collect();
+        let mut l = t.lookup(&store, &turn1);
         assert_eq!((l.hits.len(), l.reads), (0, 1));
-        assert!(t.record(&store, &turn1, 7, &l) >= 1);
-        // Turn 2 (another worker, same store): extends turn 1 to 12 blocks. Checkpoints 1, 2, 4
-        // hit endpoint 7, 8 misses: matched lower bound 4 of 12.
+        assert!(t.record(&store, &turn1, 7, &mut l) >= 1);
+        // Turn 2 (another worker, same store): extends turn 1 to 20 blocks. Checkpoints 4 and 8
+        // hit endpoint 7, 16 misses: matched lower bound 8 of 20 (the truth is 10).
         let mut turn2 = turn1.clone();
-        turn2.extend(200..207);
-        let l = t.lookup(&store, &turn2);
-        assert_eq!(l.hits, vec![(1, 7), (2, 7), (4, 7)]);
-        assert_eq!((l.matched(7), l.matched(8)), (4, 0));
-        // Recording turn 2 on endpoint 7 writes only checkpoint 8 (one shard).
-        assert_eq!(t.record(&store, &turn2, 7, &l), 1);
-        assert_eq!(t.lookup(&store, &turn2).matched(7), 8);
+        turn2.extend(200..210);
+        let mut l = t.lookup(&store, &turn2);
+        assert_eq!(l.hits, vec![(4, 7), (8, 7)]);
+        assert_eq!((l.matched(7), l.matched(8)), (8, 0));
+        // Recording turn 2 on endpoint 7 writes only checkpoint 16 (one shard).
+        assert_eq!(t.record(&store, &turn2, 7, &mut l), 1);
+        assert_eq!(t.lookup(&store, &turn2).matched(7), 16);
+        // A prompt of 3 blocks is never looked up or written.
+        let mut l = t.lookup(&store, &[1, 2, 3]);
+        assert_eq!((l.reads, t.record(&store, &[1, 2, 3], 7, &mut l)), (0, 0));
     }
 
     #[test]
@@ -275,16 +299,16 @@ mod tests {
         let t = SharedPrefix::new(4, 16);
         for i in 0..500u64 {
             let hs: Vec<u64> = (0..64).map(|j| i.wrapping_mul(1_000_003).wrapping_add(j * 7919)).collect();
-            let l = t.lookup(&store, &hs);
-            t.record(&store, &hs, (i % 5) as u32, &l);
+            let mut l = t.lookup(&store, &hs);
+            t.record(&store, &hs, (i % 5) as u32, &mut l);
         }
         assert_eq!(store.key_count(), 4);
         for k in store.keys() {
             assert!(store.get(&k).unwrap().unwrap().0.len() <= 16 * RECORD_BYTES);
         }
         let off = SharedPrefix::new(0, 16);
-        assert!(off.lookup(&store, &[1, 2]).hits.is_empty());
-        assert_eq!(off.record(&store, &[1, 2], 1, &Lookup::default()), 0);
+        assert!(off.lookup(&store, &[1, 2, 3, 4]).hits.is_empty());
+        assert_eq!(off.record(&store, &[1, 2, 3, 4], 1, &mut Lookup::default()), 0);
     }
 
     /// Every set loses the race once, as if another worker wrote in between.
@@ -312,8 +336,8 @@ mod tests {
         // The key exists already: a key never written has no CAS token (0 = "don't compare"),
         // so only the very first write of each shard can overwrite a concurrent first write.
         s.inner.set(&t.keys()[0], b"", 0).unwrap();
-        let l = t.lookup(&s, &[5]);
-        assert_eq!(t.record(&s, &[5], 1, &l), 1);
+        let mut l = t.lookup(&s, &[1, 2, 3, 5]);
+        assert_eq!(t.record(&s, &[1, 2, 3, 5], 1, &mut l), 1);
         let (v, _) = s.inner.get(&t.keys()[0]).unwrap().unwrap();
         assert_eq!((find(&v, 5), find(&v, 999)), (Some(1), Some(9)));
     }

@@ -338,7 +338,7 @@ fn conversation_follows_its_prefix_across_workers() {
         let p2 = b.pick(&r2, &sn, &inf, &store, &mut SplitMix64::new(1000 + u64::from(conv)), NOW).unwrap();
         if p2.primary == p1.primary {
             followed += 1;
-            // t1 has 2312 bytes = 9 blocks of 256 (checkpoints 1, 2, 4, 8); t2 has 4588 bytes
+            // t1 has 2312 bytes = 9 blocks of 256 (checkpoints 4, 8); t2 has 4588 bytes
             // = 17 blocks (checkpoints up to 16): worker B sees checkpoint 8 → 8/17.
             assert!((p2.prefix_score - 8.0 / 17.0).abs() < 1e-9, "{}", p2.prefix_score);
         }
@@ -472,4 +472,86 @@ proptest! {
             prop_assert!(store.get(&k).unwrap().unwrap().0.len() <= 8 * prefix_shared::RECORD_BYTES);
         }
     }
+}
+
+#[test]
+fn example_config_parses_and_routes() {
+    let cfg = Config::from_json(include_bytes!("../../filter-config/examples/scheduler.json")).unwrap();
+    assert_eq!(cfg.scheduler.top_k, 2);
+    let mut s = Scheduler::new(&cfg);
+    assert_eq!((s.session_header(), s.token_header()), ("x-session-id", "x-session-token"));
+    let llama = "meta-llama/Llama-3.1-8B-Instruct";
+    let qwen = "Qwen/Qwen2.5-7B-Instruct";
+    let sn = snap(vec![
+        ep("10.0.0.11:8000", &[llama], 0.0, 0.1),
+        ep("10.0.0.12:8000", &[llama], 1.0, 0.2),
+        ep("10.0.0.13:8000", &[llama, qwen], 2.0, 0.3),
+        ep("10.0.0.21:8000", &[qwen], 0.0, 0.0),
+    ]);
+    // An alias is rewritten to the full name and served by the llama endpoints only.
+    let p = pick(&mut s, &req("llama-3.1-8b"), &sn, &Default::default(), 1).unwrap();
+    assert_eq!((p.target_model.as_str(), p.model_rewritten), (llama, true));
+    assert_ne!(p.primary, "10.0.0.21:8000");
+    // The adapter split: 90/10 between the two versions, both on llama endpoints.
+    let mut v2 = 0;
+    for seed in 0..200 {
+        let p = pick(&mut s, &req("sql-lora"), &sn, &Default::default(), seed).unwrap();
+        assert!(p.target_model == "sql-lora" || p.target_model == "sql-lora-v2");
+        assert_eq!(p.model_rewritten, p.target_model == "sql-lora-v2");
+        v2 += usize::from(p.target_model == "sql-lora-v2");
+    }
+    // Expected 10 % of 200 = 20; seeded, so stable.
+    assert!((5..=40).contains(&v2), "{v2}");
+    // Qwen is served by .13 and .21 only.
+    let p = pick(&mut s, &req(qwen), &sn, &Default::default(), 1).unwrap();
+    assert!(p.primary == "10.0.0.13:8000" || p.primary == "10.0.0.21:8000");
+    assert_eq!(pick(&mut s, &req("gpt-4o"), &sn, &Default::default(), 1).unwrap_err().status, 404);
+}
+
+#[test]
+fn adapter_request_prefers_endpoint_running_it() {
+    let mut s = Scheduler::new(&config(""));
+    let with = |addr: &str, running: &[&str]| {
+        let mut e = ep(addr, &["llama"], 0.0, 0.2);
+        if let Some(m) = e.metrics.as_mut() {
+            m.max_lora = Some(1);
+            m.running_adapters = running.iter().map(|s| s.to_string()).collect();
+        }
+        e
+    };
+    // a runs sql-lora (1.0), b's only slot holds another adapter (0.0), c has a free slot (0.8).
+    let sn = snap(vec![with("b:1", &["other"]), with("a:1", &["sql-lora"]), with("c:1", &[])]);
+    let p = pick(&mut s, &req("sql-lora"), &sn, &Default::default(), 1).unwrap();
+    assert_eq!(p.primary, "a:1");
+    assert_eq!(p.fallbacks, vec!["c:1", "b:1"]);
+    // The base model ignores adapters: all three tie, so the seeded draw decides.
+    let primaries: hashbrown::HashSet<String> = (0..30)
+        .map(|seed| pick(&mut s, &req("llama"), &sn, &Default::default(), seed).unwrap().primary)
+        .collect();
+    assert_eq!(primaries.len(), 3);
+}
+
+#[test]
+fn a_missing_signal_never_wins() {
+    // b reports no queue and no KV: it must not beat a, which reports both as idle-ish.
+    let mut s = Scheduler::new(&config(""));
+    let mut b = ep("b:1", &["llama"], 0.0, 0.0);
+    b.metrics = Some(EndpointMetrics::default());
+    let sn = snap(vec![ep("a:1", &["llama"], 3.0, 0.4), b]);
+    // a: q 1.0 (only known) ×2 + kv 0.6 ×2 + 1 = 4.2; b: q min(0.5, 1.0) ×2 + kv min(0.5, 0.6) ×2 + 1 = 3.0
+    for seed in 0..10 {
+        assert_eq!(pick(&mut s, &req("llama"), &sn, &Default::default(), seed).unwrap().primary, "a:1");
+    }
+}
+
+#[test]
+fn debug_scores_are_bounded_and_best_first() {
+    let mut s = Scheduler::new(&config(r#","scheduler":{"debug_scores":true}"#));
+    // Queues 0..40: endpoint i has queue i, so the best is 10.0.0.1 (queue 0).
+    let sn = snap((0..40).map(|i| ep(&format!("10.0.1.{i}:8000"), &["llama"], f64::from(i), 0.5)).collect());
+    let p = pick(&mut s, &req("llama"), &sn, &Default::default(), 1).unwrap();
+    let d = p.debug_scores.unwrap();
+    assert_eq!(d.split(", ").count(), DEBUG_MAX_ENDPOINTS);
+    assert!(d.starts_with("10.0.1.0:8000 t="), "{d}");
+    assert!(d.is_ascii() && !d.contains('\n'));
 }

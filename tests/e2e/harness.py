@@ -19,7 +19,7 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[2]
 WASM = Path(os.environ.get("PICKER_WASM", REPO / "target/wasm32-wasip1/release/inference_picker.wasm"))
-SIM = Path(os.environ.get("PICKER_SIM", REPO / "target/release/model-server-sim"))
+SIM = Path(os.environ.get("PICKER_SIM", REPO / "target/tools/model-server-sim"))
 ENVOY = Path(os.environ.get("PICKER_ENVOY", REPO / ".venv/bin/envoy"))
 ENVOY_YAML = REPO / "envoy" / "envoy.yaml"
 
@@ -56,9 +56,9 @@ def _read_line(proc: subprocess.Popen, deadline: float) -> str | None:
 class Sim:
     """One model-server-sim process."""
 
-    def __init__(self, name: str, models=(LLAMA,), loras=(), engine="vllm", extra=()):
+    def __init__(self, name: str, models=(LLAMA,), loras=(), engine="vllm", extra=(), host="127.0.0.1", port=0):
         self.name = name
-        cmd = [str(SIM), "--port", "0", "--name", name, "--engine", engine]
+        cmd = [str(SIM), "--host", host, "--port", str(port), "--name", name, "--engine", engine]
         for m in models:
             cmd += ["--model", m]
         for l in loras:
@@ -78,7 +78,7 @@ class Sim:
         if self.port is None:
             self.stop()
             raise RuntimeError(f"simulator {name} did not start")
-        self.address = f"127.0.0.1:{self.port}"
+        self.address = f"{host}:{self.port}"
         self.url = f"http://{self.address}"
 
     def stats(self) -> dict:
@@ -135,12 +135,17 @@ class Envoy:
     """Envoy running envoy/envoy.yaml with its ports, .wasm path and plugin configuration
     replaced."""
 
-    def __init__(self, config: dict, concurrency: int = 2, base_yaml: Path = ENVOY_YAML):
+    def __init__(self, config: dict, concurrency: int = 2, base_yaml: Path = ENVOY_YAML,
+                 singleton: bool = True, extra_clusters: list | None = None):
         self.port = free_port()
         self.admin_port = free_port()
         self.tmp = tempfile.TemporaryDirectory(prefix="picker-envoy-")
         doc = yaml.safe_load(base_yaml.read_text())
         doc = render(doc, config, self.port, self.admin_port)
+        if not singleton:
+            # Lease mode: no bootstrap extension; the filter's roots elect the poller.
+            doc.pop("bootstrap_extensions", None)
+        doc["static_resources"]["clusters"].extend(extra_clusters or [])
         path = Path(self.tmp.name) / "envoy.yaml"
         path.write_text(yaml.safe_dump(doc))
         self.log_path = Path(self.tmp.name) / "envoy.log"
@@ -225,3 +230,14 @@ def render(doc: dict, config: dict, port: int, admin_port: int) -> dict:
 
     visit(doc)
     return doc
+
+
+def static_cluster(name: str, host: str, port: int) -> dict:
+    """A plain STATIC cluster, e.g. for the fake Kubernetes API."""
+    return {
+        "name": name,
+        "type": "STATIC",
+        "connect_timeout": "1s",
+        "load_assignment": {"cluster_name": name, "endpoints": [{"lb_endpoints": [
+            {"endpoint": {"address": {"socket_address": {"address": host, "port_value": port}}}}]}]},
+    }

@@ -189,3 +189,20 @@ def test_f_inflight_count_is_shared_across_workers():
         envoy.stop()
         for s in sims:
             s.stop()
+
+
+def test_filter_metrics_show_in_envoy_prometheus_stats(pool):
+    envoy, (a, b, c) = pool
+    for _ in range(3):
+        assert envoy.chat(QWEN).status_code == 200
+    assert envoy.chat("no-such-model").status_code == 404
+    text = envoy.stats_prometheus()
+    lines = [l for l in text.splitlines() if l.startswith("inference_picker_")]
+    routed = [l for l in lines if l.startswith("inference_picker_requests_total{")
+              and f'model="{QWEN}"' in l and f'endpoint="{c.address}"' in l and 'outcome="scored"' in l]
+    assert routed and int(routed[0].rsplit(" ", 1)[1]) >= 3, lines
+    assert any(l.startswith('inference_picker_rejections_total{reason="model_not_found"}') for l in lines), lines
+    assert any(l.startswith("inference_picker_snapshot_age_ms") for l in lines), lines
+    # Every request has finished, so the shared in-flight gauge is back to zero.
+    inflight = [l for l in lines if l.startswith(f'inference_picker_endpoint_inflight{{endpoint="{c.address}"}}')]
+    assert inflight and inflight[0].endswith(" 0"), lines

@@ -598,7 +598,11 @@ impl Server {
     }
 
     /// Like [`Server::advance_to`], appending to `out` (lets a replay reuse one buffer).
+    /// `f64::INFINITY` runs every queued request to completion; NaN does nothing.
     pub fn advance_into(&mut self, now_ms: f64, out: &mut Vec<Event>) {
+        if now_ms.is_nan() {
+            return;
+        }
         loop {
             if let Some(step) = &self.inflight {
                 if step.end > now_ms {
@@ -617,7 +621,8 @@ impl Server {
                 break;
             }
         }
-        if now_ms > self.now {
+        // An infinite "now" drains the queue but must not push later arrivals to infinity.
+        if now_ms.is_finite() && now_ms > self.now {
             self.now = now_ms;
         }
     }
@@ -872,7 +877,7 @@ impl Server {
                 }
                 if let Some(id) = self.kv.register(key) {
                     seq.units.push(id);
-                    seq.private_blocks -= self.blocks_per_unit;
+                    seq.private_blocks = seq.private_blocks.saturating_sub(self.blocks_per_unit);
                 }
                 seq.registered_upto += 1;
             }

@@ -288,6 +288,18 @@ fn late_arrival_is_moved_up_to_model_time() {
 }
 
 #[test]
+fn infinite_time_drains_and_nan_is_ignored() {
+    let mut s = Server::new(cfg(8, 100, 4)).unwrap();
+    s.submit(req(1, 4, 1, &[], 0.0)).unwrap();
+    assert!(s.advance_to(f64::NAN).is_empty());
+    assert_eq!(s.advance_to(f64::INFINITY), vec![FirstToken { id: 1, t_ms: 14.0 }, fin(1, 14.0, 1, 0, 0)]);
+    // The model's time is the last event's, not infinity: a later request still runs normally.
+    assert_eq!(s.now_ms(), 14.0);
+    s.submit(req(2, 4, 1, &[], 20.0)).unwrap();
+    assert_eq!(s.advance_to(f64::INFINITY)[0], FirstToken { id: 2, t_ms: 34.0 });
+}
+
+#[test]
 fn speed_divides_step_time() {
     // (10 + 4) / 2 = 7 ms.
     let mut c = cfg(8, 100, 4);
@@ -443,4 +455,60 @@ fn same_input_gives_identical_output_and_everything_finishes() {
     // A different seed gives a different run (the test is not vacuous).
     let (e3, _) = run_workload(&random_workload(7, 300));
     assert_ne!(e1, e3);
+}
+
+#[test]
+fn invariants_hold_across_seeds_configs_and_aborts() {
+    // Twenty seeded workloads on small, varied servers, aborting every 17th request 5 ms after
+    // it arrives. Whatever happens, the model must not panic or stall, KV must never exceed the
+    // GPU, every request must end exactly once, and the pool must be empty at the end.
+    for seed in 0..20u64 {
+        let reqs = random_workload(seed, 150);
+        let mut c = cfg(1 + (seed % 8) as u32, 40 + seed * 8, 4);
+        c.tokens_per_hash = Some(if seed % 2 == 0 { 4 } else { 8 });
+        c.max_batched_tokens = 16 + (seed as u32 % 4) * 16;
+        c.enable_lora = true;
+        c.max_lora = 1 + (seed % 3) as u32;
+        c.cost.c_ms_per_context_token = 0.01;
+        let total_blocks = c.num_gpu_blocks;
+        let mut s = Server::new(c).unwrap();
+        let mut events = Vec::new();
+        let mut aborts: Vec<(f64, u64)> =
+            reqs.iter().filter(|r| r.id % 17 == 0).map(|r| (r.arrival_ms + 5.0, r.id)).collect();
+        aborts.reverse(); // pop() yields the earliest
+        let mut pending = reqs.iter().peekable();
+        let mut aborted = Vec::new();
+        let mut guard = 0;
+        loop {
+            guard += 1;
+            assert!(guard < 1_000_000, "seed {seed}: the event loop does not make progress");
+            let candidates =
+                [pending.peek().map(|r| r.arrival_ms), s.next_wakeup(), aborts.last().map(|a| a.0)];
+            let Some(t) = candidates.into_iter().flatten().min_by(f64::total_cmp) else { break };
+            while let Some(r) = pending.next_if(|r| r.arrival_ms <= t) {
+                s.submit(r.clone()).unwrap();
+            }
+            s.advance_into(t, &mut events);
+            while aborts.last().is_some_and(|a| a.0 <= t) {
+                let (_, id) = aborts.pop().unwrap();
+                if s.abort(id) {
+                    aborted.push(id);
+                }
+            }
+            let m = s.metrics_snapshot();
+            assert!(m.kv_used_blocks + m.kv_cached_free_blocks <= total_blocks, "seed {seed}");
+        }
+        let m = s.metrics_snapshot();
+        assert_eq!((m.running, m.waiting, m.kv_used_blocks), (0, 0, 0), "seed {seed}");
+        assert!(m.prefix_cache_hits_tokens <= m.prefix_cache_queries_tokens);
+        assert!(events.windows(2).all(|w| w[0].t_ms() <= w[1].t_ms()), "seed {seed}");
+        for r in &reqs {
+            let ends = events_of(&events, r.id).iter().filter(|e| matches!(e, Finished { .. })).count();
+            let was_aborted = aborted.contains(&r.id);
+            assert_eq!(ends + usize::from(was_aborted), 1, "seed {seed} req {}", r.id);
+        }
+        assert_eq!(m.requests_finished + m.requests_aborted, 150, "seed {seed}");
+        assert_eq!(m.requests_rejected, 0, "seed {seed}");
+        assert!(!aborted.is_empty(), "seed {seed}: the abort path was not exercised");
+    }
 }

@@ -1,6 +1,6 @@
 //! `replay-bench`: runs the routing replay benchmark and writes the report.
 //!
-//! `cargo run --release -p replay-bench` runs the default set (see `suite::default_suite`) and
+//! `cargo run --profile tools -p replay-bench` runs the default set (see `suite::default_suite`) and
 //! writes `target/routing-report/{report.md,results.json}`; `--trace FILE` replays any Mooncake
 //! JSONL or Azure CSV file (optionally gzipped) instead. See tools/replay-bench/README.md.
 

@@ -1,0 +1,186 @@
+//! Benchmarks of the request path: body extraction, prefix hashing, and one full decision
+//! (parse, hash, score, pick, record) over 16, 128 and 1024 endpoints.
+//!
+//! Inputs are the real chat bodies in tests/fixtures/requests (see the README there). The
+//! 32 KiB body is their long second-turn chat with the shared-prefix document appended as a
+//! further turn, so it is real text with real JSON escapes.
+//!
+//! Run: `cargo bench -p inference-picker --bench scheduler`.
+
+use criterion::{black_box, criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+
+use inference_picker::body::parse_request;
+use inference_picker::config::Config;
+use inference_picker::inflight::InflightCounts;
+use inference_picker::metrics::EndpointMetrics;
+use inference_picker::ports::{MemStore, SplitMix64};
+use inference_picker::scheduler::prefix;
+use inference_picker::scheduler::{PickRequest, Scheduler};
+use inference_picker::snapshot::{EndpointStatus, Snapshot};
+
+const PATH: &str = "/v1/chat/completions";
+const NOW: u64 = 1_700_000_000_000;
+const FIXTURES: [(&str, &[u8]); 5] = [
+    ("long_stream", include_bytes!("../tests/fixtures/requests/chat_long_prompt_ccby40_stream.request.json")),
+    ("long_turn2", include_bytes!("../tests/fixtures/requests/chat_long_prompt_ccby40_turn2.request.json")),
+    ("shared_prefix_1", include_bytes!("../tests/fixtures/requests/chat_shared_prefix_1.request.json")),
+    ("shared_prefix_2", include_bytes!("../tests/fixtures/requests/chat_shared_prefix_2.request.json")),
+    (
+        "lora_small",
+        include_bytes!("../tests/fixtures/requests/chat_lora_priority_vllm_extensions.request.json"),
+    ),
+];
+
+/// ~32 KiB chat body: turn 2 of the long chat, plus the shared-prefix document as another turn.
+fn body_32k() -> Vec<u8> {
+    let mut turn2: serde_json::Value = serde_json::from_slice(FIXTURES[1].1).unwrap();
+    let extra: serde_json::Value = serde_json::from_slice(FIXTURES[3].1).unwrap();
+    let doc = extra["messages"][1]["content"].as_str().unwrap();
+    let msgs = turn2["messages"].as_array_mut().unwrap();
+    msgs.push(serde_json::json!({"role": "assistant", "content": "Noted. Send the next document."}));
+    let mut body = Vec::new();
+    for cut in (0..=doc.len()).rev().step_by(64) {
+        let Some(part) = doc.get(..cut) else { continue };
+        let mut t = turn2.clone();
+        t["messages"].as_array_mut().unwrap().push(serde_json::json!({"role": "user", "content": part}));
+        body = serde_json::to_vec_pretty(&t).unwrap();
+        if body.len() <= 32 * 1024 {
+            break;
+        }
+    }
+    body
+}
+
+fn config() -> Config {
+    let json = r#"{"version":1,"endpoints":[{"address":"10.0.0.1:8000","models":["meta-llama/Llama-3.1-8B-Instruct"]}],
+        "models":[{"name":"meta-llama/Llama-3.1-8B-Instruct","adapters":["sql-lora"]}]}"#;
+    Config::from_json(json.as_bytes()).unwrap()
+}
+
+/// `n` healthy endpoints with varied load; every 8th reports no KV usage (neutral path).
+fn snapshot(n: usize) -> (Snapshot, InflightCounts) {
+    let endpoints = (0..n)
+        .map(|i| EndpointStatus {
+            address: format!("10.{}.{}.{}:8000", i / 65536, (i / 256) % 256, i % 256),
+            models: vec!["meta-llama/Llama-3.1-8B-Instruct".into()],
+            metrics: Some(EndpointMetrics {
+                queue: Some((i % 7) as f64),
+                running: Some((i % 13) as f64 * 4.0),
+                kv_usage: (i % 8 != 0).then_some((i % 10) as f64 / 10.0),
+                block_size: Some(16),
+                num_gpu_blocks: Some(30_000),
+                max_lora: Some(4),
+                running_adapters: if i % 3 == 0 { vec!["sql-lora".into()] } else { vec![] },
+                ..Default::default()
+            }),
+            scraped_ms: NOW - 50,
+            failures: 0,
+        })
+        .collect::<Vec<_>>();
+    let inflight =
+        endpoints.iter().enumerate().map(|(i, e)| format!("{}={}", e.address, i % 5)).collect::<Vec<_>>();
+    (
+        Snapshot { version: 1, published_ms: NOW - 20, endpoints },
+        InflightCounts::decode(inflight.join(";").as_bytes()),
+    )
+}
+
+fn bench_parse(c: &mut Criterion) {
+    let mut g = c.benchmark_group("body_parse");
+    let big = body_32k();
+    let mut inputs: Vec<(&str, &[u8])> = FIXTURES.to_vec();
+    inputs.push(("chat_32k", &big));
+    for (name, body) in inputs {
+        g.throughput(Throughput::Bytes(body.len() as u64));
+        g.bench_with_input(
+            BenchmarkId::from_parameter(format!("{name}/{}B", body.len())),
+            body,
+            |b, body| b.iter(|| parse_request(PATH, black_box(body)).unwrap()),
+        );
+    }
+    g.finish();
+}
+
+fn bench_hash(c: &mut Criterion) {
+    let mut g = c.benchmark_group("prefix_hash");
+    let big = body_32k();
+    let prompt = parse_request(PATH, &big).unwrap().prompt;
+    let mut out = Vec::new();
+    for (block, max) in [(64usize, 256usize), (256, 256)] {
+        let hashed = prompt.len().min(block * max);
+        g.throughput(Throughput::Bytes(hashed as u64));
+        g.bench_function(format!("{}B_prompt/block{block}x{max}", prompt.len()), |b| {
+            b.iter(|| {
+                prefix::block_hashes(black_box(&prompt), prefix::seed("m", None), block, max, &mut out);
+                out.len()
+            })
+        });
+    }
+    g.finish();
+}
+
+fn bench_decision(c: &mut Criterion) {
+    let mut g = c.benchmark_group("decision");
+    let big = body_32k();
+    for n in [16usize, 128, 1024] {
+        let (snap, inflight) = snapshot(n);
+        // Repeat: the same conversation again (prefix hits in the local index and the shared
+        // table, checkpoints already recorded for the winner: reads only).
+        let store = MemStore::new();
+        let mut sched = Scheduler::new(&config());
+        let mut rng = SplitMix64::new(1);
+        g.bench_function(BenchmarkId::new("repeat_32k", n), |b| {
+            b.iter(|| {
+                let p = parse_request(PATH, black_box(&big)).unwrap();
+                let r = PickRequest {
+                    model: &p.model,
+                    prompt: &p.prompt,
+                    cache_salt: None,
+                    session_id: None,
+                    session_token: None,
+                };
+                sched.pick(&r, &snap, &inflight, &store, &mut rng, NOW).unwrap()
+            })
+        });
+        // Fresh: a prompt never seen (a new cache_salt each time makes every block hash new):
+        // one shared read, a write per checkpoint shard, local index inserts.
+        let store = MemStore::new();
+        let mut sched = Scheduler::new(&config());
+        let mut i = 0u64;
+        g.bench_function(BenchmarkId::new("fresh_32k", n), |b| {
+            b.iter(|| {
+                i += 1;
+                let salt = i.to_string();
+                let p = parse_request(PATH, black_box(&big)).unwrap();
+                let r = PickRequest {
+                    model: &p.model,
+                    prompt: &p.prompt,
+                    cache_salt: Some(&salt),
+                    session_id: Some(&salt),
+                    session_token: None,
+                };
+                sched.pick(&r, &snap, &inflight, &store, &mut rng, NOW).unwrap()
+            })
+        });
+        // Pick only (body parsed once): the scheduler's own cost.
+        let p = parse_request(PATH, &big).unwrap();
+        let store = MemStore::new();
+        let mut sched = Scheduler::new(&config());
+        g.bench_function(BenchmarkId::new("pick_only_repeat_32k", n), |b| {
+            b.iter(|| {
+                let r = PickRequest {
+                    model: &p.model,
+                    prompt: black_box(&p.prompt),
+                    cache_salt: None,
+                    session_id: None,
+                    session_token: None,
+                };
+                sched.pick(&r, &snap, &inflight, &store, &mut rng, NOW).unwrap()
+            })
+        });
+    }
+    g.finish();
+}
+
+criterion_group!(benches, bench_parse, bench_hash, bench_decision);
+criterion_main!(benches);
