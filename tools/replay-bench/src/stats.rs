@@ -33,6 +33,7 @@ pub fn percentile(sorted: &[f64], p: f64) -> f64 {
 pub struct TierStat {
     pub tier: String,
     pub finished: usize,
+    pub rejected: usize,
     pub ttft_p90_s: f64,
 }
 
@@ -57,6 +58,9 @@ pub struct RunResult {
     pub ttft_p50_s: f64,
     pub ttft_p90_s: f64,
     pub ttft_p99_s: f64,
+    /// TTFT p90 over every request, a rejected one counting as infinitely late (so rejecting
+    /// cannot make a strategy look faster); `f64::INFINITY` when more than 10 % were rejected.
+    pub ttft_p90_strict_s: f64,
     pub e2e_p90_s: f64,
     pub output_tokens_per_s: f64,
     pub hit_rate: f64,
@@ -88,6 +92,7 @@ pub struct Outcome {
     pub first_arrival: f64,
     last_finish: f64,
     rejected: usize,
+    rejected_idx: Vec<bool>,
     rejections: BTreeMap<String, usize>,
     per_server: Vec<u64>,
     counter_hits: u64,
@@ -118,6 +123,7 @@ impl Outcome {
             first_arrival: trace.requests.first().map_or(0.0, |r| r.arrival_ms / rc.load),
             last_finish: 0.0,
             rejected: 0,
+            rejected_idx: vec![false; n],
             rejections: BTreeMap::new(),
             per_server: vec![0; rc.servers],
             counter_hits: 0,
@@ -134,8 +140,11 @@ impl Outcome {
         }
     }
 
-    pub fn reject(&mut self, _idx: usize, reason: String) {
+    pub fn reject(&mut self, idx: usize, reason: String) {
         self.rejected += 1;
+        if let Some(r) = self.rejected_idx.get_mut(idx) {
+            *r = true;
+        }
         *self.rejections.entry(reason).or_default() += 1;
     }
 
@@ -176,9 +185,12 @@ impl Outcome {
                     .filter_map(|(x, _)| *x)
                     .collect();
                 v.sort_by(f64::total_cmp);
+                let rejected =
+                    self.rejected_idx.iter().zip(&self.tier).filter(|(r, t)| **r && **t == tier).count();
                 tiers.push(TierStat {
                     tier: tier.as_str().into(),
                     finished: v.len(),
+                    rejected,
                     ttft_p90_s: percentile(&v, 90.0),
                 });
             }
@@ -200,6 +212,11 @@ impl Outcome {
             ttft_p50_s: percentile(&ttft, 50.0),
             ttft_p90_s: percentile(&ttft, 90.0),
             ttft_p99_s: percentile(&ttft, 99.0),
+            ttft_p90_strict_s: {
+                let mut all = ttft.clone();
+                all.resize(self.prompt.len(), f64::INFINITY);
+                percentile(&all, 90.0)
+            },
             e2e_p90_s: percentile(&e2e, 90.0),
             output_tokens_per_s: if span_s > 0.0 { self.output_tokens as f64 / span_s } else { 0.0 },
             hit_rate: if self.prompt_finished == 0 {

@@ -92,6 +92,13 @@ impl Policy {
         self.uses_scheduler() || self == Policy::Sglang
     }
 
+    /// Holds requests while saturated (our `flow_control`, on by default) and sheds sheddable
+    /// ones. Only ours: the baselines have no flow control (GIE's is experimental and off by
+    /// default).
+    pub fn uses_flow_control(self) -> bool {
+        self == Policy::Ours
+    }
+
     /// GIE sizes its prefix LRU by configuration only: hide `cache_config_info`.
     pub fn hides_cache_info(self) -> bool {
         matches!(self, Policy::GieDefault | Policy::GieDefaultLora | Policy::Gie111)
@@ -149,11 +156,22 @@ pub fn config(
     };
     // Stale after 5 poll intervals (at least the default 1 s), so that a slow poll interval in
     // a sensitivity run does not make every endpoint stale.
+    // SLA tiers arrive as `x-gateway-inference-objective` (set by a trusted filter in front) and
+    // name these InferenceObjectives; flow control (`flow_control`, saturation) keeps its
+    // defaults. Only `ours` acts on them (`Policy::uses_flow_control`).
     let doc = json!({
         "version": 1,
         "endpoints": endpoints,
         "models": [{"name": MODEL, "adapters": adapter_names}],
         "poller": {"interval_ms": poll_ms, "stale_after_ms": (5 * poll_ms).max(1000)},
+        "priority": {
+            "objectives": [
+                {"name": "premium", "priority": 10},
+                {"name": "standard", "priority": 0},
+                {"name": "sheddable", "priority": -10},
+            ],
+            "trust_objective_header": true,
+        },
         "scheduler": scheduler,
     });
     let bytes = serde_json::to_vec(&doc).map_err(|e| e.to_string())?;

@@ -368,7 +368,9 @@ pub fn summary_line(w: &WorkloadResult) -> String {
     let load = reference_load(w).unwrap_or(1.0);
     let ours = find(&w.runs, "ours", load, (1, 1));
     let ratio = |other: &str| match (ours, find(&w.runs, other, load, (1, 1))) {
-        (Some(o), Some(b)) if o.ttft_p90_s > 0.0 => format!("{:.2}", b.ttft_p90_s / o.ttft_p90_s),
+        (Some(o), Some(b)) if o.ttft_p90_strict_s.is_finite() && o.ttft_p90_strict_s > 0.0 => {
+            format!("{:.2}", b.ttft_p90_strict_s / o.ttft_p90_strict_s)
+        }
         _ => "n/a".into(),
     };
     let hit = match ours {
@@ -385,6 +387,15 @@ pub fn summary_line(w: &WorkloadResult) -> String {
     )
 }
 
+/// Seconds with 2 decimals, `∞` for infinity.
+pub fn fmt_secs(x: f64) -> String {
+    if x.is_finite() {
+        format!("{x:.2}")
+    } else {
+        "∞".into()
+    }
+}
+
 pub fn fmt_load(l: f64) -> String {
     if (l - l.round()).abs() < 1e-9 {
         format!("{l:.0}")
@@ -396,15 +407,21 @@ pub fn fmt_load(l: f64) -> String {
 /// The markdown table of one workload (also printed).
 pub fn table(w: &WorkloadResult) -> String {
     let tiers = w.runs.iter().any(|r| !r.tiers.is_empty());
+    let strict = w.runs.iter().any(|r| r.rejected > 0);
     let mut s = String::new();
-    let _ = write!(
-        s,
-        "| strategy | load | R×W | TTFT mean | p50 | p90 | p99 | E2E p90 | out tok/s | hit rate | bound | pooled bound |"
-    );
+    let _ = write!(s, "| strategy | load | R×W | TTFT mean | p50 | p90 | p99 |");
+    if strict {
+        s.push_str(" p90, rejected = ∞ |");
+    }
+    s.push_str(" E2E p90 | out tok/s | hit rate | bound | pooled bound |");
     if tiers {
         s.push_str(" TTFT p90 premium / standard / sheddable |");
     }
-    s.push_str(" rejected |\n|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    s.push_str(" rejected |\n|---|---:|---|---:|---:|---:|---:|");
+    if strict {
+        s.push_str("---:|");
+    }
+    s.push_str("---:|---:|---:|---:|---:|");
     if tiers {
         s.push_str("---|");
     }
@@ -412,7 +429,7 @@ pub fn table(w: &WorkloadResult) -> String {
     for r in &w.runs {
         let _ = write!(
             s,
-            "| {} | {} | {}×{} | {:.2} | {:.2} | {:.2} | {:.2} | {:.1} | {:.0} | {:.1} % | {:.1} % | {:.1} % |",
+            "| {} | {} | {}×{} | {:.2} | {:.2} | {:.2} | {:.2} |",
             r.strategy,
             fmt_load(r.load),
             r.replicas,
@@ -421,6 +438,13 @@ pub fn table(w: &WorkloadResult) -> String {
             r.ttft_p50_s,
             r.ttft_p90_s,
             r.ttft_p99_s,
+        );
+        if strict {
+            let _ = write!(s, " {} |", fmt_secs(r.ttft_p90_strict_s));
+        }
+        let _ = write!(
+            s,
+            " {:.1} | {:.0} | {:.1} % | {:.1} % | {:.1} % |",
             r.e2e_p90_s,
             r.output_tokens_per_s,
             100.0 * r.hit_rate,
@@ -428,7 +452,17 @@ pub fn table(w: &WorkloadResult) -> String {
             100.0 * w.hit_rate_bound_pooled,
         );
         if tiers {
-            let t: Vec<String> = r.tiers.iter().map(|t| format!("{:.2}", t.ttft_p90_s)).collect();
+            let t: Vec<String> = r
+                .tiers
+                .iter()
+                .map(|t| {
+                    if t.rejected > 0 {
+                        format!("{:.2} ({} rej.)", t.ttft_p90_s, t.rejected)
+                    } else {
+                        format!("{:.2}", t.ttft_p90_s)
+                    }
+                })
+                .collect();
             let _ = write!(s, " {} |", t.join(" / "));
         }
         let rej = if r.rejected == 0 {
@@ -442,7 +476,8 @@ pub fn table(w: &WorkloadResult) -> String {
     s
 }
 
-/// For each load (1 × 1 runs): ours against the best other strategy, by TTFT p90.
+/// For each load (1 × 1 runs): ours against the best other strategy, by TTFT p90 with rejected
+/// requests counted as infinitely late (so that shedding never counts as speed).
 pub fn versus_best(w: &WorkloadResult) -> String {
     let mut loads: Vec<f64> =
         w.runs.iter().filter(|r| (r.replicas, r.workers) == (1, 1)).map(|r| r.load).collect();
@@ -455,20 +490,23 @@ pub fn versus_best(w: &WorkloadResult) -> String {
             .runs
             .iter()
             .filter(|r| r.strategy != "ours" && r.load == l && (r.replicas, r.workers) == (1, 1))
-            .min_by(|a, b| a.ttft_p90_s.total_cmp(&b.ttft_p90_s));
+            .min_by(|a, b| a.ttft_p90_strict_s.total_cmp(&b.ttft_p90_strict_s));
         if let Some(b) = best {
+            let (o, x) = (ours.ttft_p90_strict_s, b.ttft_p90_strict_s);
+            let verdict = if o <= x {
+                format!("ours best ({:.2}× better)", x / o.max(1e-9))
+            } else if o.is_finite() {
+                format!("ours {:.2}× worse", o / x.max(1e-9))
+            } else {
+                format!("ours worse (rejected {} of {})", ours.rejected, ours.requests)
+            };
             let _ = writeln!(
                 s,
-                "- load {}: ours {:.2} s, best other {} {:.2} s → {}",
+                "- load {}: ours {} s, best other {} {} s → {verdict}",
                 fmt_load(l),
-                ours.ttft_p90_s,
+                fmt_secs(o),
                 b.strategy,
-                b.ttft_p90_s,
-                if ours.ttft_p90_s <= b.ttft_p90_s {
-                    format!("ours best ({:.2}× better)", b.ttft_p90_s / ours.ttft_p90_s.max(1e-9))
-                } else {
-                    format!("ours {:.2}× worse", ours.ttft_p90_s / b.ttft_p90_s.max(1e-9))
-                }
+                fmt_secs(x),
             );
         }
     }
