@@ -442,6 +442,7 @@ impl Sim<'_> {
         let counts = inflight::read(&rep.store).unwrap_or_default();
         let chosen: Result<usize, String> = match self.policy {
             Policy::Ours
+            | Policy::OursNoFlow
             | Policy::GieDefault
             | Policy::GieDefaultLora
             | Policy::Gie111

@@ -2,7 +2,8 @@
 //!
 //! | name | what | state |
 //! |---|---|---|
-//! | `ours` | `inference_picker::scheduler::Scheduler` with the default configuration | per worker (+ the replica's shared prefix table and in-flight counts) |
+//! | `ours` | `inference_picker::scheduler::Scheduler` with the default configuration, behind main's priority and flow-control core (default `flow_control`: holds requests while saturated) | per worker (+ the replica's shared prefix table, in-flight counts and flow record) |
+//! | `ours-noflow` | `ours` with `flow_control.enabled: false` (nothing held; sheddable requests still get 429 while saturated): what the host does today, as flow control is not wired into it yet | same |
 //! | `gie-default` | the same Scheduler configured as GIE's default profile (below) | per worker, nothing shared |
 //! | `gie-default+lora` | `gie-default` plus GIE's `lora-affinity-scorer` (weight 2), for LoRA workloads | per worker |
 //! | `gie-1-1-1` | `gie-default` with GIE's earlier weights prefix 1, queue 1, KV 1: the configuration of llm-d's published "estimated-scheduling" run | per worker |
@@ -35,6 +36,7 @@ pub const MODEL: &str = "meta-llama/Llama-3.1-8B-Instruct";
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Policy {
     Ours,
+    OursNoFlow,
     GieDefault,
     GieDefaultLora,
     Gie111,
@@ -46,8 +48,9 @@ pub enum Policy {
 }
 
 impl Policy {
-    pub const ALL: [Policy; 9] = [
+    pub const ALL: [Policy; 10] = [
         Policy::Ours,
+        Policy::OursNoFlow,
         Policy::GieDefault,
         Policy::GieDefaultLora,
         Policy::Gie111,
@@ -61,6 +64,7 @@ impl Policy {
     pub fn name(self) -> &'static str {
         match self {
             Policy::Ours => "ours",
+            Policy::OursNoFlow => "ours-noflow",
             Policy::GieDefault => "gie-default",
             Policy::GieDefaultLora => "gie-default+lora",
             Policy::Gie111 => "gie-1-1-1",
@@ -83,7 +87,12 @@ impl Policy {
     pub fn uses_scheduler(self) -> bool {
         matches!(
             self,
-            Policy::Ours | Policy::GieDefault | Policy::GieDefaultLora | Policy::Gie111 | Policy::LoadOnly
+            Policy::Ours
+                | Policy::OursNoFlow
+                | Policy::GieDefault
+                | Policy::GieDefaultLora
+                | Policy::Gie111
+                | Policy::LoadOnly
         )
     }
 
@@ -96,7 +105,7 @@ impl Policy {
     /// ones. Only ours: the baselines have no flow control (GIE's is experimental and off by
     /// default).
     pub fn uses_flow_control(self) -> bool {
-        self == Policy::Ours
+        matches!(self, Policy::Ours | Policy::OursNoFlow)
     }
 
     /// GIE sizes its prefix LRU by configuration only: hide `cache_config_info`.
@@ -128,7 +137,7 @@ pub fn config(
         (0..servers).map(|i| json!({"address": address(i), "models": [MODEL]})).collect();
     let adapter_names: Vec<String> = (0..adapters).map(adapter_name).collect();
     let scheduler = match policy {
-        Policy::Ours => ours_scheduler.cloned().unwrap_or_else(|| json!({})),
+        Policy::Ours | Policy::OursNoFlow => ours_scheduler.cloned().unwrap_or_else(|| json!({})),
         Policy::GieDefault | Policy::GieDefaultLora | Policy::Gie111 => json!({
             "weights": if policy == Policy::Gie111 {
                 json!({"prefix": 1.0, "queue": 1.0, "kv_cache": 1.0, "inflight": 0.0, "session": 0.0, "lora": 0.0})
@@ -173,6 +182,7 @@ pub fn config(
             "trust_objective_header": true,
         },
         "scheduler": scheduler,
+        "flow_control": {"enabled": policy != Policy::OursNoFlow},
     });
     let bytes = serde_json::to_vec(&doc).map_err(|e| e.to_string())?;
     Config::from_json(&bytes).map_err(|errs| inference_picker::config::describe_errors(&errs))
