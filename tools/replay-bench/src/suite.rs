@@ -17,9 +17,10 @@ use crate::stats::{hit_rate_bound, hit_rate_bound_lru, RunResult};
 use crate::strategy::Policy;
 use crate::trace::{self, SharedPrefixShape, Trace};
 
-/// The six strategies every trace is run with.
-pub const CORE: [Policy; 6] = [
+/// The strategies every trace is run with.
+pub const CORE: [Policy; 7] = [
     Policy::Ours,
+    Policy::OursNoFlow,
     Policy::GieDefault,
     Policy::Sglang,
     Policy::LeastRequest,
