@@ -68,10 +68,14 @@ struct Args {
     jobs: usize,
     #[arg(long, default_value_t = 1)]
     seed: u64,
-    /// JSON object replacing `ours`' `scheduler` configuration section, to measure a proposed
-    /// default, e.g. '{"weights":{"inflight":3}}'.
+    /// JSON object replacing `ours`' (and `ours-noflow`'s) `scheduler` configuration section,
+    /// to measure a proposed default, e.g. '{"weights":{"inflight":3}}'.
     #[arg(long)]
     ours_scheduler: Option<String>,
+    /// JSON object of top-level configuration sections replacing `ours`' (and `ours-noflow`'s),
+    /// e.g. '{"saturation":{"kv_threshold":1.5}}'.
+    #[arg(long)]
+    ours_config: Option<String>,
 }
 
 fn main() -> ExitCode {
@@ -126,15 +130,23 @@ fn real_main() -> Result<(), String> {
             w.extras.clear();
         }
     }
-    let ours_scheduler = match &args.ours_scheduler {
-        Some(j) => Some(serde_json::from_str(j).map_err(|e| format!("--ours-scheduler: {e}"))?),
-        None => None,
-    };
+    let mut overrides = serde_json::Map::new();
+    if let Some(j) = &args.ours_config {
+        match serde_json::from_str(j).map_err(|e| format!("--ours-config: {e}"))? {
+            serde_json::Value::Object(o) => overrides.extend(o),
+            _ => return Err("--ours-config: expected a JSON object".into()),
+        }
+    }
+    if let Some(j) = &args.ours_scheduler {
+        let v: serde_json::Value = serde_json::from_str(j).map_err(|e| format!("--ours-scheduler: {e}"))?;
+        overrides.insert("scheduler".into(), v);
+    }
+    let ours_overrides = (!overrides.is_empty()).then_some(serde_json::Value::Object(overrides));
     let common = Common {
         poll_ms: args.poll_ms,
         metrics_delay_ms: args.metrics_delay_ms,
         seed: args.seed,
-        ours_scheduler,
+        ours_overrides,
     };
     let total: usize = workloads.iter().map(|w| w.strategies.len() * w.loads.len() + w.extras.len()).sum();
     eprintln!("replay-bench: {total} runs on {} threads", args.jobs);

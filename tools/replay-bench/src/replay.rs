@@ -62,7 +62,7 @@ pub struct RunConfig {
     pub load: f64,
     pub seed: u64,
     /// Replaces `ours`' scheduler section (see `strategy::config`).
-    pub ours_scheduler: Option<serde_json::Value>,
+    pub ours_overrides: Option<serde_json::Value>,
 }
 
 impl RunConfig {
@@ -161,7 +161,7 @@ pub fn run(trace: &Trace, policy: Policy, rc: &RunConfig) -> Result<RunResult, S
     // The configuration document is the same for every policy's poller (endpoints, interval);
     // Scheduler-based policies also take their scheduler section from it.
     let cfg: Config = if policy.uses_scheduler() {
-        strategy::config(policy, n, trace.adapters, rc.poll_ms, rc.ours_scheduler.as_ref())?
+        strategy::config(policy, n, trace.adapters, rc.poll_ms, rc.ours_overrides.as_ref())?
     } else {
         strategy::config(Policy::Ours, n, trace.adapters, rc.poll_ms, None)?
     };

@@ -45,8 +45,9 @@ pub fn markdown(
          main runs 1 replica × 1 worker unless the R×W column says otherwise.\n",
         common.poll_ms, common.metrics_delay_ms
     );
-    if let Some(o) = &common.ours_scheduler {
-        let _ = writeln!(s, "**`ours` ran with a non-default scheduler section:** `{o}`.\n");
+    if let Some(o) = &common.ours_overrides {
+        let _ =
+            writeln!(s, "**`ours` and `ours-noflow` ran with non-default configuration sections:** `{o}`.\n");
     }
     s.push_str(CALIBRATION);
 

@@ -59,7 +59,8 @@ pub struct RunResult {
     pub ttft_p90_s: f64,
     pub ttft_p99_s: f64,
     /// TTFT p90 over every request, a rejected one counting as infinitely late (so rejecting
-    /// cannot make a strategy look faster); `f64::INFINITY` when more than 10 % were rejected.
+    /// cannot make a strategy look faster); `f64::INFINITY` when more than 10 % were rejected
+    /// (`null` in results.json, which has no infinity).
     pub ttft_p90_strict_s: f64,
     pub e2e_p90_s: f64,
     pub output_tokens_per_s: f64,

@@ -123,21 +123,22 @@ pub fn adapter_name(i: u16) -> String {
     format!("lora-{i}")
 }
 
-/// The configuration document for a Scheduler-based policy over `servers` endpoints. For `ours`,
-/// `ours_scheduler` (a JSON object) replaces the default `scheduler` section: the way to measure
-/// a proposed default (`--ours-scheduler`); the report prints it when set.
+/// The configuration document for a Scheduler-based policy over `servers` endpoints. For `ours`
+/// and `ours-noflow`, `ours_overrides` (a JSON object of top-level sections, e.g.
+/// `{"scheduler": {...}, "saturation": {...}}`) replaces those sections: the way to measure a
+/// proposed default (`--ours-scheduler`, `--ours-config`); the report prints it when set.
 pub fn config(
     policy: Policy,
     servers: usize,
     adapters: u16,
     poll_ms: u64,
-    ours_scheduler: Option<&serde_json::Value>,
+    ours_overrides: Option<&serde_json::Value>,
 ) -> Result<Config, String> {
     let endpoints: Vec<serde_json::Value> =
         (0..servers).map(|i| json!({"address": address(i), "models": [MODEL]})).collect();
     let adapter_names: Vec<String> = (0..adapters).map(adapter_name).collect();
     let scheduler = match policy {
-        Policy::Ours | Policy::OursNoFlow => ours_scheduler.cloned().unwrap_or_else(|| json!({})),
+        Policy::Ours | Policy::OursNoFlow => json!({}),
         Policy::GieDefault | Policy::GieDefaultLora | Policy::Gie111 => json!({
             "weights": if policy == Policy::Gie111 {
                 json!({"prefix": 1.0, "queue": 1.0, "kv_cache": 1.0, "inflight": 0.0, "session": 0.0, "lora": 0.0})
@@ -184,6 +185,23 @@ pub fn config(
         "scheduler": scheduler,
         "flow_control": {"enabled": policy != Policy::OursNoFlow},
     });
+    let mut doc = doc;
+    if let (true, Some(serde_json::Value::Object(o)), Some(d)) =
+        (matches!(policy, Policy::Ours | Policy::OursNoFlow), ours_overrides, doc.as_object_mut())
+    {
+        for (k, v) in o {
+            if k == "flow_control" && policy == Policy::OursNoFlow {
+                // ours-noflow stays without flow control; merge the rest of the section.
+                let mut v = v.clone();
+                if let Some(m) = v.as_object_mut() {
+                    m.insert("enabled".into(), json!(false));
+                }
+                d.insert(k.clone(), v);
+            } else {
+                d.insert(k.clone(), v.clone());
+            }
+        }
+    }
     let bytes = serde_json::to_vec(&doc).map_err(|e| e.to_string())?;
     Config::from_json(&bytes).map_err(|errs| inference_picker::config::describe_errors(&errs))
 }

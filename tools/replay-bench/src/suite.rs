@@ -35,14 +35,14 @@ pub struct Common {
     pub metrics_delay_ms: u64,
     pub seed: u64,
     /// Replaces `ours`' scheduler section (a proposal under test).
-    pub ours_scheduler: Option<serde_json::Value>,
+    pub ours_overrides: Option<serde_json::Value>,
 }
 
 impl Default for Common {
     fn default() -> Self {
         // 200 ms: our poller's default interval (`poller.interval_ms`). 20 ms: a scrape's round
         // trip plus the wait for the round to complete and the snapshot to be published.
-        Common { poll_ms: 200, metrics_delay_ms: 20, seed: 1, ours_scheduler: None }
+        Common { poll_ms: 200, metrics_delay_ms: 20, seed: 1, ours_overrides: None }
     }
 }
 
@@ -319,7 +319,7 @@ pub fn execute(
                     metrics_delay_ms: common.metrics_delay_ms,
                     load,
                     seed: common.seed,
-                    ours_scheduler: common.ours_scheduler.clone(),
+                    ours_overrides: common.ours_overrides.clone(),
                 };
                 let r = run(&w.trace, p, &rc);
                 if let Ok(r) = &r {

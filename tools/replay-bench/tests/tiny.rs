@@ -19,7 +19,7 @@ fn rc(servers: usize, kv_blocks: u64, load: f64) -> RunConfig {
         metrics_delay_ms: 10,
         load,
         seed: 3,
-        ours_scheduler: None,
+        ours_overrides: None,
     }
 }
 
