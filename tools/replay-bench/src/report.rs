@@ -184,6 +184,11 @@ const NOTES: &str = "
   burst to the same endpoint. On the lengths-only Azure trace this is visible as ours (and
   gie-default) trailing round-robin, least-request and SGLang (whose load signals are their own
   in-flight counts) at moderate load.
+- **Flow control** (`ours` against `ours-noflow`): it holds requests whenever every endpoint looks
+  full (queue ≥ 5 or KV ≥ 0.8 in the last snapshot, which this server model reaches in normal
+  heavy operation) and releases at most the snapshot's headroom per poll, even when every
+  request has the same priority. Where tiers exist it protects premium traffic; where they do
+  not, compare the two rows for what it costs in latency, rejections and throughput.
 - **Scale-out.** Replicas share nothing (shared data is per Envoy process), so a conversation's
   next turn lands on a replica that routed its previous turn only 1/R of the time; the others
   route it by load. Workers of one replica do share our prefix table and in-flight counts.
