@@ -17,6 +17,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 STYLE = {
     "ours": dict(color="#d62728", linewidth=2.5, marker="o"),
+    "ours-noflow": dict(color="#ff9896", linewidth=2, marker="o", linestyle="--"),
+    "gie-1-1-1": dict(color="#aec7e8", marker="s", linestyle=":"),
     "gie-default": dict(color="#1f77b4", marker="s"),
     "gie-default+lora": dict(color="#17becf", marker="s", linestyle="--"),
     "sglang": dict(color="#2ca02c", marker="^"),
