@@ -4,6 +4,9 @@
 Usage: plot.py REPORT_DIR   (reads REPORT_DIR/results.json, writes REPORT_DIR/ttft_p90_vs_load.png)
 
 Only the 1 replica x 1 worker runs are drawn; workloads run at a single load are drawn as bars.
+The value drawn is the strict TTFT p90 (rejected requests count as infinitely late), so shedding
+never looks like speed; a run that rejected more than 10 % of its requests has no finite p90 and
+is drawn as an open marker on the panel's top edge.
 """
 
 import json
@@ -40,19 +43,31 @@ def main() -> int:
         runs = [r for r in w["runs"] if r["replicas"] == 1 and r["workers"] == 1]
         strategies = list(dict.fromkeys(r["strategy"] for r in runs))
         loads = sorted({r["load"] for r in runs})
+        def strict(r):
+            v = r.get("ttft_p90_strict_s")
+            return None if v is None else max(v, 1e-3)
+
+        finite = [strict(r) for r in runs if strict(r) is not None]
+        top = max(finite) * 2 if finite else 1.0
         if len(loads) > 1:
             for s in strategies:
-                pts = sorted((r["load"], max(r["ttft_p90_s"], 1e-3)) for r in runs if r["strategy"] == s)
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], label=s, **STYLE.get(s, {}))
-            ax.set_xlabel("load (x trace arrival rate)")
+                pts = sorted((r["load"], strict(r)) for r in runs if r["strategy"] == s)
+                style = STYLE.get(s, {})
+                ok = [p for p in pts if p[1] is not None]
+                ax.plot([p[0] for p in ok], [p[1] for p in ok], label=s, **style)
+                inf = [p[0] for p in pts if p[1] is None]
+                if inf:
+                    ax.plot(inf, [top] * len(inf), linestyle="none", marker="o", markerfacecolor="none",
+                            markersize=10, color=style.get("color", "#333333"))
+            ax.set_xlabel("load (x trace arrival rate); open marker at top: > 10 % rejected")
         else:
-            vals = [max(next(r["ttft_p90_s"] for r in runs if r["strategy"] == s), 1e-3) for s in strategies]
+            vals = [strict(next(r for r in runs if r["strategy"] == s)) or top for s in strategies]
             colors = [STYLE.get(s, {}).get("color", "#333333") for s in strategies]
             ax.bar(strategies, vals, color=colors)
             ax.tick_params(axis="x", rotation=30)
             ax.set_xlabel(f"load {loads[0]:g}")
         ax.set_yscale("log")
-        ax.set_ylabel("TTFT p90 (s, log)")
+        ax.set_ylabel("TTFT p90, rejected = inf (s, log)")
         ax.set_title(f"{w['key']} ({w['requests']} requests, {w['servers']} servers)")
         ax.grid(True, which="both", alpha=0.3)
         if len(loads) > 1:
