@@ -11,7 +11,7 @@ WASM := target/wasm32-wasip1/release/inference_picker.wasm
 SIM := target/tools/model-server-sim
 ENVOY_VERSION := 1.40.0
 
-.PHONY: all run test wasm sim venv fmt-check clippy unit validate deploy-check e2e bench bench-check schema oci clean
+.PHONY: all run test wasm sim venv fmt-check clippy unit validate deploy-check e2e bench bench-check bench-routing schema oci clean
 
 all: wasm
 
@@ -69,6 +69,14 @@ bench-check:
 
 bench:
 	cargo bench -p inference-picker
+
+## bench-routing: the routing replay benchmark (tools/replay-bench): writes
+## target/routing-report/report.md, results.json and ttft_p90_vs_load.png, prints the tables and
+## one SUMMARY line per trace. TRACE=path/to/file replays any Mooncake-JSONL or Azure-CSV file
+## (optionally .gz) instead of the default set; BENCH_ARGS passes more flags (see --help).
+bench-routing: venv
+	cargo run --profile tools -p replay-bench -- --out target/routing-report $(if $(TRACE),--trace $(TRACE)) $(BENCH_ARGS)
+	$(PY) tools/replay-bench/plot.py target/routing-report
 
 test: fmt-check clippy unit bench-check wasm validate deploy-check e2e
 	@echo "make test: all checks passed"

@@ -1,0 +1,192 @@
+//! `replay-bench`: runs the routing replay benchmark and writes the report.
+//!
+//! `cargo run --profile tools -p replay-bench` runs the default set (see `suite::default_suite`) and
+//! writes `target/routing-report/{report.md,results.json}`; `--trace FILE` replays any Mooncake
+//! JSONL or Azure CSV file (optionally gzipped) instead. See tools/replay-bench/README.md.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::Parser;
+
+use replay_bench::stats::RunResult;
+use replay_bench::strategy::Policy;
+use replay_bench::suite::{self, Common, Workload};
+
+#[derive(Parser, Debug)]
+#[command(
+    about = "Replay traces through simulated model servers, routed by the real scheduler core and baselines"
+)]
+struct Args {
+    /// Replay this Mooncake-JSONL or Azure-CSV file (optionally .gz) instead of the default set.
+    #[arg(long)]
+    trace: Option<PathBuf>,
+    /// Output directory for report.md and results.json.
+    #[arg(long, default_value = "target/routing-report")]
+    out: PathBuf,
+    /// Directory holding the default set's traces.
+    #[arg(long)]
+    data: Option<PathBuf>,
+    /// Comma-separated strategies (default: each workload's own list).
+    #[arg(long, value_delimiter = ',')]
+    strategies: Vec<String>,
+    /// Comma-separated load factors (arrival-rate multipliers); default: each workload's own
+    /// list, or 1,2,4 with --trace.
+    #[arg(long, value_delimiter = ',')]
+    loads: Vec<f64>,
+    /// Servers, with --trace (default 8).
+    #[arg(long, default_value_t = 8)]
+    servers: usize,
+    /// Gateway replicas × workers of the main runs (default 1 × 1).
+    #[arg(long, default_value_t = 1)]
+    replicas: usize,
+    #[arg(long, default_value_t = 1)]
+    workers: usize,
+    /// KV blocks of 16 tokens per server, overriding the workload's.
+    #[arg(long)]
+    kv_blocks: Option<u64>,
+    /// Server speed factor, overriding the workload's.
+    #[arg(long)]
+    speed: Option<f64>,
+    /// Metrics poll interval, ms.
+    #[arg(long, default_value_t = 200)]
+    poll_ms: u64,
+    /// Delay between a scrape and the snapshot being visible to workers, ms.
+    #[arg(long, default_value_t = 20)]
+    metrics_delay_ms: u64,
+    /// Only these workloads of the default set (comma-separated keys).
+    #[arg(long, value_delimiter = ',')]
+    only: Vec<String>,
+    /// Keep this fraction of each default trace (quick looks; the report says so).
+    #[arg(long, default_value_t = 1.0)]
+    scale: f64,
+    /// Skip the extra topology runs (scale-out).
+    #[arg(long)]
+    no_extras: bool,
+    /// Parallel runs.
+    #[arg(long, default_value_t = 2)]
+    jobs: usize,
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// JSON object replacing `ours`' (and `ours-noflow`'s) `scheduler` configuration section,
+    /// to measure a proposed default, e.g. '{"weights":{"inflight":3}}'.
+    #[arg(long)]
+    ours_scheduler: Option<String>,
+    /// JSON object of top-level configuration sections replacing `ours`' (and `ours-noflow`'s),
+    /// e.g. '{"saturation":{"kv_threshold":1.5}}'.
+    #[arg(long)]
+    ours_config: Option<String>,
+}
+
+fn main() -> ExitCode {
+    match real_main() {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("replay-bench: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn real_main() -> Result<(), String> {
+    let args = Args::parse();
+    #[allow(clippy::disallowed_methods)] // the benchmark's own wall time
+    let started = std::time::Instant::now();
+    let mut workloads: Vec<Workload> = match &args.trace {
+        Some(path) => {
+            let loads = if args.loads.is_empty() { vec![1.0, 2.0, 4.0] } else { args.loads.clone() };
+            vec![suite::file_workload(path, args.servers, loads)?]
+        }
+        None => {
+            let data = args.data.clone().unwrap_or_else(suite::data_dir);
+            let mut w = suite::default_suite(&data, args.scale)?;
+            if !args.only.is_empty() {
+                w.retain(|w| args.only.contains(&w.key));
+            }
+            if !args.loads.is_empty() {
+                for x in &mut w {
+                    x.loads = args.loads.clone();
+                }
+            }
+            w
+        }
+    };
+    if !args.strategies.is_empty() {
+        let ps: Vec<Policy> = args.strategies.iter().map(|s| Policy::parse(s)).collect::<Result<_, _>>()?;
+        for w in &mut workloads {
+            w.strategies = ps.clone();
+            w.extras.retain(|e| ps.contains(&e.policy));
+        }
+    }
+    for w in &mut workloads {
+        w.topology = (args.replicas, args.workers);
+        if let Some(k) = args.kv_blocks {
+            w.server.num_gpu_blocks = k;
+        }
+        if let Some(s) = args.speed {
+            w.server.speed = s;
+        }
+        if args.no_extras {
+            w.extras.clear();
+        }
+    }
+    let mut overrides = serde_json::Map::new();
+    if let Some(j) = &args.ours_config {
+        match serde_json::from_str(j).map_err(|e| format!("--ours-config: {e}"))? {
+            serde_json::Value::Object(o) => overrides.extend(o),
+            _ => return Err("--ours-config: expected a JSON object".into()),
+        }
+    }
+    if let Some(j) = &args.ours_scheduler {
+        let v: serde_json::Value = serde_json::from_str(j).map_err(|e| format!("--ours-scheduler: {e}"))?;
+        overrides.insert("scheduler".into(), v);
+    }
+    let ours_overrides = (!overrides.is_empty()).then_some(serde_json::Value::Object(overrides));
+    let common = Common {
+        poll_ms: args.poll_ms,
+        metrics_delay_ms: args.metrics_delay_ms,
+        seed: args.seed,
+        ours_overrides,
+    };
+    let total: usize = workloads.iter().map(|w| w.strategies.len() * w.loads.len() + w.extras.len()).sum();
+    eprintln!("replay-bench: {total} runs on {} threads", args.jobs);
+    let progress = |r: &RunResult| {
+        eprintln!(
+            "  {:<14} {:<17} load {:<5} {}x{}  TTFT p90 {:>8.2} s  hit {:>5.1} %  ({:.1} s)",
+            r.trace,
+            r.strategy,
+            suite::fmt_load(r.load),
+            r.replicas,
+            r.workers,
+            r.ttft_p90_s,
+            100.0 * r.hit_rate,
+            r.wall_s
+        );
+    };
+    let results = suite::execute(&workloads, &common, args.jobs, &progress)?;
+    let wall = started.elapsed().as_secs_f64();
+    let cmd: Vec<String> = std::env::args().collect();
+    let report =
+        replay_bench::report::markdown(&results, &workloads, &common, &cmd.join(" "), wall, args.scale);
+    std::fs::create_dir_all(&args.out).map_err(|e| format!("{}: {e}", args.out.display()))?;
+    let md = args.out.join("report.md");
+    std::fs::write(&md, &report).map_err(|e| format!("{}: {e}", md.display()))?;
+    let json = args.out.join("results.json");
+    let body = serde_json::to_string_pretty(&results).map_err(|e| e.to_string())?;
+    std::fs::write(&json, body).map_err(|e| format!("{}: {e}", json.display()))?;
+    for w in &results {
+        println!("\n## {} ({} requests, {} servers)\n", w.key, w.requests, w.servers);
+        println!("{}", suite::table(w));
+    }
+    for w in &results {
+        if workloads.iter().any(|x| x.key == w.key && x.llm_d_check) {
+            let (ok, why) = suite::llm_d_order_check(w);
+            println!("CHECK llm-d-order {}: {why}", if ok { "PASS" } else { "FAIL" });
+        }
+    }
+    println!("\nwrote {} and {} ({wall:.0} s)", md.display(), json.display());
+    for w in &results {
+        println!("{}", suite::summary_line(w));
+    }
+    Ok(())
+}

@@ -1,0 +1,591 @@
+//! The discrete-event replay: one trace, one strategy, one load level, in virtual time.
+//!
+//! **Topology.** `servers` simulated model servers (`model_server_sim::Server`, the same pure
+//! model as the HTTP simulator), and `replicas` × `workers` gateway workers. Each worker has its
+//! own local state (its own `Scheduler`, round-robin counter, random source); each replica has
+//! one `MemStore` shared by its workers (proxy-wasm shared data is per Envoy process), holding the
+//! published snapshot, the in-flight counts (`inference_picker::inflight`) and our cross-worker
+//! prefix table; replicas share nothing. Each request goes to a worker chosen at random.
+//!
+//! **What the router sees.** Only what it would see in Envoy. Each replica's poller
+//! (`inference_picker::poller::Poller`, the real pure core) scrapes every server every
+//! `poll_ms`, starting at a random phase: the server's Prometheus text is rendered at the scrape
+//! time by `model_server_sim::render_metrics` (vLLM names), delivered `metrics_delay_ms` later,
+//! parsed by the poller with `inference_picker::metrics::parse_metrics`, and published with
+//! `inference_picker::snapshot::publish`; workers read it through `SnapshotCache`. So the metrics
+//! a request is routed on are between `metrics_delay_ms` and `poll_ms + metrics_delay_ms` old.
+//! In-flight counts are exact and immediate: incremented when a worker routes a request,
+//! decremented when the request's last token is out.
+//!
+//! **Requests.** Scheduler-based strategies get a chat-completions body and go through
+//! `inference_picker::request::on_body` (body parsing, model resolution, scheduling). The server
+//! gets the prompt's chained block hashes (`text::server_hashes`), the trace's exact token counts
+//! and the adapter. Loads scale arrival times: at load L, a request that arrived at t arrives at
+//! t / L. A rejection (by the router, or by the server for a request that can never fit) is
+//! counted, never retried.
+
+use std::rc::Rc;
+
+use inference_picker::config::Config;
+use inference_picker::flow::{Action, Admission, Capacity, FlowQueue, Ticket};
+use inference_picker::inflight;
+use inference_picker::poller::{Poller, ScrapeResult};
+use inference_picker::ports::{MemStore, Rng, SplitMix64};
+use inference_picker::priority::{resolve_priority, Criticality, OBJECTIVE_HEADER};
+use inference_picker::request::{on_body, BodyInputs, RequestHead};
+use inference_picker::saturation::{saturated, SaturationParams};
+use inference_picker::scheduler::Scheduler;
+use inference_picker::snapshot::{publish, EndpointStatus, Snapshot, SnapshotCache};
+use model_server_sim::{Engine, Event, RenderInfo, Server, ServerConfig, SimRequest};
+
+use crate::sglang::CacheAware;
+use crate::stats::{Outcome, RunResult};
+use crate::strategy::{self, Policy, MODEL};
+use crate::text;
+use crate::trace::Trace;
+
+/// Virtual epoch: `now_ms` for the router is this plus the virtual time (a real-looking Unix time
+/// in ms, so that "scraped at 0 = never" cannot happen).
+pub const EPOCH_MS: u64 = 1_750_000_000_000;
+
+/// One run's settings (everything but the trace and the strategy).
+#[derive(Debug, Clone, PartialEq)]
+pub struct RunConfig {
+    pub servers: usize,
+    /// The simulated server (KV size, speed, batch limits, LoRA slots).
+    pub server: ServerConfig,
+    pub replicas: usize,
+    pub workers: usize,
+    pub poll_ms: u64,
+    pub metrics_delay_ms: u64,
+    /// Arrival-rate multiplier.
+    pub load: f64,
+    pub seed: u64,
+    /// Replaces `ours`' scheduler section (see `strategy::config`).
+    pub ours_overrides: Option<serde_json::Value>,
+}
+
+impl RunConfig {
+    pub fn validate(&self) -> Result<(), String> {
+        if self.servers == 0 || self.servers > 1000 {
+            return Err(format!("servers must be in 1..=1000, got {}", self.servers));
+        }
+        if self.replicas == 0 || self.workers == 0 {
+            return Err("replicas and workers must be at least 1".into());
+        }
+        if self.poll_ms < 10 {
+            return Err(format!("poll interval must be at least 10 ms, got {}", self.poll_ms));
+        }
+        if self.metrics_delay_ms >= self.poll_ms {
+            return Err(format!(
+                "metrics delay ({} ms) must be shorter than the poll interval ({} ms)",
+                self.metrics_delay_ms, self.poll_ms
+            ));
+        }
+        if !(self.load.is_finite() && self.load > 0.0) {
+            return Err(format!("load must be a positive number, got {}", self.load));
+        }
+        self.server.validate().map_err(|e| e.to_string())
+    }
+}
+
+struct Replica {
+    store: MemStore,
+    poller: Poller,
+    next_poll: f64,
+    /// Scrapes in flight: delivered at `.0`, (server index, rendered text) each.
+    pending: Option<(f64, Vec<(usize, String)>)>,
+    sglang: Option<CacheAware>,
+}
+
+struct Worker {
+    replica: usize,
+    sched: Option<Scheduler>,
+    cache: SnapshotCache,
+    /// GIE's view of the current snapshot (cache_config_info removed), by version.
+    view: Option<(u64, Rc<Snapshot>)>,
+    rng: SplitMix64,
+    rr_next: usize,
+    /// Flow control (`ours` only): this worker's queue and the requests it holds (id → index).
+    flow: Option<FlowQueue>,
+    held: hashbrown::HashMap<u32, usize>,
+    next_tick: f64,
+}
+
+/// Per-request bookkeeping.
+#[derive(Debug, Clone, Copy, Default)]
+struct Live {
+    arrival: f64,
+    replica: usize,
+    first: Option<f64>,
+    done: bool,
+}
+
+/// Everything one run mutates.
+struct Sim<'a> {
+    trace: &'a Trace,
+    policy: Policy,
+    rc: &'a RunConfig,
+    cfg: Config,
+    sat: SaturationParams,
+    servers: Vec<Server>,
+    addresses: Vec<String>,
+    addr_index: hashbrown::HashMap<String, usize>,
+    replicas: Vec<Replica>,
+    workers: Vec<Worker>,
+    live: Vec<Live>,
+    out: Outcome,
+    head: RequestHead,
+    events: Vec<Event>,
+}
+
+/// Replays `trace` with `policy` under `rc`.
+pub fn run(trace: &Trace, policy: Policy, rc: &RunConfig) -> Result<RunResult, String> {
+    rc.validate()?;
+    #[allow(clippy::disallowed_methods)] // the benchmark's own wall time, not the router's
+    let wall = std::time::Instant::now();
+    let n = rc.servers;
+    let mut server_cfg = rc.server.clone();
+    server_cfg.tokens_per_hash = Some(trace.tokens_per_hash);
+    server_cfg.token_events = false;
+    if trace.adapters > 0 {
+        server_cfg.enable_lora = true;
+    }
+    let servers: Vec<Server> = (0..n)
+        .map(|_| Server::new(server_cfg.clone()).map_err(|e| e.to_string()))
+        .collect::<Result<_, _>>()?;
+    let addresses: Vec<String> = (0..n).map(strategy::address).collect();
+    let addr_index: hashbrown::HashMap<String, usize> =
+        addresses.iter().enumerate().map(|(i, a)| (a.clone(), i)).collect();
+
+    // The configuration document is the same for every policy's poller (endpoints, interval);
+    // Scheduler-based policies also take their scheduler section from it.
+    let cfg: Config = if policy.uses_scheduler() {
+        strategy::config(policy, n, trace.adapters, rc.poll_ms, rc.ours_overrides.as_ref())?
+    } else {
+        strategy::config(Policy::Ours, n, trace.adapters, rc.poll_ms, None)?
+    };
+    let sat = cfg.saturation.params(cfg.poller.stale_after_ms);
+    let mut rng = SplitMix64::new(rc.seed ^ 0x5eed);
+    let replicas: Vec<Replica> = (0..rc.replicas)
+        .map(|_| Replica {
+            store: MemStore::new(),
+            poller: Poller::new(&cfg),
+            next_poll: rng.next_f64() * rc.poll_ms as f64,
+            pending: None,
+            sglang: (policy == Policy::Sglang).then(|| CacheAware::new(n)),
+        })
+        .collect();
+    let workers: Vec<Worker> = (0..rc.replicas * rc.workers)
+        .map(|i| {
+            let mut wrng = SplitMix64::new(rc.seed.wrapping_mul(1_000_003).wrapping_add(i as u64));
+            Worker {
+                replica: i / rc.workers,
+                sched: policy.uses_scheduler().then(|| Scheduler::new(&cfg)),
+                cache: SnapshotCache::new(),
+                view: None,
+                rr_next: wrng.below(n),
+                next_tick: wrng.next_f64() * rc.poll_ms as f64,
+                rng: wrng,
+                flow: policy
+                    .uses_flow_control()
+                    .then(|| FlowQueue::new(&cfg.flow_control, MODEL, i as u64 + 1)),
+                held: hashbrown::HashMap::new(),
+            }
+        })
+        .collect();
+    let mut sim = Sim {
+        trace,
+        policy,
+        rc,
+        sat,
+        servers,
+        addresses,
+        addr_index,
+        replicas,
+        workers,
+        live: vec![Live::default(); trace.requests.len()],
+        out: Outcome::new(trace, policy, rc),
+        head: RequestHead {
+            method: "POST".into(),
+            path: "/v1/chat/completions".into(),
+            content_length: None,
+            session_id: None,
+            session_token: None,
+        },
+        events: Vec::new(),
+        cfg,
+    };
+    sim.run_loop(&mut rng)?;
+    for (si, s) in sim.servers.iter().enumerate() {
+        sim.out.server_end(si, &s.metrics_snapshot());
+    }
+    sim.out.wall_s = wall.elapsed().as_secs_f64();
+    let unfinished = sim.live.iter().filter(|l| !l.done).count();
+    Ok(sim.out.finish(unfinished))
+}
+
+impl Sim<'_> {
+    fn run_loop(&mut self, rng: &mut SplitMix64) -> Result<(), String> {
+        let reqs = &self.trace.requests;
+        let rc = self.rc;
+        // Arrivals start once every replica has published a first snapshot, as in a gateway that
+        // has been up for a while (before that, every request would get a 503).
+        let warm_up = (rc.poll_ms + rc.metrics_delay_ms + 1) as f64;
+        let arrival = |i: usize| reqs.get(i).map(|r| warm_up + r.arrival_ms / rc.load);
+        self.out.first_arrival = arrival(0).unwrap_or(0.0);
+        let mut next_req = 0usize;
+        loop {
+            let ta = arrival(next_req);
+            let ts = self.servers.iter().filter_map(Server::next_wakeup).min_by(f64::total_cmp);
+            // Ticks matter only while some worker holds requests.
+            let tt = self
+                .workers
+                .iter()
+                .filter(|w| w.flow.as_ref().is_some_and(|f| f.needs_tick()))
+                .map(|w| w.next_tick)
+                .min_by(f64::total_cmp);
+            let t = match [ta, ts, tt].into_iter().flatten().min_by(f64::total_cmp) {
+                Some(t) => t,
+                None => break,
+            };
+            let tp = self
+                .replicas
+                .iter()
+                .map(|r| r.pending.as_ref().map_or(r.next_poll, |(d, _)| d.min(r.next_poll)))
+                .min_by(f64::total_cmp)
+                .unwrap_or(f64::INFINITY);
+            let t = t.min(tp);
+
+            // 1. Servers: steps ending by t.
+            for si in 0..self.servers.len() {
+                if self.servers[si].next_wakeup().is_some_and(|w| w <= t) {
+                    self.advance_server(si, t);
+                }
+            }
+            // 2. Polls: deliveries, then new scrapes.
+            for ri in 0..self.replicas.len() {
+                self.poll(ri, t)?;
+            }
+            // 3. Flow-control ticks.
+            for wi in 0..self.workers.len() {
+                if self.workers[wi].next_tick <= t {
+                    while self.workers[wi].next_tick <= t {
+                        self.workers[wi].next_tick += rc.poll_ms as f64;
+                    }
+                    self.tick(wi, t)?;
+                }
+            }
+            // 4. Arrivals at t, each to a random worker.
+            while let Some(ta) = arrival(next_req).filter(|&a| a <= t) {
+                let idx = next_req;
+                next_req += 1;
+                let wi = rng.below(self.workers.len());
+                self.live[idx].arrival = ta;
+                self.live[idx].replica = self.workers[wi].replica;
+                self.arrive(wi, idx, ta)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn advance_server(&mut self, si: usize, t: f64) {
+        let mut events = std::mem::take(&mut self.events);
+        events.clear();
+        self.servers[si].advance_into(t, &mut events);
+        handle_events(&events, si, &mut self.live, &self.replicas, &self.addresses, &mut self.out);
+        self.events = events;
+    }
+
+    fn poll(&mut self, ri: usize, t: f64) -> Result<(), String> {
+        let due_delivery = self.replicas[ri].pending.as_ref().is_some_and(|(d, _)| *d <= t);
+        if due_delivery {
+            if let Some((d, texts)) = self.replicas[ri].pending.take() {
+                let now_ms = EPOCH_MS + d as u64;
+                let r = &mut self.replicas[ri];
+                for (si, body) in &texts {
+                    let res = ScrapeResult::Response { status: 200, body: body.as_bytes() };
+                    if let Err(e) = r.poller.on_result(&self.addresses[*si], now_ms, res) {
+                        self.out.scrape_errors.push(format!("{e:?}"));
+                    }
+                }
+                let snap = r.poller.snapshot(now_ms);
+                publish(&r.store, &snap).map_err(|e| format!("publish: {e:?}"))?;
+            }
+        }
+        if self.replicas[ri].next_poll <= t {
+            let tp = self.replicas[ri].next_poll;
+            // The servers' state at the scrape time.
+            for si in 0..self.servers.len() {
+                self.advance_server(si, tp);
+            }
+            let now_ms = EPOCH_MS + tp as u64;
+            let due = self.replicas[ri].poller.due(now_ms);
+            let info = RenderInfo {
+                model_name: MODEL,
+                unix_now_s: now_ms as f64 / 1000.0,
+                created_unix_s: EPOCH_MS as f64 / 1000.0,
+                lora_history: None,
+            };
+            let texts: Vec<(usize, String)> = due
+                .iter()
+                .filter_map(|a| self.addr_index.get(a.as_str()).copied())
+                .filter_map(|si| self.servers.get(si).map(|s| (si, s.render_metrics(Engine::Vllm, &info))))
+                .collect();
+            let r = &mut self.replicas[ri];
+            r.pending = Some((tp + self.rc.metrics_delay_ms as f64, texts));
+            r.next_poll = tp + self.rc.poll_ms as f64;
+        }
+        Ok(())
+    }
+
+    /// The snapshot worker `wi` sees now (GIE's view for GIE policies).
+    fn snapshot(&mut self, wi: usize) -> Result<Rc<Snapshot>, String> {
+        let w = &mut self.workers[wi];
+        let store = &self.replicas[w.replica].store;
+        let snap = w.cache.refresh(store).map_err(|e| format!("snapshot: {e:?}"))?;
+        Ok(if self.policy.hides_cache_info() { gie_view(&mut w.view, snap) } else { snap })
+    }
+
+    /// Flow control's view of capacity for worker `wi`.
+    fn capacity(&mut self, wi: usize, now_ms: u64) -> Result<Capacity, String> {
+        let snap = self.snapshot(wi)?;
+        let store = &self.replicas[self.workers[wi].replica].store;
+        let counts = inflight::read(store).unwrap_or_default();
+        let eps: Vec<&EndpointStatus> = snap.endpoints.iter().collect();
+        let report = saturated(&self.sat, &eps, &|a| counts.get(a), now_ms);
+        Ok(Capacity::new(snap.version, &report))
+    }
+
+    fn arrive(&mut self, wi: usize, idx: usize, t: f64) -> Result<(), String> {
+        let now_ms = EPOCH_MS + t as u64;
+        if self.workers[wi].flow.is_none() {
+            return self.dispatch(wi, idx, t);
+        }
+        let req = &self.trace.requests[idx];
+        // The tier label travels as `x-gateway-inference-objective`, trusted by the config.
+        let tier = self.trace.has_tiers().then(|| req.tier.as_str().to_string());
+        let decision = resolve_priority(&self.cfg.priority, Criticality::Standard, &|h| {
+            if h == OBJECTIVE_HEADER {
+                tier.clone()
+            } else {
+                None
+            }
+        });
+        let cap = self.capacity(wi, now_ms)?;
+        let w = &mut self.workers[wi];
+        let store = &self.replicas[w.replica].store;
+        let Some(flow) = w.flow.as_mut() else { return Ok(()) };
+        let ticket =
+            Ticket { id: idx as u32, priority: decision.priority, fairness_id: &decision.fairness_id };
+        match flow.admit(store, &ticket, &cap, now_ms) {
+            Admission::Pass => self.dispatch(wi, idx, t),
+            Admission::Held { evicted } => {
+                w.held.insert(idx as u32, idx);
+                if let Some((id, rej)) = evicted {
+                    if let Some(e) = w.held.remove(&id) {
+                        self.reject(e, format!("flow_{}_{}", rej.status, rej.code));
+                    }
+                }
+                Ok(())
+            }
+            Admission::Reject(rej) => {
+                self.reject(idx, format!("flow_{}_{}", rej.status, rej.code));
+                Ok(())
+            }
+        }
+    }
+
+    fn tick(&mut self, wi: usize, t: f64) -> Result<(), String> {
+        if !self.workers[wi].flow.as_ref().is_some_and(|f| f.needs_tick()) {
+            return Ok(());
+        }
+        let now_ms = EPOCH_MS + t as u64;
+        let cap = self.capacity(wi, now_ms)?;
+        let w = &mut self.workers[wi];
+        let store = &self.replicas[w.replica].store;
+        let Some(flow) = w.flow.as_mut() else { return Ok(()) };
+        let actions = flow.on_tick(store, &cap, now_ms);
+        for a in actions {
+            match a {
+                Action::Release { id, .. } => {
+                    if let Some(idx) = self.workers[wi].held.remove(&id) {
+                        self.dispatch(wi, idx, t)?;
+                    }
+                }
+                Action::Reject { id, rejection, .. } => {
+                    if let Some(idx) = self.workers[wi].held.remove(&id) {
+                        self.reject(idx, format!("flow_{}_{}", rejection.status, rejection.code));
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn reject(&mut self, idx: usize, reason: String) {
+        self.out.reject(idx, reason);
+        self.live[idx].done = true;
+    }
+
+    /// Routes request `idx` on worker `wi` at `t` and submits it to the chosen server.
+    fn dispatch(&mut self, wi: usize, idx: usize, t: f64) -> Result<(), String> {
+        let trace = self.trace;
+        let req = &trace.requests[idx];
+        let n = self.servers.len();
+        let msgs = text::messages(trace, idx, req);
+        let model = req.adapter.map_or_else(|| MODEL.to_string(), strategy::adapter_name);
+        let now_ms = EPOCH_MS + t as u64;
+        let snap = if self.policy.uses_scheduler() { Some(self.snapshot(wi)?) } else { None };
+        let w = &mut self.workers[wi];
+        let rep = &mut self.replicas[w.replica];
+        let counts = inflight::read(&rep.store).unwrap_or_default();
+        let chosen: Result<usize, String> = match self.policy {
+            Policy::Ours
+            | Policy::OursNoFlow
+            | Policy::GieDefault
+            | Policy::GieDefaultLora
+            | Policy::Gie111
+            | Policy::LoadOnly => {
+                let body = text::chat_body(&model, &msgs, req.output_tokens);
+                match (w.sched.as_mut(), snap) {
+                    (Some(s), Some(snap)) => {
+                        let inputs =
+                            BodyInputs { snapshot: &snap, inflight: &counts, store: &rep.store, now_ms };
+                        match on_body(&self.cfg, s, &mut w.rng, &self.head, &body, &inputs) {
+                            Ok(routed) => self
+                                .addr_index
+                                .get(routed.pick.primary.as_str())
+                                .copied()
+                                .ok_or_else(|| format!("unknown endpoint {}", routed.pick.primary)),
+                            Err(rej) => Err(format!("router_{}_{}", rej.status, rej.code)),
+                        }
+                    }
+                    _ => Err("no scheduler".into()),
+                }
+            }
+            Policy::Sglang => {
+                let body = text::chat_body(&model, &msgs, req.output_tokens);
+                match inference_picker::body::parse_request(&self.head.path, &body) {
+                    Ok(parsed) => {
+                        let loads: Vec<u32> = self.addresses.iter().map(|a| counts.get(a)).collect();
+                        match rep.sglang.as_mut() {
+                            Some(p) => Ok(p.select(&parsed.prompt, &loads, t, &mut w.rng).0),
+                            None => Err("no sglang state".into()),
+                        }
+                    }
+                    Err(rej) => Err(format!("router_{}_{}", rej.status, rej.code)),
+                }
+            }
+            Policy::LeastRequest => {
+                // Envoy LEAST_REQUEST with equal weights: two distinct random hosts, the one with
+                // fewer active requests (the first on a tie).
+                let a = w.rng.below(n);
+                let b = if n > 1 { (a + 1 + w.rng.below(n - 1)) % n } else { a };
+                let (ca, cb) = (counts.get(&self.addresses[a]), counts.get(&self.addresses[b]));
+                Ok(if cb < ca { b } else { a })
+            }
+            Policy::RoundRobin => {
+                let i = w.rr_next % n;
+                w.rr_next = w.rr_next.wrapping_add(1);
+                Ok(i)
+            }
+            Policy::Random => Ok(w.rng.below(n)),
+        };
+        let si = match chosen {
+            Ok(si) => si,
+            Err(reason) => {
+                self.reject(idx, reason);
+                return Ok(());
+            }
+        };
+        let sim = SimRequest {
+            id: idx as u64,
+            prompt_tokens: req.prompt_tokens,
+            block_hashes: text::server_hashes(&msgs, trace.tokens_per_hash),
+            output_tokens: req.output_tokens,
+            adapter: req.adapter.map(strategy::adapter_name),
+            arrival_ms: t,
+        };
+        match self.servers[si].submit(sim) {
+            Ok(()) => {
+                let _ = inflight::adjust(&rep.store, &self.addresses[si], 1);
+                self.out.routed(idx, si);
+            }
+            Err(e) => self.reject(idx, format!("server_{}", submit_error_code(&e))),
+        }
+        Ok(())
+    }
+}
+
+fn submit_error_code(e: &model_server_sim::SubmitError) -> &'static str {
+    match e {
+        model_server_sim::SubmitError::DuplicateId(_) => "duplicate_id",
+        model_server_sim::SubmitError::TooLarge { .. } => "too_large",
+        model_server_sim::SubmitError::LoraDisabled => "lora_disabled",
+    }
+}
+
+/// The snapshot without `cache_config_info` (GIE sizes its prefix index by configuration).
+fn gie_view(view: &mut Option<(u64, Rc<Snapshot>)>, snap: Rc<Snapshot>) -> Rc<Snapshot> {
+    if let Some((v, s)) = view {
+        if *v == snap.version {
+            return s.clone();
+        }
+    }
+    let mut s = (*snap).clone();
+    for e in &mut s.endpoints {
+        if let Some(m) = e.metrics.as_mut() {
+            m.num_gpu_blocks = None;
+            m.block_size = None;
+        }
+    }
+    let s = Rc::new(s);
+    *view = Some((snap.version, s.clone()));
+    s
+}
+
+fn handle_events(
+    events: &[Event],
+    si: usize,
+    live: &mut [Live],
+    replicas: &[Replica],
+    addresses: &[String],
+    out: &mut Outcome,
+) {
+    for e in events {
+        match *e {
+            Event::FirstToken { id, t_ms } => {
+                if let Some(l) = live.get_mut(id as usize) {
+                    l.first = Some(t_ms);
+                }
+            }
+            Event::Finished { id, t_ms, output_tokens, cached_tokens, preemptions: _ } => {
+                if let Some(l) = live.get_mut(id as usize) {
+                    if l.done {
+                        continue;
+                    }
+                    l.done = true;
+                    let ttft = l.first.unwrap_or(t_ms) - l.arrival;
+                    out.finished(id as usize, ttft, t_ms - l.arrival, t_ms, output_tokens, cached_tokens);
+                    if let Some(r) = replicas.get(l.replica) {
+                        let _ = inflight::adjust(&r.store, &addresses[si], -1);
+                    }
+                }
+            }
+            Event::Rejected { id, .. } => {
+                if let Some(l) = live.get_mut(id as usize) {
+                    if !l.done {
+                        l.done = true;
+                        out.reject(id as usize, "server_rejected".into());
+                        if let Some(r) = replicas.get(l.replica) {
+                            let _ = inflight::adjust(&r.store, &addresses[si], -1);
+                        }
+                    }
+                }
+            }
+            Event::Preempted { .. } => out.preemptions += 1,
+            Event::Token { .. } => {}
+        }
+    }
+}
