@@ -317,7 +317,7 @@ mod tests {
                              {{"address":"10.0.0.3:8000","models":["other"]}}],
                 "models":[{{"name":"m"}},{{"name":"other"}}],
                 "saturation":{{"max_inflight_per_endpoint":2}},
-                "flow_control":{{"max_wait_ms":1000,"max_queue":3}}{extra}}}"#
+                "flow_control":{{"enabled":true,"max_wait_ms":1000,"max_queue":3}}{extra}}}"#
         );
         Config::from_json(json.as_bytes()).unwrap()
     }

@@ -90,9 +90,11 @@ pub const MIN_WORKER_TTL_MS: u64 = 300;
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct FlowControlConfig {
-    /// Hold requests while saturated. Default true. When false nothing is held: while saturated,
-    /// sheddable requests get 429 and the rest go straight to the scheduler (GIE without flow
-    /// control).
+    /// Hold requests while saturated. Default false, as GIE: the replay benchmark
+    /// (tools/replay-bench/FINDINGS.md) showed holding costs latency and throughput on workloads
+    /// where every request has the same priority; turn it on where tiers or criticality differ.
+    /// When false nothing is held: while saturated, sheddable requests get 429 and the rest go
+    /// straight to the scheduler.
     #[serde(default = "default_enabled")]
     pub enabled: bool,
     /// Longest a request is held before 503, in ms; at least 1. Default 30000.
@@ -114,7 +116,7 @@ pub struct FlowControlConfig {
 }
 
 fn default_enabled() -> bool {
-    true
+    false
 }
 fn default_max_wait_ms() -> u64 {
     30_000
@@ -852,7 +854,7 @@ mod tests {
     use crate::ports::MemStore;
 
     fn cfg() -> FlowControlConfig {
-        FlowControlConfig { max_wait_ms: 1000, max_queue: 100, ..FlowControlConfig::default() }
+        FlowControlConfig { enabled: true, max_wait_ms: 1000, max_queue: 100, ..FlowControlConfig::default() }
     }
     const SAT: Capacity = Capacity { epoch: 1, slots: 0, saturated: true };
     fn room(epoch: u64, slots: u32) -> Capacity {

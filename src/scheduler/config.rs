@@ -57,13 +57,14 @@ pub struct Weights {
     /// Prefix-cache affinity. Default 3 (GIE's late-2025 default; 1 diluted affinity).
     #[serde(default = "default_w_prefix")]
     pub prefix: f64,
-    /// Engine queue length, min-max normalised. Default 2 (GIE).
+    /// Engine queue length, min-max normalised. Default 0.5 (GIE uses 2; see `weights` below).
     #[serde(default = "default_w_queue")]
     pub queue: f64,
-    /// KV-cache headroom, 1 − usage. Default 2 (GIE).
+    /// KV-cache headroom, 1 − usage. Default 0.5 (GIE uses 2).
     #[serde(default = "default_w_kv_cache")]
     pub kv_cache: f64,
-    /// Router-local in-flight requests (reacts between polls). Default 1.
+    /// Router-local in-flight requests (reacts between polls). Default 2: with queue 0.5 and KV 0.5,
+    /// the replay benchmark (tools/replay-bench/FINDINGS.md) measured lower TTFT p90 on every workload than GIE's queue 2 / KV 2 / in-flight 1, because polled queue and KV lag bursts by up to one poll while the in-flight count does not.
     #[serde(default = "default_w_inflight")]
     pub inflight: f64,
     /// Session affinity by `x-session-id` rendezvous. Default 4: a session stays unless its
@@ -216,13 +217,13 @@ fn default_w_prefix() -> f64 {
     3.0
 }
 fn default_w_queue() -> f64 {
-    2.0
+    0.5
 }
 fn default_w_kv_cache() -> f64 {
-    2.0
+    0.5
 }
 fn default_w_inflight() -> f64 {
-    1.0
+    2.0
 }
 fn default_w_session() -> f64 {
     4.0

@@ -9,7 +9,7 @@
 //! Stale endpoints never reach the scorer (filtered). Not min-max normalised on purpose: KV
 //! usage is already on an absolute scale, and 0.40 vs 0.41 should not look like 1 vs 0.
 //!
-//! Default weight 2.
+//! Default weight 0.5 (GIE: 2; see `inflight.rs` for why).
 
 use super::{neutral_fill, Candidate};
 

@@ -13,7 +13,7 @@
 //! them. Min-max is scale-free (a gap of 1 counts as much as a gap of 100); the in-flight scorer
 //! and the hot-spot guard supply the absolute view.
 //!
-//! Default weight 2.
+//! Default weight 0.5 (GIE: 2; see `inflight.rs` for why).
 
 use super::{neutral_fill, Candidate};
 

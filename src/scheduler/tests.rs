@@ -198,24 +198,26 @@ fn debug_scores_when_enabled() {
     let mut s = Scheduler::new(&config(r#","scheduler":{"debug_scores":true}"#));
     let sn = snap(vec![ep("a:1", &["llama"], 0.0, 0.25)]);
     let p = pick(&mut s, &req("llama"), &sn, &Default::default(), 1).unwrap();
-    // q 1.0 ×2 + kv 0.75 ×2 + inflight 1.0 ×1 = 4.5
+    // q 1.0 ×0.5 + kv 0.75 ×0.5 + inflight 1.0 ×2 = 2.875
     assert_eq!(
         p.debug_scores.as_deref(),
-        Some("a:1 t=4.500 p=0.000 q=1.000 kv=0.750 if=1.000 s=0.000 l=0.000")
+        Some("a:1 t=2.875 p=0.000 q=1.000 kv=0.750 if=1.000 s=0.000 l=0.000")
     );
 }
 
 #[test]
 fn per_model_weights_override_pool_weights() {
-    // For qwen only the in-flight count matters; a has the better queue but 2 in flight.
+    // For qwen only the queue matters; a has the better queue but 2 in flight.
     let mut s = Scheduler::new(&config(
-        r#","scheduler":{"model_weights":{"qwen":{"queue":0,"kv_cache":0,"inflight":5}}}"#,
+        r#","scheduler":{"model_weights":{"qwen":{"queue":5,"kv_cache":0,"inflight":0}}}"#,
     ));
     let sn = snap(vec![ep("a:1", &["llama", "qwen"], 0.0, 0.0), ep("b:1", &["llama", "qwen"], 9.0, 0.0)]);
     let inf = InflightCounts::decode(b"a:1=2");
-    assert_eq!(pick(&mut s, &req("qwen"), &sn, &inf, 1).unwrap().primary, "b:1");
-    // llama keeps the pool weights: a: 2+2+1/3 = 4.33 vs b: 0+2+1 = 3.
-    assert_eq!(pick(&mut s, &req("llama"), &sn, &inf, 1).unwrap().primary, "a:1");
+    // qwen: a: 1.0×5 = 5 vs b: 0.
+    assert_eq!(pick(&mut s, &req("qwen"), &sn, &inf, 1).unwrap().primary, "a:1");
+    // llama keeps the pool weights (queue 0.5, kv 0.5, inflight 2):
+    // a: 0.5 + 0.5 + 2×(1/3) = 1.67 vs b: 0 + 0.5 + 2×1 = 2.5.
+    assert_eq!(pick(&mut s, &req("llama"), &sn, &inf, 1).unwrap().primary, "b:1");
 }
 
 fn arb_endpoint() -> impl Strategy<Value = EndpointStatus> {

@@ -101,7 +101,7 @@ def tiers_pool():
         [endpoint(sim)],
         priority={"tier": {"header": "x-llm-tier", "trusted": True, "values": TIERS}},
         saturation={"max_inflight_per_endpoint": 2},
-        flow_control={"max_wait_ms": 30000, "max_queue": 64},
+        flow_control={"enabled": True, "max_wait_ms": 30000, "max_queue": 64},
     )
     envoy = Envoy(cfg, concurrency=4, front_filters=[TIER_FILTER])
     try:
@@ -188,7 +188,7 @@ def strict_pool():
         [endpoint(sim)],
         priority={"tier": {"header": "x-llm-tier", "trusted": False, "values": TIERS}},
         saturation={"max_inflight_per_endpoint": 2},
-        flow_control={"max_wait_ms": 1500, "max_queue": 2, "retry_after_s": 3},
+        flow_control={"enabled": True, "max_wait_ms": 1500, "max_queue": 2, "retry_after_s": 3},
     )
     envoy = Envoy(cfg, concurrency=4)
     try:
@@ -287,7 +287,7 @@ def test_tenants_take_turns_within_a_priority():
         [endpoint(sim)],
         priority={"trust_fairness_header": True},
         saturation={"max_inflight_per_endpoint": 2},
-        flow_control={"max_wait_ms": 30000},
+        flow_control={"enabled": True, "max_wait_ms": 30000},
     )
     envoy = Envoy(cfg, concurrency=1, front_filters=[front])
     try:
@@ -323,7 +323,7 @@ def test_flow_control_steps_aside_when_every_endpoint_is_stale():
     cfg = picker_config(
         [endpoint(sim)],
         saturation={"max_inflight_per_endpoint": 2},
-        flow_control={"max_wait_ms": 30000},
+        flow_control={"enabled": True, "max_wait_ms": 30000},
         filter={"failure_mode": "FailOpen"},
     )
     cfg["poller"]["metrics_path"] = "/no-metrics-here"
@@ -359,7 +359,7 @@ def test_a_higher_priority_arrival_evicts_the_newest_lower_one():
                   # Configured, but not trusted: no filter in front sets it.
                   "tier": {"header": "x-llm-tier", "trusted": False, "values": TIERS}},
         saturation={"max_inflight_per_endpoint": 2},
-        flow_control={"max_wait_ms": 1500, "max_queue": 2},
+        flow_control={"enabled": True, "max_wait_ms": 1500, "max_queue": 2},
     )
     envoy = Envoy(cfg, concurrency=1)
     try:

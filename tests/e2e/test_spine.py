@@ -158,7 +158,10 @@ def test_e_a_killed_simulator_stops_getting_traffic():
 def test_f_inflight_count_is_shared_across_workers():
     # Slow simulators: each request holds its endpoint for seconds, far longer than the burst.
     sims = [Sim(f"flight-{i}", extra=["--speed", "0.05"]) for i in range(3)]
-    envoy = Envoy(picker_config([endpoint(s) for s in sims]), concurrency=4)
+    # Only the in-flight scorer counts here: slowed simulators also report real (and changing)
+    # queues, which would be a second, legitimate signal and blur what this test isolates.
+    weights = {"queue": 0, "kv_cache": 0, "inflight": 1}
+    envoy = Envoy(picker_config([endpoint(s) for s in sims], scheduler={"weights": weights}), concurrency=4)
     try:
         envoy.wait_routable()
         time.sleep(2.5)  # let the warm-up request finish everywhere

@@ -212,6 +212,7 @@ pub fn run(trace: &Trace, policy: Policy, rc: &RunConfig) -> Result<RunResult, S
             content_length: None,
             session_id: None,
             session_token: None,
+            priority: Default::default(),
         },
         events: Vec::new(),
         cfg,
