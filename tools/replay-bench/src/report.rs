@@ -133,8 +133,8 @@ A discrete-event replay in virtual time (`tools/replay-bench`):
   `inference_picker::saturation::saturated` on its snapshot and the replica's in-flight counts
   (main's defaults: GIE's queue 5 / KV 0.8 thresholds, hold up to 30 s, 1,024 held per model);
   held requests are released or timed out by `FlowQueue::on_tick` every poll interval (the host's
-  tick period), and only then scheduled. The flow core is on main but not yet wired into the
-  host filter, so this is the behaviour the module will have once it is. Baselines have no flow
+  tick period), and only then scheduled, as the host filter does with `flow_control.enabled: true`
+  (the shipped default is off: that is `ours-noflow`). Baselines have no flow
   control (GIE's is experimental and off by default): their requests queue in the servers.
   TTFT runs from the arrival at the gateway, so time held counts. Rejected requests (shed,
   timed out) are listed; the \"p90, rejected = ∞\" column and every ratio in the targets count

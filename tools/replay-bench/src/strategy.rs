@@ -2,8 +2,8 @@
 //!
 //! | name | what | state |
 //! |---|---|---|
-//! | `ours` | `inference_picker::scheduler::Scheduler` with the default configuration, behind main's priority and flow-control core (default `flow_control`: holds requests while saturated) | per worker (+ the replica's shared prefix table, in-flight counts and flow record) |
-//! | `ours-noflow` | `ours` with `flow_control.enabled: false` (nothing held; sheddable requests still get 429 while saturated): what the host does today, as flow control is not wired into it yet | same |
+//! | `ours` | `inference_picker::scheduler::Scheduler` with the default configuration, behind the priority and flow-control core with `flow_control.enabled: true` (holds requests while saturated, as a deployment with SLA tiers runs it) | per worker (+ the replica's shared prefix table, in-flight counts and flow record) |
+//! | `ours-noflow` | `ours` with `flow_control.enabled: false` (nothing held; sheddable requests still get 429 while saturated): the shipped default | same |
 //! | `gie-default` | the same Scheduler configured as GIE's default profile (below) | per worker, nothing shared |
 //! | `gie-default+lora` | `gie-default` plus GIE's `lora-affinity-scorer` (weight 2), for LoRA workloads | per worker |
 //! | `gie-1-1-1` | `gie-default` with GIE's earlier weights prefix 1, queue 1, KV 1: the configuration of llm-d's published "estimated-scheduling" run | per worker |
