@@ -24,6 +24,9 @@ use crate::discovery::{parse_pod_list_response, DiscoveryError};
 use crate::metrics::parse_metrics;
 use crate::snapshot::{EndpointStatus, Snapshot};
 
+/// How early a tick may fire and still start the next round (ms).
+pub const ROUND_JITTER_MS: u64 = 20;
+
 /// Extra time after the scrape timeout before a missing callback is written off.
 pub const LOST_CALL_GRACE_MS: u64 = 1000;
 
@@ -96,11 +99,14 @@ impl Poller {
     }
 
     /// The endpoints to scrape if a round is due at `now_ms`, else `None`. A round is due one
-    /// interval after the previous one started, less a quarter interval of tolerance for tick
-    /// jitter (a tick that fires a little early must not skip a whole round).
+    /// interval after the previous one started, less [`ROUND_JITTER_MS`] (at most a quarter
+    /// interval) of tolerance for tick jitter: a tick that fires a little early must not skip a
+    /// whole round. The tolerance stays below the filter root's 50 ms tick, so that a root ticking
+    /// faster than the interval (lease mode) still starts rounds one interval apart.
     pub fn start_round_if_due(&mut self, now_ms: u64) -> Option<Vec<String>> {
         if let Some(last) = self.last_round_ms {
-            if now_ms.saturating_add(self.interval_ms / 4) < last.saturating_add(self.interval_ms) {
+            let tolerance = ROUND_JITTER_MS.min(self.interval_ms / 4);
+            if now_ms.saturating_add(tolerance) < last.saturating_add(self.interval_ms) {
                 return None;
             }
         }
@@ -358,15 +364,17 @@ vllm:kv_cache_usage_perc{engine=\"0\",model_name=\"m\"} 0.25\n";
 
     #[test]
     fn rounds_follow_the_interval_with_jitter_tolerance() {
-        // interval 200 ms: tolerance 50 ms.
+        // interval 200 ms: tolerance 20 ms.
         let mut p = Poller::new(&cfg());
         assert_eq!(p.start_round_if_due(1000).map(|v| v.len()), Some(2));
         p.on_result("127.0.0.1:8001", 1001, ScrapeResult::Failed).unwrap_err();
         p.on_result("127.0.0.1:8002", 1001, ScrapeResult::Failed).unwrap_err();
         assert_eq!(p.start_round_if_due(1100), None);
-        assert_eq!(p.start_round_if_due(1149), None);
-        // A tick 40 ms early still starts the round.
-        assert!(p.start_round_if_due(1160).is_some());
+        // 50 ms ticks (a filter root in lease mode): 1150 is not due, 1200 is.
+        assert_eq!(p.start_round_if_due(1150), None);
+        assert_eq!(p.start_round_if_due(1179), None);
+        // A tick 15 ms early still starts the round.
+        assert!(p.start_round_if_due(1185).is_some());
         assert_eq!(p.start_round_if_due(1200), None);
     }
 

@@ -59,37 +59,37 @@ impl Filter {
 
     fn reject(&mut self, rej: &Rejection) -> Action {
         self.ex.borrow_mut().answered = true;
-        count_rejection(&self.worker, rej);
-        io::send_rejection(rej, &[]);
+        send_rejection(&self.worker, rej, None);
         Action::Pause
     }
 }
 
-fn count_rejection(worker: &Worker, rej: &Rejection) {
+/// Counts a rejection and answers it on the current (or effective) context, with the time
+/// flow control held the request when it got that far.
+fn send_rejection(worker: &Worker, rej: &Rejection, queue_ms: Option<u64>) {
     worker.metrics.borrow_mut().count(telemetry::name(telemetry::REJECTIONS, &[("reason", rej.code)]));
+    match queue_ms {
+        Some(q) => io::send_rejection(rej, &[(QUEUE_MS_HEADER, &q.to_string())]),
+        None => io::send_rejection(rej, &[]),
+    };
 }
 
 /// Picks the endpoint of a prepared request and sets the routing headers on the current (or
-/// effective) context: the last step of every request that goes upstream, whether at once or
-/// after being held.
-fn go(worker: &Worker, ex: &mut Exchange) -> Result<(), Rejection> {
+/// effective) context: the last step of every request that goes upstream, whether at once (with
+/// the snapshot and counts its admission just read) or after being held (with fresh ones).
+fn go(worker: &Worker, ex: &mut Exchange, inputs: &BodyInputs<'_>) -> Result<(), Rejection> {
     let Some(prepared) = ex.prepared.take() else {
         return Err(Rejection::new(500, "internal_error", "internal", "request state lost before routing"));
     };
-    let store = io::HostStore;
-    let snapshot = worker.snapshot();
-    let inflight = inflight::read(&store).unwrap_or_default();
-    let now_ms = io::now_ms();
-    let inputs = BodyInputs { snapshot: &snapshot, inflight: &inflight, store: &store, now_ms };
     let pick = {
         let mut scheduler = worker.scheduler.borrow_mut();
         let mut rng = worker.rng.borrow_mut();
-        request::route(&mut scheduler, &mut *rng, &ex.head, &prepared, &inputs)?
+        request::route(&mut scheduler, &mut *rng, &ex.head, &prepared, inputs)?
     };
     io::set_request_header(DESTINATION_HEADER, Some(&pick.destination_header()));
     io::set_request_header(ORIGINAL_DST_HEADER, Some(&pick.primary));
     let mut metrics = worker.metrics.borrow_mut();
-    match inflight::adjust(&store, &pick.primary, 1) {
+    match inflight::adjust(inputs.store, &pick.primary, 1) {
         Ok(n) => {
             ex.holding = Some(pick.primary.clone());
             metrics.gauge(
@@ -103,8 +103,10 @@ fn go(worker: &Worker, ex: &mut Exchange) -> Result<(), Rejection> {
         telemetry::REQUESTS,
         &[("model", &pick.target_model), ("endpoint", &pick.primary), ("outcome", pick.reason.as_str())],
     ));
-    metrics
-        .gauge(telemetry::name(telemetry::SNAPSHOT_AGE, &[]), now_ms.saturating_sub(snapshot.published_ms));
+    metrics.gauge(
+        telemetry::name(telemetry::SNAPSHOT_AGE, &[]),
+        inputs.now_ms.saturating_sub(inputs.snapshot.published_ms),
+    );
     ex.primary = Some(pick.primary);
     ex.session_token = Some(pick.session_token);
     ex.debug_scores = pick.debug_scores;
@@ -126,12 +128,16 @@ pub(crate) fn release_held(worker: &Worker, id: u32, waited_ms: u64, own_context
     }
     let mut ex = shared.borrow_mut();
     ex.queue_ms = Some(waited_ms);
-    match go(worker, &mut ex) {
+    // Fresh reads: earlier releases of this tick changed the in-flight counts.
+    let store = io::HostStore;
+    let snapshot = worker.snapshot();
+    let inflight = inflight::read(&store).unwrap_or_default();
+    let inputs = BodyInputs { snapshot: &snapshot, inflight: &inflight, store: &store, now_ms: io::now_ms() };
+    match go(worker, &mut ex, &inputs) {
         Ok(()) => io::resume_request(),
         Err(rej) => {
             ex.answered = true;
-            count_rejection(worker, &rej);
-            io::send_rejection(&rej, &[(QUEUE_MS_HEADER, &waited_ms.to_string())]);
+            send_rejection(worker, &rej, Some(waited_ms));
         }
     }
     drop(ex);
@@ -156,9 +162,8 @@ pub(crate) fn answer_held(
     ex.prepared = None;
     let waited = waited_ms.unwrap_or_else(|| ex.held_at_ms.map_or(0, |t| io::now_ms().saturating_sub(t)));
     drop(ex);
-    count_rejection(worker, rej);
     if io::set_effective_context(id) {
-        io::send_rejection(rej, &[(QUEUE_MS_HEADER, &waited.to_string())]);
+        send_rejection(worker, rej, Some(waited));
         io::set_effective_context(own_context);
     }
 }
@@ -259,7 +264,8 @@ impl HttpContext for Filter {
             worker.gate.borrow_mut().admit(&store, &snapshot, &inflight, self.id, &group, &priority, now_ms);
         match decision {
             Decision::Go => {
-                let routed = go(&worker, &mut self.ex.borrow_mut());
+                let inputs = BodyInputs { snapshot: &snapshot, inflight: &inflight, store: &store, now_ms };
+                let routed = go(&worker, &mut self.ex.borrow_mut(), &inputs);
                 match routed {
                     Ok(()) => Action::Continue,
                     Err(rej) => self.reject(&rej),
@@ -278,8 +284,7 @@ impl HttpContext for Filter {
                 ex.answered = true;
                 ex.prepared = None;
                 drop(ex);
-                count_rejection(&worker, &rej);
-                io::send_rejection(&rej, &[(QUEUE_MS_HEADER, "0")]);
+                send_rejection(&worker, &rej, Some(0));
                 Action::Pause
             }
         }

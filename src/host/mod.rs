@@ -111,13 +111,11 @@ struct Root {
     role: Role,
     /// `poller.mode: lease`: this filter root's part in electing and running the poller.
     leased: Option<Box<poller::LeasedPoller>>,
-    /// When the leased poller ticks next (ms).
-    leased_due_ms: u64,
 }
 
 impl Root {
     fn new(context_id: u32) -> Self {
-        Root { context_id, role: Role::Unconfigured, leased: None, leased_due_ms: 0 }
+        Root { context_id, role: Role::Unconfigured, leased: None }
     }
 }
 
@@ -220,12 +218,9 @@ impl RootContext for Root {
             p.tick(now);
         }
         if let Some(l) = &mut self.leased {
-            // The filter root ticks every FILTER_TICK_MS for flow control; the leased poller
-            // keeps its own cadence, poller.interval_ms (half a tick early, for timer jitter).
-            if now >= self.leased_due_ms {
-                self.leased_due_ms = now + l.interval_ms().saturating_sub(FILTER_TICK_MS / 2);
-                l.tick(now);
-            }
+            // The filter root ticks every FILTER_TICK_MS for flow control; the lease is renewed
+            // on every tick and the poller core keeps its own round cadence (poller.interval_ms).
+            l.tick(now);
         }
     }
 

@@ -50,11 +50,8 @@ impl PollerRole {
 
     /// One tick: publish what a slow round left, refresh discovery, start a round if due.
     /// Callouts start from ticks, never from configuration: clusters may not be ready yet.
+    /// It may be called at any tick rate: the core decides when a round or a refresh is due.
     pub fn tick(&mut self, now: u64) {
-        if self.dirty && !self.calls.is_empty() {
-            // The previous round is not finished one interval later: publish what we have.
-            self.publish(now);
-        }
         if let Some(k) = self.cfg.discovery.as_ref().map(|d| &d.kubernetes) {
             if self.core.discovery_due(now) {
                 let token = match k.token_source() {
@@ -75,6 +72,10 @@ impl PollerRole {
         let Some(due) = self.core.start_round_if_due(now) else {
             return;
         };
+        if self.dirty && !self.calls.is_empty() {
+            // The previous round is not finished one interval later: publish what we have.
+            self.publish(now);
+        }
         for address in due {
             let p = &self.cfg.poller;
             match io::dispatch_get(&p.cluster, &p.metrics_path, &address, p.timeout_ms) {
@@ -178,11 +179,6 @@ impl LeasedPoller {
         if self.held {
             self.poller.tick(now);
         }
-    }
-
-    /// `poller.interval_ms`: how often [`LeasedPoller::tick`] wants to run.
-    pub fn interval_ms(&self) -> u64 {
-        self.poller.cfg.poller.interval_ms
     }
 
     pub fn on_response(&mut self, token: u32, num_headers: usize, body_size: usize) {
