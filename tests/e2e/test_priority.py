@@ -127,6 +127,10 @@ def test_premium_first_sheddable_shed_and_a_forged_tier_gains_nothing(tiers_pool
         )
         futs = []
         for i, (kind, headers) in enumerate(plan):
+            if kind == "premium" and plan[i - 1][0] != "premium":
+                # Every earlier (free and forged) request is held before the premium ones come,
+                # so the order below is decided by priority, not by arrival races.
+                wait_until(lambda: flow(envoy, 0, "held") == 6, 5, "free and forged requests held")
             futs.append((kind, pool.submit(post, envoy, f"{kind} {i}", SHORT_TOKENS, headers)))
             time.sleep(0.02)
         results = [(kind, f.result()) for kind, f in futs]
