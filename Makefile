@@ -11,7 +11,7 @@ WASM := target/wasm32-wasip1/release/inference_picker.wasm
 SIM := target/tools/model-server-sim
 ENVOY_VERSION := 1.40.0
 
-.PHONY: all run test wasm sim venv fmt-check clippy unit validate deploy-check e2e bench bench-check bench-routing schema oci clean
+.PHONY: all toolchain run test wasm sim venv fmt-check clippy unit validate deploy-check e2e bench bench-check bench-routing schema oci clean
 
 all: wasm
 
@@ -23,7 +23,17 @@ $(VENV)/.installed: tests/requirements.txt
 
 venv: $(VENV)/.installed
 
-wasm:
+## toolchain: the pinned toolchain needs the wasm32-wasip1 target. rustup adds the targets of
+## rust-toolchain.toml only when it installs the toolchain itself; a toolchain of the same version
+## that was already installed (or linked) lacks it, and the build would fail deep inside a crate
+## with "can't find crate for `std`". Add it here, or say exactly what to run.
+toolchain:
+	@if ! rustc --print target-libdir --target wasm32-wasip1 2>/dev/null | xargs -I{} test -d {}; then \
+	  echo "toolchain: $$(rustc --version) lacks the wasm32-wasip1 target; adding it with rustup"; \
+	  rustup target add wasm32-wasip1 || { echo "toolchain: run 'rustup target add wasm32-wasip1 --toolchain $$(rustc --version | cut -d' ' -f2)' and retry"; exit 1; }; \
+	fi
+
+wasm: toolchain
 	cargo build -p inference-picker --target wasm32-wasip1 --release
 	@ls -l $(WASM) | awk '{print "wasm size: " $$5 " bytes"}'
 
@@ -37,7 +47,7 @@ run: wasm sim venv
 fmt-check:
 	cargo fmt --all -- --check
 
-clippy:
+clippy: toolchain
 	cargo clippy --workspace --all-targets -- -D warnings
 	cargo clippy -p inference-picker --target wasm32-wasip1 -- -D warnings
 
