@@ -1,110 +1,336 @@
 //! Host adapters: the only functions that call proxy-wasm. Everything returns our own types;
 //! host statuses are mapped here so the rest of the module never sees them.
 //!
-//! Note on panics: the SDK's `hostcalls` functions panic on statuses they consider impossible
-//! (for example `get_shared_data` on anything but Ok/NotFound). Envoy does not return those for
-//! the calls made here; the one call whose failure is plausible in practice, sending a local
-//! reply on a stream that is already closing, goes through our own import with its status
-//! handled.
+//! No panics on host data or host statuses. The SDK's `hostcalls` wrappers panic on any status
+//! they consider impossible, and `get_map_value` unwraps `String::from_utf8` on a header value
+//! (a single obs-text byte such as `\xff` would kill the VM). So every call made here goes
+//! through our own imports of the proxy-wasm ABI (module [`abi`]), reads header values and
+//! buffers as bytes, and maps every status. A header value that is not UTF-8 is treated as
+//! absent. The panicking SDK helpers are banned in `clippy.toml`, here too; the one exception is
+//! `hostcalls::dispatch_http_call`, which must register the callout's token with the SDK's
+//! dispatcher (a private function), and whose panicking statuses Envoy does not return (an
+//! unknown cluster is `BadArgument`).
 
-use std::time::{Duration, UNIX_EPOCH};
+use std::time::Duration;
 
 use log::warn;
-use proxy_wasm::hostcalls;
-use proxy_wasm::types::{BufferType, MapType, Status};
+use proxy_wasm::types::{BufferType, MapType, MetricType, Status};
 
 use crate::errors::Rejection;
 use crate::ports::{SharedStore, StoreError};
+
+/// Own imports of the proxy-wasm 0.2.1 ABI, each returning the host's `Status` as is, and safe
+/// wrappers that take ownership of what the host returns. Nothing here panics.
+mod abi {
+    use std::ptr::null_mut;
+
+    use proxy_wasm::types::{BufferType, MapType, MetricType, Status, StreamType};
+
+    #[link(wasm_import_module = "env")]
+    extern "C" {
+        fn proxy_get_header_map_value(
+            map_type: MapType,
+            key_data: *const u8,
+            key_size: usize,
+            return_value_data: *mut *mut u8,
+            return_value_size: *mut usize,
+        ) -> Status;
+        fn proxy_replace_header_map_value(
+            map_type: MapType,
+            key_data: *const u8,
+            key_size: usize,
+            value_data: *const u8,
+            value_size: usize,
+        ) -> Status;
+        fn proxy_remove_header_map_value(map_type: MapType, key_data: *const u8, key_size: usize) -> Status;
+        fn proxy_get_buffer_bytes(
+            buffer_type: BufferType,
+            start: usize,
+            max_size: usize,
+            return_buffer_data: *mut *mut u8,
+            return_buffer_size: *mut usize,
+        ) -> Status;
+        fn proxy_set_buffer_bytes(
+            buffer_type: BufferType,
+            start: usize,
+            size: usize,
+            buffer_data: *const u8,
+            buffer_size: usize,
+        ) -> Status;
+        fn proxy_get_property(
+            path_data: *const u8,
+            path_size: usize,
+            return_value_data: *mut *mut u8,
+            return_value_size: *mut usize,
+        ) -> Status;
+        fn proxy_get_shared_data(
+            key_data: *const u8,
+            key_size: usize,
+            return_value_data: *mut *mut u8,
+            return_value_size: *mut usize,
+            return_cas: *mut u32,
+        ) -> Status;
+        fn proxy_set_shared_data(
+            key_data: *const u8,
+            key_size: usize,
+            value_data: *const u8,
+            value_size: usize,
+            cas: u32,
+        ) -> Status;
+        fn proxy_define_metric(
+            metric_type: MetricType,
+            name_data: *const u8,
+            name_size: usize,
+            return_id: *mut u32,
+        ) -> Status;
+        fn proxy_increment_metric(metric_id: u32, offset: i64) -> Status;
+        fn proxy_record_metric(metric_id: u32, value: u64) -> Status;
+        fn proxy_set_tick_period_milliseconds(period: u32) -> Status;
+        fn proxy_get_current_time_nanoseconds(return_time: *mut u64) -> Status;
+        fn proxy_set_effective_context(context_id: u32) -> Status;
+        pub(super) fn proxy_continue_stream(stream_type: StreamType) -> Status;
+        #[allow(clippy::too_many_arguments)]
+        pub(super) fn proxy_send_local_response(
+            status_code: u32,
+            status_code_details_data: *const u8,
+            status_code_details_size: usize,
+            body_data: *const u8,
+            body_size: usize,
+            headers_data: *const u8,
+            headers_size: usize,
+            grpc_status: i32,
+        ) -> Status;
+    }
+
+    /// Takes ownership of a value the host allocated through the SDK's exported
+    /// `proxy_on_memory_allocate` (a `Vec<u8>` with capacity == size, as the SDK itself does).
+    ///
+    /// # Safety
+    /// `data` must be null or a host-returned pointer to `size` bytes allocated that way.
+    unsafe fn owned(data: *mut u8, size: usize) -> Vec<u8> {
+        if data.is_null() {
+            Vec::new()
+        } else {
+            // SAFETY: per the function's contract.
+            unsafe { Vec::from_raw_parts(data, size, size) }
+        }
+    }
+
+    /// A header (or trailer) value as bytes: `Ok(None)` when absent.
+    pub fn map_value(map: MapType, key: &str) -> Result<Option<Vec<u8>>, Status> {
+        let (mut data, mut size) = (null_mut(), 0usize);
+        // SAFETY: the pointers are valid for the call; the host writes a value it allocated.
+        match unsafe { proxy_get_header_map_value(map, key.as_ptr(), key.len(), &mut data, &mut size) } {
+            Status::Ok => Ok(Some(unsafe { owned(data, size) })),
+            Status::NotFound => Ok(None),
+            s => Err(s),
+        }
+    }
+
+    /// Replaces (`Some`) or removes (`None`) a header. Removing an absent header is no error.
+    pub fn set_map_value(map: MapType, key: &str, value: Option<&[u8]>) -> Result<(), Status> {
+        // SAFETY: the pointers are valid for the call.
+        let s = unsafe {
+            match value {
+                Some(v) => proxy_replace_header_map_value(map, key.as_ptr(), key.len(), v.as_ptr(), v.len()),
+                None => proxy_remove_header_map_value(map, key.as_ptr(), key.len()),
+            }
+        };
+        match s {
+            Status::Ok => Ok(()),
+            Status::NotFound if value.is_none() => Ok(()),
+            s => Err(s),
+        }
+    }
+
+    /// Up to `max` bytes of a buffer from `start`: `Ok(None)` when there is no such buffer.
+    pub fn buffer(kind: BufferType, start: usize, max: usize) -> Result<Option<Vec<u8>>, Status> {
+        let (mut data, mut size) = (null_mut(), 0usize);
+        // SAFETY: as in `map_value`.
+        match unsafe { proxy_get_buffer_bytes(kind, start, max, &mut data, &mut size) } {
+            Status::Ok if data.is_null() => Ok(None),
+            Status::Ok => Ok(Some(unsafe { owned(data, size) })),
+            Status::NotFound => Ok(None),
+            s => Err(s),
+        }
+    }
+
+    pub fn set_buffer(kind: BufferType, start: usize, size: usize, value: &[u8]) -> Result<(), Status> {
+        // SAFETY: the pointer is valid for the call.
+        match unsafe { proxy_set_buffer_bytes(kind, start, size, value.as_ptr(), value.len()) } {
+            Status::Ok => Ok(()),
+            s => Err(s),
+        }
+    }
+
+    pub fn property(path: &[&str]) -> Result<Option<Vec<u8>>, Status> {
+        // The ABI's property path: segments, each followed by a NUL.
+        let mut serialized = Vec::new();
+        for p in path {
+            serialized.extend_from_slice(p.as_bytes());
+            serialized.push(0);
+        }
+        let (mut data, mut size) = (null_mut(), 0usize);
+        // SAFETY: as in `map_value`.
+        match unsafe { proxy_get_property(serialized.as_ptr(), serialized.len(), &mut data, &mut size) } {
+            Status::Ok if data.is_null() => Ok(None),
+            Status::Ok => Ok(Some(unsafe { owned(data, size) })),
+            Status::NotFound => Ok(None),
+            s => Err(s),
+        }
+    }
+
+    /// A shared-data value and its CAS: `Ok(None)` when the key is absent.
+    pub fn shared_data(key: &str) -> Result<Option<(Vec<u8>, u32)>, Status> {
+        let (mut data, mut size, mut cas) = (null_mut(), 0usize, 0u32);
+        // SAFETY: as in `map_value`.
+        match unsafe { proxy_get_shared_data(key.as_ptr(), key.len(), &mut data, &mut size, &mut cas) } {
+            Status::Ok if data.is_null() => Ok(None),
+            Status::Ok => Ok(Some((unsafe { owned(data, size) }, cas))),
+            Status::NotFound => Ok(None),
+            s => Err(s),
+        }
+    }
+
+    pub fn set_shared_data(key: &str, value: &[u8], cas: u32) -> Status {
+        // SAFETY: the pointers are valid for the call.
+        unsafe { proxy_set_shared_data(key.as_ptr(), key.len(), value.as_ptr(), value.len(), cas) }
+    }
+
+    pub fn define_metric(kind: MetricType, name: &str) -> Result<u32, Status> {
+        let mut id = 0u32;
+        // SAFETY: the pointers are valid for the call.
+        match unsafe { proxy_define_metric(kind, name.as_ptr(), name.len(), &mut id) } {
+            Status::Ok => Ok(id),
+            s => Err(s),
+        }
+    }
+
+    pub fn increment_metric(id: u32, offset: i64) -> Status {
+        // SAFETY: plain values.
+        unsafe { proxy_increment_metric(id, offset) }
+    }
+
+    pub fn record_metric(id: u32, value: u64) -> Status {
+        // SAFETY: plain values.
+        unsafe { proxy_record_metric(id, value) }
+    }
+
+    pub fn set_tick_period_ms(ms: u32) -> Status {
+        // SAFETY: plain values.
+        unsafe { proxy_set_tick_period_milliseconds(ms) }
+    }
+
+    pub fn now_nanos() -> Option<u64> {
+        let mut t = 0u64;
+        // SAFETY: the pointer is valid for the call.
+        match unsafe { proxy_get_current_time_nanoseconds(&mut t) } {
+            Status::Ok => Some(t),
+            _ => None,
+        }
+    }
+
+    pub fn set_effective_context(id: u32) -> Status {
+        // SAFETY: plain values.
+        unsafe { proxy_set_effective_context(id) }
+    }
+}
 
 /// proxy-wasm shared data.
 pub struct HostStore;
 
 impl SharedStore for HostStore {
     fn get(&self, key: &str) -> Result<Option<(Vec<u8>, u32)>, StoreError> {
-        match hostcalls::get_shared_data(key) {
-            Ok((Some(v), cas)) => Ok(Some((v, cas.unwrap_or(0)))),
-            Ok((None, _)) => Ok(None),
-            Err(s) => Err(StoreError::Host(format!("{s:?}"))),
-        }
+        abi::shared_data(key).map_err(|s| StoreError::Host(format!("{s:?}")))
     }
 
     fn set(&self, key: &str, value: &[u8], cas: u32) -> Result<(), StoreError> {
-        let cas = if cas == 0 { None } else { Some(cas) };
-        match hostcalls::set_shared_data(key, Some(value), cas) {
-            Ok(()) => Ok(()),
-            Err(Status::CasMismatch) => Err(StoreError::CasMismatch),
-            Err(s) => Err(StoreError::Host(format!("{s:?}"))),
+        match abi::set_shared_data(key, value, cas) {
+            Status::Ok => Ok(()),
+            Status::CasMismatch => Err(StoreError::CasMismatch),
+            s => Err(StoreError::Host(format!("{s:?}"))),
         }
     }
 }
 
 /// Milliseconds since the Unix epoch from the host clock (0 if the host cannot tell).
 pub fn now_ms() -> u64 {
-    hostcalls::get_current_time()
-        .ok()
-        .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
-        .map(|d| d.as_millis() as u64)
-        .unwrap_or(0)
+    abi::now_nanos().map_or(0, |n| n / 1_000_000)
 }
 
 /// Nanoseconds of the host clock, for seeding.
 pub fn now_nanos() -> u64 {
-    hostcalls::get_current_time()
-        .ok()
-        .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
-        .map(|d| d.as_nanos() as u64)
-        .unwrap_or(0)
+    abi::now_nanos().unwrap_or(0)
 }
 
 pub fn set_tick_period_ms(ms: u64) {
-    if let Err(s) = hostcalls::set_tick_period(Duration::from_millis(ms)) {
+    let s = abi::set_tick_period_ms(u32::try_from(ms).unwrap_or(u32::MAX));
+    if s != Status::Ok {
         warn!("set_tick_period failed: {s:?}");
     }
 }
 
-/// A string property such as `plugin_root_id`.
+/// A string property such as `plugin_root_id` (`None` if absent or not UTF-8).
 pub fn property_string(path: &[&str]) -> Option<String> {
-    match hostcalls::get_property(path.to_vec()) {
-        Ok(Some(bytes)) => String::from_utf8(bytes).ok(),
-        _ => None,
-    }
+    abi::property(path).ok().flatten().and_then(|b| String::from_utf8(b).ok())
 }
 
 pub fn plugin_configuration() -> Option<Vec<u8>> {
-    hostcalls::get_buffer(BufferType::PluginConfiguration, 0, usize::MAX).ok().flatten()
+    abi::buffer(BufferType::PluginConfiguration, 0, usize::MAX).ok().flatten()
 }
 
+/// A request header as bytes (`None` when absent or unreadable).
+pub fn request_header_bytes(name: &str) -> Option<Vec<u8>> {
+    match abi::map_value(MapType::HttpRequestHeaders, name) {
+        Ok(v) => v,
+        Err(s) => {
+            warn!("reading request header {name} failed: {s:?}");
+            None
+        }
+    }
+}
+
+/// A request header as text. A value that is not UTF-8 (obs-text, legal in HTTP/1.1 and carried
+/// by HTTP/2) is treated as absent.
 pub fn request_header(name: &str) -> Option<String> {
-    hostcalls::get_map_value(MapType::HttpRequestHeaders, name).ok().flatten()
+    request_header_bytes(name).and_then(|b| String::from_utf8(b).ok())
 }
 
+/// Sets (`Some`) or removes (`None`) a request header; a host refusal is logged.
 pub fn set_request_header(name: &str, value: Option<&str>) {
-    if let Err(s) = hostcalls::set_map_value(MapType::HttpRequestHeaders, name, value) {
+    if let Err(s) = abi::set_map_value(MapType::HttpRequestHeaders, name, value.map(str::as_bytes)) {
         warn!("setting request header {name} failed: {s:?}");
     }
 }
 
 pub fn set_response_header(name: &str, value: &str) {
-    if let Err(s) = hostcalls::set_map_value(MapType::HttpResponseHeaders, name, Some(value)) {
+    if let Err(s) = abi::set_map_value(MapType::HttpResponseHeaders, name, Some(value.as_bytes())) {
         warn!("setting response header {name} failed: {s:?}");
     }
 }
 
+/// The buffered request body, up to `size` bytes (`None` if the host has none to give).
 pub fn request_body(size: usize) -> Option<Vec<u8>> {
-    hostcalls::get_buffer(BufferType::HttpRequestBody, 0, size).ok().flatten()
+    match abi::buffer(BufferType::HttpRequestBody, 0, size) {
+        Ok(b) => b,
+        Err(s) => {
+            warn!("reading the request body failed: {s:?}");
+            None
+        }
+    }
 }
 
 /// Replaces the whole buffered request body.
 pub fn replace_request_body(current_size: usize, body: &[u8]) -> bool {
-    hostcalls::set_buffer(BufferType::HttpRequestBody, 0, current_size, body).is_ok()
+    abi::set_buffer(BufferType::HttpRequestBody, 0, current_size, body).is_ok()
 }
 
 /// Makes `context_id` the target of the following host calls in this callback (the root
 /// context acting on a paused HTTP context). False if the host no longer knows the context.
 pub fn set_effective_context(context_id: u32) -> bool {
-    match hostcalls::set_effective_context(context_id) {
-        Ok(()) => true,
-        Err(s) => {
+    match abi::set_effective_context(context_id) {
+        Status::Ok => true,
+        s => {
             warn!("set_effective_context({context_id}) failed: {s:?}");
             false
         }
@@ -112,27 +338,13 @@ pub fn set_effective_context(context_id: u32) -> bool {
 }
 
 /// Resumes the paused request of the current (or effective) context. Envoy defers it to the
-/// end of the callback. Our own import: the SDK wrapper panics on any status but Ok.
+/// end of the callback.
 pub fn resume_request() {
-    let status = unsafe { proxy_continue_stream(proxy_wasm::types::StreamType::HttpRequest) };
+    // SAFETY: a plain value.
+    let status = unsafe { abi::proxy_continue_stream(proxy_wasm::types::StreamType::HttpRequest) };
     if status != Status::Ok {
         warn!("resuming a held request failed: {status:?}");
     }
-}
-
-#[link(wasm_import_module = "env")]
-extern "C" {
-    fn proxy_continue_stream(stream_type: proxy_wasm::types::StreamType) -> Status;
-    fn proxy_send_local_response(
-        status_code: u32,
-        status_code_details_data: *const u8,
-        status_code_details_size: usize,
-        body_data: *const u8,
-        body_size: usize,
-        headers_data: *const u8,
-        headers_size: usize,
-        grpc_status: i32,
-    ) -> Status;
 }
 
 /// Serialises headers in the proxy-wasm map format: count, then (key len, value len) pairs,
@@ -161,8 +373,9 @@ fn serialize_headers(headers: &[(&str, &str)]) -> Vec<u8> {
 /// callers only log.
 fn send_local(status: u32, headers: &[(&str, &str)], body: &[u8], details: &str) -> bool {
     let serialized = serialize_headers(headers);
+    // SAFETY: the pointers are valid for the call.
     let result = unsafe {
-        proxy_send_local_response(
+        abi::proxy_send_local_response(
             status,
             details.as_ptr(),
             details.len(),
@@ -200,8 +413,7 @@ pub fn send_json(status: u32, body: &[u8]) -> bool {
 /// Starts an HTTP callout with the given headers (pseudo-headers included); returns its token.
 pub fn dispatch(cluster: &str, headers: &[(&'static str, String)], timeout_ms: u64) -> Result<u32, String> {
     let headers: Vec<(&str, &str)> = headers.iter().map(|(k, v)| (*k, v.as_str())).collect();
-    hostcalls::dispatch_http_call(cluster, headers, None, vec![], Duration::from_millis(timeout_ms))
-        .map_err(|s| format!("{s:?}"))
+    dispatch_http_call(cluster, headers, timeout_ms)
 }
 
 /// 64 bits from the host's random source (WASI `random_get`, through std's hasher seeding),
@@ -223,19 +435,34 @@ pub fn dispatch_get(cluster: &str, path: &str, authority: &str, timeout_ms: u64)
         ("accept", "text/plain"),
         ("x-envoy-original-dst-host", authority),
     ];
-    hostcalls::dispatch_http_call(cluster, headers, None, vec![], Duration::from_millis(timeout_ms))
-        .map_err(|s| format!("{s:?}"))
+    dispatch_http_call(cluster, headers, timeout_ms)
 }
 
+/// The SDK's wrapper, the one allowed: it registers the callout's token with the SDK's
+/// dispatcher, which routes the response back to this context. It panics only on statuses
+/// Envoy does not return for `proxy_http_call` (Ok, BadArgument, InternalFailure).
+#[allow(clippy::disallowed_methods)]
+fn dispatch_http_call(cluster: &str, headers: Vec<(&str, &str)>, timeout_ms: u64) -> Result<u32, String> {
+    proxy_wasm::hostcalls::dispatch_http_call(
+        cluster,
+        headers,
+        None,
+        vec![],
+        Duration::from_millis(timeout_ms),
+    )
+    .map_err(|s| format!("{s:?}"))
+}
+
+/// The `:status` of a callout's response (`None` when absent, not a number or not UTF-8).
 pub fn call_response_status() -> Option<u32> {
-    hostcalls::get_map_value(MapType::HttpCallResponseHeaders, ":status")
+    abi::map_value(MapType::HttpCallResponseHeaders, ":status")
         .ok()
         .flatten()
-        .and_then(|s| s.parse().ok())
+        .and_then(|b| std::str::from_utf8(&b).ok().and_then(|s| s.trim().parse().ok()))
 }
 
 pub fn call_response_body(size: usize) -> Vec<u8> {
-    hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, size).ok().flatten().unwrap_or_default()
+    abi::buffer(BufferType::HttpCallResponseBody, 0, size).ok().flatten().unwrap_or_default()
 }
 
 #[cfg(test)]
@@ -257,11 +484,11 @@ pub struct Metrics {
 }
 
 impl Metrics {
-    fn id(&mut self, kind: proxy_wasm::types::MetricType, name: String) -> Option<u32> {
+    fn id(&mut self, kind: MetricType, name: String) -> Option<u32> {
         if let Some(id) = self.ids.get(&name) {
             return Some(*id);
         }
-        match hostcalls::define_metric(kind, &name) {
+        match abi::define_metric(kind, &name) {
             Ok(id) => {
                 self.ids.insert(name, id);
                 Some(id)
@@ -282,8 +509,8 @@ impl Metrics {
         if delta == 0 {
             return;
         }
-        if let Some(id) = self.id(proxy_wasm::types::MetricType::Counter, name) {
-            let _ = hostcalls::increment_metric(id, i64::try_from(delta).unwrap_or(i64::MAX));
+        if let Some(id) = self.id(MetricType::Counter, name) {
+            let _ = abi::increment_metric(id, i64::try_from(delta).unwrap_or(i64::MAX));
         }
     }
 
@@ -293,21 +520,21 @@ impl Metrics {
         if delta == 0 {
             return;
         }
-        if let Some(id) = self.id(proxy_wasm::types::MetricType::Gauge, name) {
-            let _ = hostcalls::increment_metric(id, delta);
+        if let Some(id) = self.id(MetricType::Gauge, name) {
+            let _ = abi::increment_metric(id, delta);
         }
     }
 
     /// Records one histogram sample.
     pub fn sample(&mut self, name: String, value: u64) {
-        if let Some(id) = self.id(proxy_wasm::types::MetricType::Histogram, name) {
-            let _ = hostcalls::record_metric(id, value);
+        if let Some(id) = self.id(MetricType::Histogram, name) {
+            let _ = abi::record_metric(id, value);
         }
     }
 
     pub fn gauge(&mut self, name: String, value: u64) {
-        if let Some(id) = self.id(proxy_wasm::types::MetricType::Gauge, name) {
-            let _ = hostcalls::record_metric(id, value);
+        if let Some(id) = self.id(MetricType::Gauge, name) {
+            let _ = abi::record_metric(id, value);
         }
     }
 }

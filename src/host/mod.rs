@@ -6,7 +6,6 @@
 //!   with `singleton: true`) that scrapes /metrics and publishes the snapshot.
 //!
 //! Both must use the same `vm_id` so they see the same shared data.
-#![allow(clippy::disallowed_methods)]
 
 mod filter;
 mod io;
