@@ -212,6 +212,22 @@ pub struct FilterConfig {
     /// What to do when no endpoint has fresh metrics. Default `FailClose` (503), as GIE.
     #[serde(default = "default_failure_mode")]
     pub failure_mode: FailureMode,
+    /// Path prefixes the filter lets through untouched: no body read, no endpoint picked, no
+    /// local answer; the route decides where they go (a route of their own to another cluster,
+    /// since the pool's ORIGINAL_DST cluster needs the destination header the filter did not
+    /// set). Every other path that is not an inference path, `/v1/models[/{id}]`, a health path
+    /// or a preflight gets a JSON 404. A prefix matches whole path segments (`/admin` matches
+    /// `/admin` and `/admin/x`, not `/administrator`) and wins over the local answers, so
+    /// `/v1/models` or `/healthz` can be sent on instead; it may not cover an inference path.
+    /// The client-chosen destination and priority headers are removed on these paths too.
+    /// Default: none.
+    #[serde(default)]
+    pub passthrough_prefixes: Vec<String>,
+    /// Add the response header `x-gateway-destination-endpoint-served` (the `ip:port` of the pod
+    /// that served). Off by default: it shows every client the pool's addresses (topology).
+    /// Default false.
+    #[serde(default)]
+    pub expose_served_endpoint: bool,
 }
 
 fn default_interval_ms() -> u64 {
@@ -258,7 +274,12 @@ impl Default for PollerConfig {
 
 impl Default for FilterConfig {
     fn default() -> Self {
-        Self { max_body_bytes: default_max_body_bytes(), failure_mode: default_failure_mode() }
+        Self {
+            max_body_bytes: default_max_body_bytes(),
+            failure_mode: default_failure_mode(),
+            passthrough_prefixes: Vec::new(),
+            expose_served_endpoint: false,
+        }
     }
 }
 
@@ -619,6 +640,26 @@ impl FilterConfig {
                 field(at, "max_body_bytes"),
                 format!("must be in 1..={MAX_BODY_BYTES_LIMIT} (64 MiB), got {}", self.max_body_bytes),
             );
+        }
+        for (i, prefix) in self.passthrough_prefixes.iter().enumerate() {
+            let path = format!("{}[{i}]", field(at, "passthrough_prefixes"));
+            if !prefix.starts_with('/') {
+                errs.push(path, format!("must start with '/', got {prefix:?}"));
+            } else if prefix.contains(['?', '#'])
+                || prefix.chars().any(|c| c.is_whitespace() || c.is_control())
+            {
+                errs.push(
+                    path,
+                    format!("must be a path without query, whitespace or control characters, got {prefix:?}"),
+                );
+            } else if let Some(p) =
+                crate::request::INFERENCE_PATHS.iter().find(|p| crate::request::prefix_matches(prefix, p))
+            {
+                errs.push(
+                    path,
+                    format!("{prefix:?} covers the inference path {p}, which the filter must route"),
+                );
+            }
         }
     }
 }

@@ -45,7 +45,29 @@ pub fn headers_to_remove(cfg: &Config) -> impl Iterator<Item = &str> {
     CLIENT_ROUTING_HEADERS.into_iter().chain(priority::headers_to_strip(&cfg.priority))
 }
 
-/// What the filter learned from the request headers.
+/// The inference paths the filter routes (POST only): OpenAI chat completions, completions,
+/// responses and embeddings. Matched exactly on the path without its query (a trailing `/` is
+/// ignored).
+pub const INFERENCE_PATHS: [&str; 4] =
+    ["/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings"];
+/// Answered locally: the pool's model list, and one model by id (`/v1/models/{id}`).
+pub const MODELS_PATH: &str = "/v1/models";
+/// Health checks answered locally with 200 `{"status":"ok"}`: the gateway (this filter) is up.
+/// They say nothing about the pool's pods (the poller's metrics do).
+pub const HEALTH_PATHS: [&str; 4] = ["/health", "/healthz", "/readyz", "/livez"];
+
+/// True when `prefix` (a `filter.passthrough_prefixes` entry) covers `path`: equal, or followed
+/// by a `/` in `path` (whole segments: `/admin` covers `/admin/x`, not `/administrator`). A prefix
+/// ending in `/` covers everything below it.
+pub fn prefix_matches(prefix: &str, path: &str) -> bool {
+    match path.strip_prefix(prefix) {
+        Some(rest) => rest.is_empty() || rest.starts_with('/') || prefix.ends_with('/'),
+        None => false,
+    }
+}
+
+/// What the filter learned from the request headers. A header whose value is not UTF-8 reads as
+/// absent (the host maps it so).
 #[derive(Debug, Clone, Default)]
 pub struct RequestHead {
     pub method: String,
@@ -57,37 +79,171 @@ pub struct RequestHead {
     pub priority: PriorityHeaders,
 }
 
+/// A local answer that is not an error: the model list or one model, a health check, a
+/// preflight.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LocalReply {
+    pub status: u32,
+    pub headers: Vec<(&'static str, String)>,
+    /// JSON (empty for 204).
+    pub body: Vec<u8>,
+}
+
+impl LocalReply {
+    fn json(status: u32, body: Vec<u8>) -> Self {
+        LocalReply { status, headers: vec![("content-type", "application/json".into())], body }
+    }
+}
+
 /// Decision after the request headers.
 #[derive(Debug, Clone, PartialEq)]
 pub enum HeadDecision {
-    /// Pause and buffer the body.
+    /// An inference request: pause and buffer the body.
     ReadBody,
-    /// Answer locally with this error.
-    Reject(Rejection),
-    /// Answer locally with 200 and this JSON (the pool's model list).
-    ModelList(Vec<u8>),
+    /// Answer locally with this error; `allow` is the `allow` header of a 405.
+    Reject { rejection: Rejection, allow: Option<&'static str> },
+    /// Answer locally with this reply.
+    Local(LocalReply),
+    /// `filter.passthrough_prefixes`: let the request through untouched.
+    PassThrough,
+}
+
+impl HeadDecision {
+    fn reject(rejection: Rejection) -> Self {
+        HeadDecision::Reject { rejection, allow: None }
+    }
+
+    fn wrong_method(method: &str, path: &str, allow: &'static str) -> Self {
+        HeadDecision::Reject {
+            rejection: Rejection::new(
+                405,
+                "invalid_request_error",
+                "method_not_allowed",
+                format!("{} is not allowed on {}; allowed: {allow}", clip(method), clip(path)),
+            ),
+            allow: Some(allow),
+        }
+    }
+}
+
+/// At most 200 characters of client text echoed in an error message.
+fn clip(s: &str) -> &str {
+    match s.char_indices().nth(200) {
+        Some((i, _)) => s.get(..i).unwrap_or(s),
+        None => s,
+    }
 }
 
 /// Called on request headers. `end_of_stream` means the request has no body.
+///
+/// The path policy, in order (the path is taken without its query; a trailing `/` is ignored):
+/// 1. a `filter.passthrough_prefixes` match: [`HeadDecision::PassThrough`];
+/// 2. `OPTIONS` (CORS preflight) on any other path: 204 with `allow`, and no
+///    `access-control-allow-*` headers, so browsers get no cross-origin access from this filter
+///    (put Envoy's CORS filter before it to grant some; that filter answers preflights itself);
+/// 3. an inference path ([`INFERENCE_PATHS`]): `POST` reads the body; any other method 405;
+/// 4. `GET`/`HEAD /v1/models` (the list) and `/v1/models/{id}` (one model, or 404
+///    `model_not_found`), answered locally; other methods 405;
+/// 5. `GET`/`HEAD` on a health path ([`HEALTH_PATHS`]): 200 `{"status":"ok"}`; other methods 405;
+/// 6. anything else: 404 `not_found` JSON. Nothing reaches a pod unless the filter picked it.
 pub fn on_head(cfg: &Config, head: &RequestHead, end_of_stream: bool) -> HeadDecision {
-    let path = head.path.split('?').next().unwrap_or("");
-    if head.method == "GET" && path.trim_end_matches('/').ends_with("/v1/models") {
-        return HeadDecision::ModelList(model_list(cfg));
+    let raw = head.path.split(['?', '#']).next().unwrap_or("");
+    let path = match raw.trim_end_matches('/') {
+        "" => "/",
+        p => p,
+    };
+    let method = head.method.as_str();
+    if cfg.filter.passthrough_prefixes.iter().any(|p| prefix_matches(p, raw) || prefix_matches(p, path)) {
+        return HeadDecision::PassThrough;
     }
-    if let Some(len) = head.content_length {
-        if len > cfg.filter.max_body_bytes as u64 {
-            return HeadDecision::Reject(too_large(cfg));
+    if method == "OPTIONS" {
+        let allow = if INFERENCE_PATHS.contains(&path) { "POST, OPTIONS" } else { "GET, HEAD, OPTIONS" };
+        return HeadDecision::Local(LocalReply {
+            status: 204,
+            headers: vec![("allow", allow.into())],
+            body: Vec::new(),
+        });
+    }
+    if INFERENCE_PATHS.contains(&path) {
+        if method != "POST" {
+            return HeadDecision::wrong_method(method, path, "POST, OPTIONS");
+        }
+        if let Some(len) = head.content_length {
+            if len > cfg.filter.max_body_bytes as u64 {
+                return HeadDecision::reject(too_large(cfg));
+            }
+        }
+        if end_of_stream {
+            return HeadDecision::reject(Rejection::new(
+                400,
+                "invalid_request_error",
+                "missing_model",
+                "inference requests need a JSON body with a \"model\" field",
+            ));
+        }
+        return HeadDecision::ReadBody;
+    }
+    let model_id = path.strip_prefix(MODELS_PATH).and_then(|rest| match rest {
+        "" => Some(None),
+        r => r.strip_prefix('/').map(|id| Some(percent_decode(id))),
+    });
+    if let Some(id) = model_id {
+        if method != "GET" && method != "HEAD" {
+            return HeadDecision::wrong_method(method, path, "GET, HEAD, OPTIONS");
+        }
+        return match id {
+            None => HeadDecision::Local(LocalReply::json(200, model_list(cfg))),
+            Some(id) => match model_object(cfg, &id) {
+                Some(body) => HeadDecision::Local(LocalReply::json(200, body)),
+                None => HeadDecision::reject(Rejection::new(
+                    404,
+                    "invalid_request_error",
+                    "model_not_found",
+                    format!("The model `{}` does not exist.", clip(&id)),
+                )),
+            },
+        };
+    }
+    if HEALTH_PATHS.contains(&path) {
+        if method != "GET" && method != "HEAD" {
+            return HeadDecision::wrong_method(method, path, "GET, HEAD, OPTIONS");
+        }
+        return HeadDecision::Local(LocalReply::json(200, br#"{"status":"ok"}"#.to_vec()));
+    }
+    HeadDecision::reject(Rejection::new(
+        404,
+        "invalid_request_error",
+        "not_found",
+        format!(
+            "No route for {} {}: this gateway serves POST {}, and GET {}.",
+            clip(method),
+            clip(path),
+            INFERENCE_PATHS.join(", "),
+            MODELS_PATH
+        ),
+    ))
+}
+
+/// Decodes `%XX` escapes (a model id such as `meta-llama%2FLlama-3.1-8B-Instruct`); an invalid
+/// escape is kept as is. Bytes that do not form UTF-8 become U+FFFD (and then match no model).
+fn percent_decode(s: &str) -> String {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while let Some(&c) = b.get(i) {
+        let hex = |j: usize| b.get(j).and_then(|h| (*h as char).to_digit(16));
+        match (c, hex(i + 1), hex(i + 2)) {
+            (b'%', Some(hi), Some(lo)) => {
+                out.push((hi * 16 + lo) as u8);
+                i += 3;
+            }
+            _ => {
+                out.push(c);
+                i += 1;
+            }
         }
     }
-    if end_of_stream {
-        return HeadDecision::Reject(Rejection::new(
-            400,
-            "invalid_request_error",
-            "missing_model",
-            "inference requests need a JSON body with a \"model\" field",
-        ));
-    }
-    HeadDecision::ReadBody
+    String::from_utf8_lossy(&out).into_owned()
 }
 
 /// The 413 for a body over the limit.
@@ -217,18 +373,39 @@ pub fn on_body(
     Ok(Routed { pick, requested_model: prepared.requested_model, new_body: prepared.new_body })
 }
 
+/// One entry of the model list: a base model, or an adapter with its `parent`.
+fn model_entry(id: &str, parent: Option<&str>) -> serde_json::Value {
+    let mut v = serde_json::json!({"id": id, "object": "model", "owned_by": "inference-picker"});
+    if let (Some(p), Some(obj)) = (parent, v.as_object_mut()) {
+        obj.insert("parent".into(), p.into());
+    }
+    v
+}
+
 /// OpenAI `GET /v1/models` for the whole pool: every base model and adapter in the config.
 pub fn model_list(cfg: &Config) -> Vec<u8> {
     let mut data = Vec::new();
     for m in &cfg.models {
-        data.push(serde_json::json!({"id": m.name, "object": "model", "owned_by": "inference-picker"}));
+        data.push(model_entry(&m.name, None));
         for a in &m.adapters {
-            data.push(
-                serde_json::json!({"id": a, "object": "model", "owned_by": "inference-picker", "parent": m.name}),
-            );
+            data.push(model_entry(a, Some(&m.name)));
         }
     }
     serde_json::to_vec(&serde_json::json!({"object": "list", "data": data})).unwrap_or_default()
+}
+
+/// OpenAI `GET /v1/models/{id}`: the configured base model or adapter named `id`.
+pub fn model_object(cfg: &Config, id: &str) -> Option<Vec<u8>> {
+    cfg.models
+        .iter()
+        .find_map(|m| {
+            if m.name == id {
+                Some(model_entry(&m.name, None))
+            } else {
+                m.adapters.iter().find(|a| *a == id).map(|a| model_entry(a, Some(&m.name)))
+            }
+        })
+        .and_then(|v| serde_json::to_vec(&v).ok())
 }
 
 #[cfg(test)]
@@ -360,5 +537,127 @@ mod tests {
         // on_body (prepare + route at once) agrees.
         let r = on_body(&c, &mut sched, &mut rng, &h, br#"{"model":"alias","prompt":"x"}"#, &inputs).unwrap();
         assert_eq!((r.pick.primary.as_str(), r.requested_model.as_str()), ("10.0.0.2:8000", "alias"));
+    }
+
+    fn head_of(method: &str, path: &str) -> RequestHead {
+        RequestHead { method: method.into(), path: path.into(), ..RequestHead::default() }
+    }
+
+    fn status(d: &HeadDecision) -> u32 {
+        match d {
+            HeadDecision::ReadBody | HeadDecision::PassThrough => 0,
+            HeadDecision::Reject { rejection, .. } => rejection.status,
+            HeadDecision::Local(r) => r.status,
+        }
+    }
+
+    #[test]
+    fn only_the_inference_paths_are_routed() {
+        let c = cfg();
+        for p in INFERENCE_PATHS {
+            assert_eq!(on_head(&c, &head_of("POST", p), false), HeadDecision::ReadBody, "{p}");
+            // Query string and a trailing slash do not change the path.
+            assert_eq!(on_head(&c, &head_of("POST", &format!("{p}/?x=1")), false), HeadDecision::ReadBody);
+            // A body is required.
+            assert_eq!(status(&on_head(&c, &head_of("POST", p), true)), 400);
+            // Wrong method: 405 with an allow header.
+            match on_head(&c, &head_of("GET", p), true) {
+                HeadDecision::Reject { rejection, allow } => {
+                    assert_eq!(
+                        (rejection.status, rejection.code, allow),
+                        (405, "method_not_allowed", Some("POST, OPTIONS"))
+                    );
+                }
+                d => panic!("{d:?}"),
+            }
+        }
+        // Everything else: JSON 404, whatever the body would say (it is never read).
+        for (m, p) in [
+            ("POST", "/sim/reset-stats"),
+            ("POST", "/v1/load_lora_adapter"),
+            ("GET", "/metrics"),
+            ("POST", "/v1/chat/completions-x"),
+            ("POST", "/openai/v1/chat/completions"),
+            ("GET", "/"),
+            ("POST", ""),
+        ] {
+            let d = on_head(&c, &head_of(m, p), false);
+            match &d {
+                HeadDecision::Reject { rejection, allow: None } => {
+                    assert_eq!((rejection.status, rejection.code), (404, "not_found"), "{m} {p}")
+                }
+                d => panic!("{m} {p}: {d:?}"),
+            }
+        }
+        // A content-length over the limit: 413 before the body.
+        let mut h = head_of("POST", "/v1/completions");
+        h.content_length = Some(c.filter.max_body_bytes as u64 + 1);
+        assert_eq!(status(&on_head(&c, &h, false)), 413);
+    }
+
+    #[test]
+    fn models_health_and_preflight_are_answered_locally() {
+        let c = cfg();
+        let body = |d: HeadDecision| match d {
+            HeadDecision::Local(r) => (r.status, serde_json::from_slice::<serde_json::Value>(&r.body).ok()),
+            d => panic!("{d:?}"),
+        };
+        let (st, v) = body(on_head(&c, &head_of("GET", "/v1/models"), true));
+        assert_eq!(st, 200);
+        let ids: Vec<_> = v.unwrap()["data"].as_array().unwrap().iter().map(|m| m["id"].clone()).collect();
+        assert_eq!(ids, ["base-a", "lora-a", "base-b"]);
+        // One model by id, percent-encoded or not; an adapter names its parent.
+        let (st, v) = body(on_head(&c, &head_of("GET", "/v1/models/lora-a"), true));
+        assert_eq!((st, v.unwrap()["parent"].as_str()), (200, Some("base-a")));
+        let (st, v) = body(on_head(&c, &head_of("HEAD", "/v1/models/base%2Db"), true));
+        assert_eq!((st, v.unwrap()["id"].as_str()), (200, Some("base-b")));
+        match on_head(&c, &head_of("GET", "/v1/models/nope"), true) {
+            HeadDecision::Reject { rejection, .. } => {
+                assert_eq!((rejection.status, rejection.code), (404, "model_not_found"))
+            }
+            d => panic!("{d:?}"),
+        }
+        assert_eq!(status(&on_head(&c, &head_of("POST", "/v1/models"), false)), 405);
+        for p in HEALTH_PATHS {
+            let (st, v) = body(on_head(&c, &head_of("GET", p), true));
+            assert_eq!((st, v.unwrap()["status"].as_str()), (200, Some("ok")));
+            assert_eq!(status(&on_head(&c, &head_of("DELETE", p), true)), 405);
+        }
+        // Preflight on any path: 204, no CORS grant.
+        for p in ["/v1/chat/completions", "/anything"] {
+            match on_head(&c, &head_of("OPTIONS", p), true) {
+                HeadDecision::Local(r) => {
+                    assert_eq!(r.status, 204);
+                    assert!(r.body.is_empty());
+                    assert!(r.headers.iter().all(|(k, _)| !k.starts_with("access-control")));
+                    assert!(r.headers.iter().any(|(k, _)| *k == "allow"));
+                }
+                d => panic!("{d:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn passthrough_prefixes_match_whole_segments_and_win_over_local_answers() {
+        let mut c = cfg();
+        c.filter.passthrough_prefixes = vec!["/admin".into(), "/v1/models".into(), "/static/".into()];
+        for p in ["/admin", "/admin/", "/admin/x?y", "/v1/models", "/v1/models/x", "/static/a.js"] {
+            assert_eq!(on_head(&c, &head_of("GET", p), true), HeadDecision::PassThrough, "{p}");
+        }
+        assert_eq!(on_head(&c, &head_of("OPTIONS", "/admin/x"), true), HeadDecision::PassThrough);
+        for p in ["/administrator", "/static"] {
+            assert_eq!(status(&on_head(&c, &head_of("GET", p), true)), 404, "{p}");
+        }
+        // Inference paths are still routed.
+        assert_eq!(on_head(&c, &head_of("POST", "/v1/completions"), false), HeadDecision::ReadBody);
+        assert!(prefix_matches("/v1/", "/v1/completions") && !prefix_matches("/v1/c", "/v1/completions"));
+    }
+
+    #[test]
+    fn percent_decoding_keeps_bad_escapes() {
+        assert_eq!(percent_decode("meta-llama%2FLlama"), "meta-llama/Llama");
+        assert_eq!(percent_decode("a%zz%4"), "a%zz%4");
+        assert_eq!(percent_decode("%ff"), "\u{fffd}");
+        assert_eq!(clip(&"é".repeat(300)).chars().count(), 200);
     }
 }

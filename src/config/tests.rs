@@ -548,3 +548,21 @@ proptest::proptest! {
         }
     }
 }
+
+#[test]
+fn passthrough_prefixes_must_be_paths_that_cover_no_inference_path() {
+    let v = with(base(), "/filter", json!({"passthrough_prefixes": ["admin"]}));
+    assert_only(&errors(&v), "filter.passthrough_prefixes[0]", "must start with '/'");
+    let v = with(base(), "/filter", json!({"passthrough_prefixes": ["/ok", "/x?y"]}));
+    assert_only(&errors(&v), "filter.passthrough_prefixes[1]", "without query");
+    for bad in ["/", "/v1", "/v1/", "/v1/chat/completions"] {
+        let v = with(base(), "/filter", json!({"passthrough_prefixes": [bad]}));
+        assert_only(&errors(&v), "filter.passthrough_prefixes[0]", "covers the inference path");
+    }
+    let cfg =
+        parse(&with(base(), "/filter", json!({"passthrough_prefixes": ["/v1/models", "/admin"]}))).unwrap();
+    assert_eq!(cfg.filter.passthrough_prefixes.len(), 2);
+    assert!(!cfg.filter.expose_served_endpoint);
+    let cfg = parse(&with(base(), "/filter", json!({"expose_served_endpoint": true}))).unwrap();
+    assert!(cfg.filter.expose_served_endpoint);
+}

@@ -42,6 +42,11 @@ pub(crate) struct Exchange {
     queue_ms: Option<u64>,
     /// A local reply was sent; ignore later callbacks.
     answered: bool,
+    /// `filter.passthrough_prefixes`: the filter leaves this request alone.
+    passthrough: bool,
+    /// Size of the request body buffered so far (the last `on_http_request_body` size), for the
+    /// trailers callback, which must decide on the same body.
+    body_size: usize,
 }
 
 pub(crate) type Shared = Rc<RefCell<Exchange>>;
@@ -61,6 +66,78 @@ impl Filter {
         self.ex.borrow_mut().answered = true;
         send_rejection(&self.worker, rej, None);
         Action::Pause
+    }
+
+    /// The request is complete: the body has ended, or trailers came (an HTTP/2 request with
+    /// trailers never delivers `end_of_stream` to the body callback). One path for both, so a
+    /// request with trailers is decided exactly like one without: routed, held or answered,
+    /// never passed on unrouted.
+    fn on_complete_request(&mut self, body_size: usize) -> Action {
+        let worker = self.worker.clone();
+        let cfg = &worker.cfg;
+        if body_size > cfg.filter.max_body_bytes {
+            return self.reject(&request::too_large(cfg));
+        }
+        let body = if body_size == 0 { Vec::new() } else { io::request_body(body_size).unwrap_or_default() };
+        let snapshot = worker.snapshot();
+        let prepared = {
+            let scheduler = worker.scheduler.borrow();
+            let mut rng = worker.rng.borrow_mut();
+            let ex = self.ex.borrow();
+            request::prepare(cfg, &scheduler, &mut *rng, &ex.head, &body, &snapshot)
+        };
+        let prepared = match prepared {
+            Ok(p) => p,
+            Err(rej) => return self.reject(&rej),
+        };
+        // The model rewrite does not depend on the endpoint: apply it now, while the body is in
+        // hand, whether or not the request is held.
+        if let Some(new_body) = &prepared.new_body {
+            if !io::replace_request_body(body_size, new_body) {
+                return self.reject(&Rejection::new(
+                    500,
+                    "internal_error",
+                    "body_rewrite_failed",
+                    "could not rewrite the request body",
+                ));
+            }
+            io::set_request_header("content-length", Some(&new_body.len().to_string()));
+        }
+
+        let store = io::HostStore;
+        let inflight = inflight::read(&store).unwrap_or_default();
+        let now_ms = io::now_ms();
+        let group = prepared.route.base.clone();
+        let priority = prepared.priority.clone();
+        self.ex.borrow_mut().prepared = Some(prepared);
+        let decision =
+            worker.gate.borrow_mut().admit(&store, &snapshot, &inflight, self.id, &group, &priority, now_ms);
+        match decision {
+            Decision::Go => {
+                let inputs = BodyInputs { snapshot: &snapshot, inflight: &inflight, store: &store, now_ms };
+                let routed = go(&worker, &mut self.ex.borrow_mut(), &inputs);
+                match routed {
+                    Ok(()) => Action::Continue,
+                    Err(rej) => self.reject(&rej),
+                }
+            }
+            Decision::Held { evicted } => {
+                self.ex.borrow_mut().held_at_ms = Some(now_ms);
+                worker.pending.borrow_mut().insert(self.id, self.ex.clone());
+                if let Some((other, rej)) = evicted {
+                    answer_held(&worker, other, &rej, None, self.id);
+                }
+                Action::Pause
+            }
+            Decision::Reject(rej) => {
+                let mut ex = self.ex.borrow_mut();
+                ex.answered = true;
+                ex.prepared = None;
+                drop(ex);
+                send_rejection(&worker, &rej, Some(0));
+                Action::Pause
+            }
+        }
     }
 }
 
@@ -207,95 +284,70 @@ impl HttpContext for Filter {
         self.ex.borrow_mut().head = head;
         match decision {
             HeadDecision::ReadBody => Action::Pause,
-            HeadDecision::Reject(rej) => self.reject(&rej),
-            HeadDecision::ModelList(json) => {
+            HeadDecision::Reject { rejection, allow: None } => self.reject(&rejection),
+            HeadDecision::Reject { rejection, allow: Some(allow) } => {
                 self.ex.borrow_mut().answered = true;
-                io::send_json(200, &json);
+                worker
+                    .metrics
+                    .borrow_mut()
+                    .count(telemetry::name(telemetry::REJECTIONS, &[("reason", rejection.code)]));
+                io::send_rejection(&rejection, &[("allow", allow)]);
                 Action::Pause
+            }
+            HeadDecision::Local(reply) => {
+                self.ex.borrow_mut().answered = true;
+                let headers: Vec<(&str, &str)> =
+                    reply.headers.iter().map(|(k, v)| (*k, v.as_str())).collect();
+                io::send_local_reply(reply.status, &headers, &reply.body);
+                Action::Pause
+            }
+            HeadDecision::PassThrough => {
+                self.ex.borrow_mut().passthrough = true;
+                Action::Continue
             }
         }
     }
 
     fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
-        if self.ex.borrow().answered {
-            return Action::Pause;
+        {
+            let mut ex = self.ex.borrow_mut();
+            if ex.passthrough {
+                return Action::Continue;
+            }
+            if ex.answered {
+                return Action::Pause;
+            }
+            ex.body_size = body_size;
         }
-        let worker = self.worker.clone();
-        let cfg = &worker.cfg;
-        if body_size > cfg.filter.max_body_bytes {
-            return self.reject(&request::too_large(cfg));
+        if body_size > self.worker.cfg.filter.max_body_bytes {
+            return self.reject(&request::too_large(&self.worker.cfg));
         }
         if !end_of_stream {
             return Action::Pause;
         }
-        let body = io::request_body(body_size).unwrap_or_default();
-        let snapshot = worker.snapshot();
-        let prepared = {
-            let scheduler = worker.scheduler.borrow();
-            let mut rng = worker.rng.borrow_mut();
-            let ex = self.ex.borrow();
-            request::prepare(cfg, &scheduler, &mut *rng, &ex.head, &body, &snapshot)
-        };
-        let prepared = match prepared {
-            Ok(p) => p,
-            Err(rej) => return self.reject(&rej),
-        };
-        // The model rewrite does not depend on the endpoint: apply it now, while the body is in
-        // hand, whether or not the request is held.
-        if let Some(new_body) = &prepared.new_body {
-            if !io::replace_request_body(body_size, new_body) {
-                return self.reject(&Rejection::new(
-                    500,
-                    "internal_error",
-                    "body_rewrite_failed",
-                    "could not rewrite the request body",
-                ));
-            }
-            io::set_request_header("content-length", Some(&new_body.len().to_string()));
-        }
+        self.on_complete_request(body_size)
+    }
 
-        let store = io::HostStore;
-        let inflight = inflight::read(&store).unwrap_or_default();
-        let now_ms = io::now_ms();
-        let group = prepared.route.base.clone();
-        let priority = prepared.priority.clone();
-        self.ex.borrow_mut().prepared = Some(prepared);
-        let decision =
-            worker.gate.borrow_mut().admit(&store, &snapshot, &inflight, self.id, &group, &priority, now_ms);
-        match decision {
-            Decision::Go => {
-                let inputs = BodyInputs { snapshot: &snapshot, inflight: &inflight, store: &store, now_ms };
-                let routed = go(&worker, &mut self.ex.borrow_mut(), &inputs);
-                match routed {
-                    Ok(()) => Action::Continue,
-                    Err(rej) => self.reject(&rej),
-                }
+    fn on_http_request_trailers(&mut self, _num_trailers: usize) -> Action {
+        let body_size = {
+            let ex = self.ex.borrow();
+            if ex.passthrough {
+                return Action::Continue;
             }
-            Decision::Held { evicted } => {
-                self.ex.borrow_mut().held_at_ms = Some(now_ms);
-                worker.pending.borrow_mut().insert(self.id, self.ex.clone());
-                if let Some((other, rej)) = evicted {
-                    answer_held(&worker, other, &rej, None, self.id);
-                }
-                Action::Pause
+            if ex.answered {
+                return Action::Pause;
             }
-            Decision::Reject(rej) => {
-                let mut ex = self.ex.borrow_mut();
-                ex.answered = true;
-                ex.prepared = None;
-                drop(ex);
-                send_rejection(&worker, &rej, Some(0));
-                Action::Pause
-            }
-        }
+            ex.body_size
+        };
+        self.on_complete_request(body_size)
     }
 
     fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
         let ex = self.ex.borrow();
-        if ex.answered {
+        if ex.answered || ex.passthrough {
             return Action::Continue;
         }
-        if let Some(p) = &ex.primary {
+        if let Some(p) = ex.primary.as_ref().filter(|_| self.worker.cfg.filter.expose_served_endpoint) {
             io::set_response_header(SERVED_HEADER, p);
         }
         if let Some(t) = &ex.session_token {

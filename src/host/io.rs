@@ -405,9 +405,9 @@ pub fn send_rejection(rej: &Rejection, extra: &[(&str, &str)]) -> bool {
     send_local(rej.status, &headers, &rej.body(), "inference_picker_reject")
 }
 
-/// Answers locally with a JSON body.
-pub fn send_json(status: u32, body: &[u8]) -> bool {
-    send_local(status, &[("content-type", "application/json")], body, "inference_picker_local")
+/// Answers locally with the given status, headers and body (not an error).
+pub fn send_local_reply(status: u32, headers: &[(&str, &str)], body: &[u8]) -> bool {
+    send_local(status, headers, body, "inference_picker_local")
 }
 
 /// Starts an HTTP callout with the given headers (pseudo-headers included); returns its token.
