@@ -187,6 +187,25 @@ impl RootContext for Root {
                 }
             };
             let rng = SplitMix64::new(seed ^ worker_id.wrapping_mul(0x9E37_79B9_7F4A_7C15));
+            // The session-token key: from the VM's environment (host_env_keys) or inline.
+            let session_keys =
+                match crate::scheduler::session_keys_from_config(&cfg.scheduler.session, &|name| {
+                    std::env::var(name).ok()
+                }) {
+                    Ok(k) => k,
+                    Err(e) => {
+                        error!("inference-picker: invalid configuration: {e}");
+                        return false;
+                    }
+                };
+            if session_keys.is_default() {
+                warn!(
+                    "inference-picker: no scheduler.session.secret_env (or secret): session tokens use the public \
+                     built-in key and can be forged to pin requests to a chosen endpoint"
+                );
+            }
+            let mut scheduler = Scheduler::new(&cfg);
+            scheduler.set_session_keys(session_keys);
             // One tick period per root: flow control's, or the poll interval when that is shorter
             // (lease mode polls from this root too).
             let period = match cfg.poller.mode {
@@ -195,7 +214,7 @@ impl RootContext for Root {
             };
             io::set_tick_period_ms(period);
             Role::Filter(Rc::new(Worker {
-                scheduler: RefCell::new(Scheduler::new(&cfg)),
+                scheduler: RefCell::new(scheduler),
                 snapshots: RefCell::new(SnapshotCache::new()),
                 rng: RefCell::new(rng),
                 metrics: RefCell::new(io::Metrics::default()),

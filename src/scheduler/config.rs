@@ -141,6 +141,24 @@ pub struct SessionConfig {
     /// header a client sends it back in. Default `x-session-token`.
     #[serde(default = "default_token_header")]
     pub token_header: String,
+    /// Name of a VM environment variable holding the secret that keys the session token
+    /// (at least 16 bytes; pass it with `vm_config.environment_variables.host_env_keys`, so only
+    /// the name shows in `/config_dump`). At most one of `secret_env` and `secret`. Neither:
+    /// tokens are keyed with a public built-in key and can be forged (a warning is logged).
+    /// Default: none.
+    #[serde(default)]
+    pub secret_env: Option<String>,
+    /// The token secret inline (at least 16 bytes). Visible to anyone who can read Envoy's
+    /// admin `/config_dump`; prefer `secret_env`. Default: none.
+    #[serde(default)]
+    pub secret: Option<String>,
+    /// Name of a VM environment variable holding the previous secret, during a rotation: tokens
+    /// made with it are still accepted, none are issued with it. Default: none.
+    #[serde(default)]
+    pub previous_secret_env: Option<String>,
+    /// The previous secret inline (visible in `/config_dump`). Default: none.
+    #[serde(default)]
+    pub previous_secret: Option<String>,
 }
 
 /// Hot-spot guard: an endpoint is overloaded when its load exceeds the least-loaded candidate's
@@ -322,7 +340,14 @@ impl Default for PrefixConfig {
 
 impl Default for SessionConfig {
     fn default() -> Self {
-        Self { header: default_session_header(), token_header: default_token_header() }
+        Self {
+            header: default_session_header(),
+            token_header: default_token_header(),
+            secret_env: None,
+            secret: None,
+            previous_secret_env: None,
+            previous_secret: None,
+        }
     }
 }
 
@@ -409,6 +434,7 @@ impl SchedulerConfig {
         );
         check_header(&mut errs, "scheduler.session.header", &self.session.header);
         check_header(&mut errs, "scheduler.session.token_header", &self.session.token_header);
+        super::session::validate_secrets(&self.session, &mut |path, reason| err(&mut errs, path, reason));
         let g = &self.guard;
         if !g.abs_gap.is_finite() || g.abs_gap < 0.0 {
             err(&mut errs, "scheduler.guard.abs_gap".into(), "must be a finite number >= 0");

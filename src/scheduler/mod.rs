@@ -54,7 +54,7 @@ use self::models::ModelTable;
 use self::prefix::LocalIndex;
 use self::prefix_shared::{endpoint_key, SharedPrefix};
 
-pub use self::session::{parse_session_token, session_token_for};
+pub use self::session::{keys_from_config as session_keys_from_config, parse_session_token, SessionKeys};
 
 /// Most endpoints listed in the debug score header, best first (bounds the header size).
 pub const DEBUG_MAX_ENDPOINTS: usize = 16;
@@ -201,6 +201,8 @@ pub struct Scheduler {
     shared: SharedPrefix,
     /// Reused buffer for the request's block hashes.
     hashes: Vec<u64>,
+    /// Keys of the session token (`scheduler.session`); the host sets them from the secrets.
+    session_keys: SessionKeys,
 }
 
 impl Scheduler {
@@ -216,8 +218,20 @@ impl Scheduler {
             local: LocalIndex::default(),
             shared: SharedPrefix::new(sc.prefix.shared_shards, sc.prefix.shared_entries_per_shard),
             hashes: Vec::new(),
+            session_keys: SessionKeys::default(),
             cfg: sc,
         }
+    }
+
+    /// Sets the session-token keys (resolved by the host from `scheduler.session`, whose secret
+    /// may come from the environment).
+    pub fn set_session_keys(&mut self, keys: SessionKeys) {
+        self.session_keys = keys;
+    }
+
+    /// The session-token keys in use.
+    pub fn session_keys(&self) -> &SessionKeys {
+        &self.session_keys
     }
 
     /// The session header name the host should read (`scheduler.session.header`).
@@ -382,7 +396,7 @@ impl Scheduler {
         let totals: Vec<f64> = rows.iter().map(|b| b.total).collect();
 
         // 5 + 6. Session token, then the picker.
-        let token_pick = req.session_token.and_then(|t| session::resolve_token(t, &cands, &eligible));
+        let token_pick = req.session_token.and_then(|t| self.session_keys.resolve(t, &cands, &eligible));
         let mut order = picker::order(&totals, self.cfg.tie_epsilon, self.cfg.top_k, self.cfg.fallbacks, rng);
         let reason = match token_pick {
             Some(t) => {
@@ -413,7 +427,7 @@ impl Scheduler {
         self.hashes = hashes;
 
         Ok(Pick {
-            session_token: session_token_for(&primary),
+            session_token: self.session_keys.token_for(&primary),
             primary,
             fallbacks,
             target_model,
@@ -453,7 +467,7 @@ impl Scheduler {
         let mut addrs = order.iter().filter_map(|&i| serving.get(i)).map(|e| e.address.clone());
         let primary = addrs.next().unwrap_or_default();
         Ok(Pick {
-            session_token: session_token_for(&primary),
+            session_token: self.session_keys.token_for(&primary),
             primary,
             fallbacks: addrs.collect(),
             target_model,

@@ -88,7 +88,7 @@ fn picks_least_loaded_with_fallbacks_in_score_order() {
     assert_eq!((p.reason, p.fail_open, p.serving, p.healthy), (PickReason::Scored, false, 3, 3));
     assert_eq!(p.target_model, "llama");
     assert!(!p.model_rewritten);
-    assert_eq!(p.session_token, session_token_for("b:1"));
+    assert_eq!(p.session_token, s.session_keys().token_for("b:1"));
     assert_eq!(p.debug_scores, None);
 }
 
@@ -157,7 +157,7 @@ fn same_seed_same_decision_and_ties_spread() {
 fn session_token_routes_to_named_endpoint_unless_overloaded() {
     let mut s = Scheduler::new(&config(""));
     let sn = snap(vec![ep("a:1", &["llama"], 0.0, 0.1), ep("b:1", &["llama"], 10.0, 0.5)]);
-    let tok = session_token_for("b:1");
+    let tok = s.session_keys().token_for("b:1");
     let r = PickRequest { model: "llama", session_token: Some(&tok), ..Default::default() };
     let p = pick(&mut s, &r, &sn, &Default::default(), 1).unwrap();
     assert_eq!((p.primary.as_str(), p.reason), ("b:1", PickReason::SessionToken));
