@@ -344,6 +344,15 @@ mod tests {
     }
 
     #[test]
+    fn tokens_are_stable_across_builds() {
+        // Fixed values: every worker, replica and release must agree on them (and the e2e tests
+        // compute the same in Python).
+        let k = SessionKeys::from_secrets(Some(SECRET), None).unwrap();
+        assert_eq!(k.token_for("10.0.0.1:8000"), "v2.fcca4ca9296b4ddb");
+        assert_eq!(SessionKeys::default().token_for("10.0.0.1:8000"), "v2.d9266fa520658500");
+    }
+
+    #[test]
     fn siphash_matches_the_reference_vector() {
         // SipHash-2-4 reference (Aumasson and Bernstein, appendix A): key 00..0f, message 00..0e.
         let mut h = SipHasher24::new_with_keys(0x0706_0504_0302_0100, 0x0f0e_0d0c_0b0a_0908);

@@ -14,7 +14,8 @@ POLL_S = 0.2
 @pytest.fixture(scope="module")
 def pool():
     sims = [Sim("sim-a"), Sim("sim-b"), Sim("sim-c", models=(LLAMA, QWEN))]
-    cfg = picker_config([endpoint(sims[0], LLAMA), endpoint(sims[1], LLAMA), endpoint(sims[2], LLAMA, QWEN)])
+    cfg = picker_config([endpoint(sims[0], LLAMA), endpoint(sims[1], LLAMA), endpoint(sims[2], LLAMA, QWEN)],
+                        filter={"expose_served_endpoint": True})  # opt-in since issue 9
     envoy = Envoy(cfg)
     try:
         envoy.wait_routable(LLAMA)
