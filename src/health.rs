@@ -71,6 +71,7 @@ use serde::{Deserialize, Serialize};
 use crate::config::ConfigError;
 use crate::inflight::MAX_CAS_ATTEMPTS;
 use crate::ports::{SharedStore, StoreError};
+use crate::snapshot::Snapshot;
 
 pub const HEALTH_KEY: &str = "inference-picker/health";
 /// Most endpoints remembered; beyond it the least recently active are dropped.
@@ -621,6 +622,40 @@ impl HealthView {
     }
 }
 
+/// `snapshot` without the endpoints passive health leaves out for every model they serve (as
+/// the scheduler does, within `max_ejection_percent` per model), for flow control's capacity:
+/// an ejected endpoint offers no room. `None` when nothing is left out (no copy made).
+pub fn without_ejected(
+    snapshot: &Snapshot,
+    view: &HealthView,
+    now_ms: u64,
+    cfg: &HealthConfig,
+) -> Option<Snapshot> {
+    if view.is_empty() {
+        return None;
+    }
+    let eps = &snapshot.endpoints;
+    let mut keep: Vec<bool> = eps.iter().map(|e| e.models.is_empty()).collect();
+    let mut models: Vec<&str> = eps.iter().flat_map(|e| e.models.iter().map(String::as_str)).collect();
+    models.sort_unstable();
+    models.dedup();
+    for m in models {
+        let idx: Vec<usize> =
+            (0..eps.len()).filter(|&i| eps.get(i).is_some_and(|e| e.models.iter().any(|x| x == m))).collect();
+        let addrs: Vec<&str> = idx.iter().filter_map(|&i| eps.get(i)).map(|e| e.address.as_str()).collect();
+        for (&i, gone) in idx.iter().zip(view.excluded(&addrs, now_ms, cfg)) {
+            if let Some(k) = keep.get_mut(i) {
+                *k |= !gone;
+            }
+        }
+    }
+    if keep.iter().all(|k| *k) {
+        return None;
+    }
+    let endpoints = eps.iter().zip(keep).filter(|(_, k)| *k).map(|(e, _)| e.clone()).collect();
+    Some(Snapshot { version: snapshot.version, published_ms: snapshot.published_ms, endpoints })
+}
+
 /// One worker's side of passive health: records outcomes into the shared view and remembers
 /// the ejections it decided (merged back into every read and write, see the module doc).
 #[derive(Debug, Default)]
@@ -951,6 +986,36 @@ mod tests {
         let v = r.read(&s, T0 + 5000).unwrap();
         assert_eq!(v.entries.len(), MAX_ENTRIES);
         assert!(v.entry("10.0.0.0:80").is_none(), "the oldest went first");
+    }
+
+    #[test]
+    fn flow_control_sees_the_pool_without_ejected_endpoints() {
+        use crate::snapshot::EndpointStatus;
+        let ep = |a: &str, m: &[&str]| EndpointStatus {
+            address: a.into(),
+            models: m.iter().map(|s| s.to_string()).collect(),
+            scraped_ms: T0,
+            ..EndpointStatus::default()
+        };
+        let snap = Snapshot {
+            version: 7,
+            published_ms: T0,
+            endpoints: vec![ep(A, &["m"]), ep(B, &["m"]), ep(C, &["x"])],
+        };
+        let s = MemStore::new();
+        let mut r = Recorder::new();
+        let c = cfg();
+        assert_eq!(without_ejected(&snap, &r.read(&s, T0).unwrap(), T0, &c), None);
+        for _ in 0..2 {
+            r.record(&s, &c, A, GW, T0).unwrap();
+            r.record(&s, &c, C, GW, T0).unwrap();
+        }
+        let v = r.read(&s, T0).unwrap();
+        let out = without_ejected(&snap, &v, T0 + 1, &c).unwrap();
+        // A goes (B still serves m); C stays: it alone serves x.
+        let addrs: Vec<&str> = out.endpoints.iter().map(|e| e.address.as_str()).collect();
+        assert_eq!((out.version, addrs), (7, vec![B, C]));
+        assert_eq!(without_ejected(&snap, &v, T0 + 1000, &c), None, "ejection over");
     }
 
     #[test]

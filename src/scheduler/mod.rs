@@ -345,7 +345,8 @@ impl Scheduler {
         }
         // Passive health: ejected endpoints are not candidates, even to fail open.
         let serving = filter::not_ejected(&serving, health, now_ms, &self.health);
-        let load = |addr: &str| inflight.get(addr).saturating_add(health.phantom_load(addr, now_ms, &self.health));
+        let load =
+            |addr: &str| inflight.get(addr).saturating_add(health.phantom_load(addr, now_ms, &self.health));
         let healthy: Vec<&EndpointStatus> =
             serving.iter().copied().filter(|e| filter::healthy(e, now_ms, self.stale_after_ms)).collect();
         if healthy.is_empty() {
@@ -353,7 +354,11 @@ impl Scheduler {
         }
         let cands: Vec<Candidate<'_>> = healthy
             .iter()
-            .map(|e| Candidate { address: &e.address, metrics: e.metrics.as_ref(), inflight: load(&e.address) })
+            .map(|e| Candidate {
+                address: &e.address,
+                metrics: e.metrics.as_ref(),
+                inflight: load(&e.address),
+            })
             .collect();
 
         // 3. Guard.

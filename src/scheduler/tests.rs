@@ -573,7 +573,8 @@ fn failures_are_load_and_ejected_endpoints_are_never_picked() {
     let pick_with = |s: &mut Scheduler, rec: &mut Recorder, seed| {
         let view = rec.read(&store, NOW).unwrap();
         let route = s.route_model("llama", None, &sn, &mut SplitMix64::new(seed)).unwrap();
-        s.pick_for_with(&route, &req("llama"), &sn, &inf, &view, &store, &mut SplitMix64::new(seed), NOW).unwrap()
+        s.pick_for_with(&route, &req("llama"), &sn, &inf, &view, &store, &mut SplitMix64::new(seed), NOW)
+            .unwrap()
     };
     // b: kv 0 → 1.0 beats a's 0.8, everything else equal.
     assert_eq!(pick_with(&mut s, &mut rec, 1).primary, "b:1");
