@@ -70,6 +70,41 @@ pub fn property_string(path: &[&str]) -> Option<String> {
     }
 }
 
+/// An integer property (`response.code`, `response.flags` ...): Envoy passes 64-bit integers
+/// as 8 little-endian bytes. `None` when absent, unreadable or of another size.
+pub fn property_u64(path: &[&str]) -> Option<u64> {
+    match hostcalls::get_property(path.to_vec()) {
+        Ok(Some(bytes)) => <[u8; 8]>::try_from(bytes.as_slice()).ok().map(u64::from_le_bytes),
+        _ => None,
+    }
+}
+
+/// What `on_log` needs to judge the upstream result of this stream (see `crate::health`).
+pub struct UpstreamResult {
+    /// `response.code` (the final status, Envoy's own reply included).
+    pub status: Option<u32>,
+    /// `response.code_details` (e.g. `via_upstream`, `upstream_reset_before_response_started{...}`).
+    pub details: String,
+    /// `response.flags` (Envoy's response-flag bits).
+    pub flags: u64,
+    /// `upstream.address`: the endpoint that answered last.
+    pub address: Option<String>,
+    /// `upstream.request_attempt_count`, when this Envoy has it.
+    pub attempts: Option<u64>,
+}
+
+/// Reads [`UpstreamResult`] from the stream's properties, every call status-checked (a missing
+/// property is `None` or empty).
+pub fn upstream_result() -> UpstreamResult {
+    UpstreamResult {
+        status: property_u64(&["response", "code"]).and_then(|c| u32::try_from(c).ok()),
+        details: property_string(&["response", "code_details"]).unwrap_or_default(),
+        flags: property_u64(&["response", "flags"]).unwrap_or(0),
+        address: property_string(&["upstream", "address"]).filter(|a| !a.is_empty()),
+        attempts: property_u64(&["upstream", "request_attempt_count"]),
+    }
+}
+
 pub fn plugin_configuration() -> Option<Vec<u8>> {
     hostcalls::get_buffer(BufferType::PluginConfiguration, 0, usize::MAX).ok().flatten()
 }
