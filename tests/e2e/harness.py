@@ -93,6 +93,17 @@ class Sim:
     def reset_stats(self) -> None:
         requests.post(self.url + "/sim/reset-stats", timeout=5).raise_for_status()
 
+    def chaos(self, mode: str = "ok", **kw) -> None:
+        """Fault injection for inference requests (see the simulator README, "Chaos"):
+        `chaos("status", status=500)`, `chaos("reset")`, `chaos("hang")`,
+        `chaos("stream_cut", after_chunks=2)`, `chaos("ok")`; `count=N` limits it to the next N
+        requests. A pod that refuses connections is `stop()`; one whose /metrics lies is
+        `fake_load()`."""
+        requests.post(self.url + "/sim/chaos", json={"mode": mode, **kw}, timeout=5).raise_for_status()
+
+    def chaos_total(self) -> int:
+        return int(self.stats()["chaos_total"])
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.terminate()
