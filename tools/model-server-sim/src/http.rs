@@ -825,6 +825,9 @@ fn sse_stream(
     stream::unfold(init, |mut s| async move {
         loop {
             if s.cut_after == Some(0) {
+                // Wait for the engine's next event first: while this stream is pending, the server
+                // flushes the events already yielded, so the peer receives them before the cut.
+                let _ = s.rx.recv().await;
                 // A failing body makes the server abort the connection mid-response.
                 s.done = true;
                 s.queued.clear();
