@@ -146,6 +146,30 @@ def test_hung_pod_gets_a_fallback_and_all_hung_a_json_504():
             s.stop()
 
 
+def test_a_flowing_stream_outlives_per_try_timeout():
+    """per_try_timeout bounds the time to the response headers only: a 3 s stream (20 tokens at
+    150 ms) passes a 1 s per_try_timeout untouched, and is served by one pod."""
+    sims = [Sim(f"long-{i}", extra=["--delay-per-token-ms", "150"]) for i in range(2)]
+    envoy = Envoy(picker_config([endpoint(s) for s in sims]), concurrency=1,
+                  retry_policy={"per_try_timeout": "1s"})
+    try:
+        envoy.wait_routable(timeout=30)
+        for s in sims:
+            s.reset_stats()
+        body = {"model": LLAMA, "messages": [{"role": "user", "content": "long"}], "max_tokens": 20, "stream": True}
+        with requests.post(envoy.url + "/v1/chat/completions", json=body, stream=True, timeout=30) as r:
+            assert r.status_code == 200
+            got = b"".join(r.iter_content(None))
+        # Role chunk + 20 token chunks + [DONE].
+        assert got.count(b"data: ") == 22, got[-300:]
+        assert got.rstrip().endswith(b"data: [DONE]")
+        assert sum(s.requests_total() for s in sims) == 1, "the stream was retried"
+    finally:
+        envoy.stop()
+        for s in sims:
+            s.stop()
+
+
 @pytest.mark.parametrize("mode", [{"mode": "status", "status": 503}, {"mode": "reset"}],
                          ids=["503", "reset"])
 def test_every_listed_pod_failing_is_a_json_error_never_an_unlisted_pod(mode):
