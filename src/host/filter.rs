@@ -429,11 +429,16 @@ impl HttpContext for Filter {
         if ex.answered {
             return Action::Continue;
         }
-        if let Some(p) = &ex.primary {
-            io::set_response_header(SERVED_HEADER, p);
-        }
-        if let Some(t) = &ex.session_token {
-            io::set_response_header(&self.worker.cfg.scheduler.session.token_header, t);
+        // Name the pod that really answered: after a retry Envoy's override_host policy sent the
+        // request to a fallback. A reply Envoy made itself (every listed pod failed) names none.
+        if ex.primary.is_some() {
+            if let Some(served) = io::upstream_that_answered() {
+                io::set_response_header(SERVED_HEADER, &served);
+                if ex.session_token.is_some() {
+                    let token = crate::scheduler::session_token_for(&served);
+                    io::set_response_header(&self.worker.cfg.scheduler.session.token_header, &token);
+                }
+            }
         }
         if let Some(d) = &ex.debug_scores {
             io::set_response_header(DEBUG_SCORES_HEADER, d);

@@ -155,8 +155,40 @@ pub fn resume_request() {
     }
 }
 
+/// Reads one host property through our own import: the SDK's `get_property` panics on a status
+/// it does not expect. Any status but Ok, and an absent value, are `None`.
+fn property_bytes(path: &[&str]) -> Option<Vec<u8>> {
+    let serialized = path.join("\0");
+    let mut data: *mut u8 = std::ptr::null_mut();
+    let mut size: usize = 0;
+    let status = unsafe { proxy_get_property(serialized.as_ptr(), serialized.len(), &mut data, &mut size) };
+    if status != Status::Ok as u32 || data.is_null() {
+        return None;
+    }
+    // The host allocated the value through the SDK's exported allocator (proxy_on_memory_allocate),
+    // so this module owns it, exactly as the SDK's own wrapper assumes.
+    Some(unsafe { Vec::from_raw_parts(data, size, size) })
+}
+
+/// The upstream pod that produced the response now being processed (`ip:port`), read in the
+/// response callbacks: after a retry on a fallback it is that fallback, not the primary. `None`
+/// when the response did not come from upstream (`response.code_details` is not `via_upstream`:
+/// Envoy or a filter answered locally, e.g. after every listed pod failed) or the host cannot say.
+pub fn upstream_that_answered() -> Option<String> {
+    if property_bytes(&["response", "code_details"]).as_deref() != Some(b"via_upstream".as_slice()) {
+        return None;
+    }
+    property_bytes(&["upstream", "address"]).and_then(|b| String::from_utf8(b).ok()).filter(|a| !a.is_empty())
+}
+
 #[link(wasm_import_module = "env")]
 extern "C" {
+    fn proxy_get_property(
+        path_data: *const u8,
+        path_size: usize,
+        return_value_data: *mut *mut u8,
+        return_value_size: *mut usize,
+    ) -> u32;
     fn proxy_continue_stream(stream_type: proxy_wasm::types::StreamType) -> Status;
     fn proxy_send_local_response(
         status_code: u32,
