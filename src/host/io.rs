@@ -73,10 +73,12 @@ pub fn property_string(path: &[&str]) -> Option<String> {
 /// An integer property (`response.code`, `response.flags` ...): Envoy passes 64-bit integers
 /// as 8 little-endian bytes. `None` when absent, unreadable or of another size.
 pub fn property_u64(path: &[&str]) -> Option<u64> {
-    match hostcalls::get_property(path.to_vec()) {
-        Ok(Some(bytes)) => <[u8; 8]>::try_from(bytes.as_slice()).ok().map(u64::from_le_bytes),
-        _ => None,
-    }
+    property_bytes(path).and_then(|b| <[u8; 8]>::try_from(b.as_slice()).ok()).map(u64::from_le_bytes)
+}
+
+/// A UTF-8 property through the status-checked reader (`None` when absent or not UTF-8).
+fn property_text(path: &[&str]) -> Option<String> {
+    property_bytes(path).and_then(|b| String::from_utf8(b).ok())
 }
 
 /// What `on_log` needs to judge the upstream result of this stream (see `crate::health`).
@@ -98,9 +100,9 @@ pub struct UpstreamResult {
 pub fn upstream_result() -> UpstreamResult {
     UpstreamResult {
         status: property_u64(&["response", "code"]).and_then(|c| u32::try_from(c).ok()),
-        details: property_string(&["response", "code_details"]).unwrap_or_default(),
+        details: property_text(&["response", "code_details"]).unwrap_or_default(),
         flags: property_u64(&["response", "flags"]).unwrap_or(0),
-        address: property_string(&["upstream", "address"]).filter(|a| !a.is_empty()),
+        address: property_text(&["upstream", "address"]).filter(|a| !a.is_empty()),
         attempts: property_u64(&["upstream", "request_attempt_count"]),
     }
 }
