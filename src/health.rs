@@ -7,7 +7,8 @@
 //! response status (`response.code`), `response.code_details` and `response.flags`, and which
 //! endpoint answered (`upstream.address`). [`attribute`] turns that into one [`Outcome`] per
 //! endpoint tried: with Envoy's `override_host` retries, every endpoint listed before the one
-//! that answered failed once (a retriable failure: connect failure, reset, retriable 5xx).
+//! that answered failed once (a retriable failure: connect failure, reset, retriable 5xx; which
+//! one is not known, so it counts as a plain `Failure`, not a gateway failure).
 //! - `Success`: any response from the pod that is not a 5xx or 429 (a 400 or 404 is the
 //!   client's fault and shows the pod alive);
 //! - `Failure` (`gateway: false`): 500, 501, 505 ... from the pod;
@@ -340,7 +341,10 @@ pub fn attribute<'a>(
     let mut out = Vec::with_capacity(tried);
     for (i, d) in destinations.iter().take(tried).enumerate() {
         if i + 1 < tried {
-            out.push((d.as_str(), Outcome::Failure { gateway: true }));
+            // Envoy retries after a 5xx, a reset or a connect failure alike: which one is not
+            // known, so it counts as a plain failure (toward `consecutive_5xx`, not the
+            // gateway rule).
+            out.push((d.as_str(), Outcome::Failure { gateway: false }));
         } else if let Some(o) = outcome {
             out.push((d.as_str(), o));
         }
@@ -774,17 +778,17 @@ mod tests {
         // Answered by the second: the first failed.
         assert_eq!(
             attribute(&d, Some(B), None, Some(Outcome::Success)),
-            vec![(A, GW), (B, Outcome::Success)]
+            vec![(A, FAIL), (B, Outcome::Success)]
         );
         // Answered by the primary.
         assert_eq!(attribute(&d, Some(A), Some(1), Some(FAIL)), vec![(A, FAIL)]);
         // Unknown responder (never connected): attempts tell how many were tried.
-        assert_eq!(attribute(&d, None, Some(2), Some(GW)), vec![(A, GW), (B, GW)]);
+        assert_eq!(attribute(&d, None, Some(2), Some(GW)), vec![(A, FAIL), (B, GW)]);
         assert_eq!(attribute(&d, None, None, Some(GW)), vec![(A, GW)]);
         // An address outside the list (another cluster type): the primary.
         assert_eq!(attribute(&d, Some("9.9.9.9:1"), None, Some(FAIL)), vec![(A, FAIL)]);
         // Nothing learned about the last one, but the earlier ones still failed.
-        assert_eq!(attribute(&d, Some(C), None, None), vec![(A, GW), (B, GW)]);
+        assert_eq!(attribute(&d, Some(C), None, None), vec![(A, FAIL), (B, FAIL)]);
         assert!(attribute(&[], None, Some(3), Some(GW)).is_empty());
     }
 
