@@ -187,7 +187,7 @@ pub(crate) fn answer_held(
 
 /// The passive-health view for a pick (empty when `health.enabled` is false or shared data
 /// cannot be read).
-fn health_view(worker: &Worker, store: &dyn SharedStore, now_ms: u64) -> HealthView {
+pub(crate) fn health_view(worker: &Worker, store: &dyn SharedStore, now_ms: u64) -> HealthView {
     if !worker.cfg.health.enabled {
         return HealthView::default();
     }

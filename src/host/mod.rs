@@ -83,7 +83,11 @@ impl Worker {
             let snapshot = self.snapshot();
             let counts = inflight::read(&store).unwrap_or_default();
             let now_ms = io::now_ms();
-            let actions = self.gate.borrow_mut().tick(&store, &snapshot, &counts, now_ms);
+            // Capacity without the endpoints passive health ejected, as at admission.
+            let health = filter::health_view(self, &store, now_ms);
+            let judged = crate::health::without_ejected(&snapshot, &health, now_ms, &self.cfg.health);
+            let actions =
+                self.gate.borrow_mut().tick(&store, judged.as_ref().unwrap_or(&snapshot), &counts, now_ms);
             for a in actions {
                 match a {
                     flow::Action::Release { id, waited_ms, .. } => {
