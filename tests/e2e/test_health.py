@@ -121,9 +121,13 @@ def test_an_ejected_pod_that_heals_gets_traffic_again():
 
 def test_startup_burst_gets_no_503():
     """100 requests, 25 at a time, sent the moment Envoy's /ready says 200 (the harness returns
-    then): before the first snapshot they are held, then routed."""
+    then): before the first snapshot they are held, then routed. The poller's first round comes
+    one interval after start; 500 ms (within the default startup_wait_ms of 1000) makes sure the
+    burst arrives before it, so the test exercises the hold."""
     sims = [Sim(f"start-{i}") for i in range(3)]
-    envoy = Envoy(picker_config([endpoint(s) for s in sims]), concurrency=2)
+    cfg = picker_config([endpoint(s) for s in sims],
+                        poller={"interval_ms": 500, "timeout_ms": 400, "stale_after_ms": 2000})
+    envoy = Envoy(cfg, concurrency=2)
     try:
         with cf.ThreadPoolExecutor(25) as pool:
             results = list(pool.map(lambda i: chat(envoy, f"start {i}"), range(100)))
@@ -133,6 +137,7 @@ def test_startup_burst_gets_no_503():
               f"{held:.0f} were held for the first metrics")
         assert codes.count(503) == 0, [r.text for r in results if r.status_code == 503][:3]
         assert codes == [200] * 100, [r.text for r in results if r.status_code != 200][:3]
+        assert held > 0, "the burst came after the first metrics: the hold was not exercised"
     finally:
         stop_all(envoy, sims)
 
