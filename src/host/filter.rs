@@ -81,15 +81,28 @@ fn send_rejection(worker: &Worker, rej: &Rejection, queue_ms: Option<u64>) {
 /// Picks the endpoint of a prepared request and sets the routing headers on the current (or
 /// effective) context: the last step of every request that goes upstream, whether at once (with
 /// the snapshot and counts its admission just read) or after being held (with fresh ones).
-fn go(worker: &Worker, ex: &mut Exchange, inputs: &BodyInputs<'_>) -> Result<(), Rejection> {
+/// `health`: the passive-health view admission already read, or `None` to read it now.
+fn go(
+    worker: &Worker,
+    ex: &mut Exchange,
+    inputs: &BodyInputs<'_>,
+    health: Option<&HealthView>,
+) -> Result<(), Rejection> {
     let Some(prepared) = ex.prepared.take() else {
         return Err(Rejection::new(500, "internal_error", "internal", "request state lost before routing"));
     };
-    let health = health_view(worker, inputs.store, inputs.now_ms);
+    let read;
+    let health = match health {
+        Some(h) => h,
+        None => {
+            read = health_view(worker, inputs.store, inputs.now_ms);
+            &read
+        }
+    };
     let pick = {
         let mut scheduler = worker.scheduler.borrow_mut();
         let mut rng = worker.rng.borrow_mut();
-        request::route_with(&mut scheduler, &mut *rng, &ex.head, &prepared, inputs, &health)?
+        request::route_with(&mut scheduler, &mut *rng, &ex.head, &prepared, inputs, health)?
     };
     io::set_request_header(DESTINATION_HEADER, Some(&pick.destination_header()));
     io::set_request_header(ORIGINAL_DST_HEADER, Some(&pick.primary));
@@ -150,7 +163,7 @@ pub(crate) fn release_held(worker: &Worker, id: u32, waited_ms: u64, own_context
     };
     let inflight = inflight::read(&store).unwrap_or_default();
     let inputs = BodyInputs { snapshot: &snapshot, inflight: &inflight, store: &store, now_ms: io::now_ms() };
-    match go(worker, &mut ex, &inputs) {
+    match go(worker, &mut ex, &inputs, None) {
         Ok(()) => io::resume_request(),
         Err(rej) => {
             ex.answered = true;
@@ -229,7 +242,7 @@ impl Filter {
         };
         let store = io::HostStore;
         let inputs = BodyInputs { snapshot: &snapshot, inflight, store: &store, now_ms };
-        let routed = go(worker, &mut self.ex.borrow_mut(), &inputs);
+        let routed = go(worker, &mut self.ex.borrow_mut(), &inputs, None);
         match routed {
             Ok(()) => Action::Continue,
             Err(rej) => self.reject(&rej),
@@ -399,7 +412,7 @@ impl HttpContext for Filter {
         match decision {
             Decision::Go => {
                 let inputs = BodyInputs { snapshot: &snapshot, inflight: &inflight, store: &store, now_ms };
-                let routed = go(&worker, &mut self.ex.borrow_mut(), &inputs);
+                let routed = go(&worker, &mut self.ex.borrow_mut(), &inputs, Some(&health));
                 match routed {
                     Ok(()) => Action::Continue,
                     Err(rej) => self.reject(&rej),
