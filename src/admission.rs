@@ -19,6 +19,19 @@
 //! to release or reject; a group that can no longer be judged releases everything it holds
 //! (step 2). [`Gate::cancel`] forgets a request whose client went away.
 //!
+//! # Startup hold
+//! Until the proxy has metrics ([`snapshot_ready`]: a snapshot was published and at least one
+//! endpoint in it has a scrape result, or it lists no endpoint at all), a request whose body is
+//! complete is held ([`Gate::hold_for_snapshot`], at most `health.startup_wait_ms` and
+//! [`MAX_STARTUP_HELD`] per worker) in the same pending set and released from the same tick as
+//! flow control's. [`Gate::tick_startup`] releases every one as soon as the metrics are ready,
+//! and each one whose wait is over; the host then routes it with [`routing_snapshot`]: the real
+//! snapshot when ready, else by `filter.failure_mode` (`FailOpen`: the configured endpoints, by
+//! in-flight count; `FailClose`: 503 [`metrics_not_ready`] with `retry-after`). A request
+//! released from the startup hold skips flow control (there was nothing to judge capacity by
+//! when it arrived). The same happens after a hot restart: shared data is per process, so the
+//! new process starts without a snapshot.
+//!
 //! # Metrics
 //! [`Gate::take_metrics`] turns the queues' counters into named metric updates (names in
 //! `crate::telemetry`, each with `;priority=N`): counters per outcome, the total time queued, a
@@ -29,7 +42,9 @@ use std::collections::BTreeMap;
 
 use hashbrown::HashMap;
 
-use crate::config::Config;
+use std::rc::Rc;
+
+use crate::config::{Config, FailureMode};
 use crate::errors::Rejection;
 use crate::flow::{self, Admission, Capacity, FlowControlConfig, FlowQueue, Ticket};
 use crate::inflight::InflightCounts;
@@ -68,6 +83,65 @@ pub fn claim_worker_id(store: &dyn SharedStore) -> Result<u64, StoreError> {
         }
     }
     Err(StoreError::CasMismatch)
+}
+
+/// Most requests one worker holds while waiting for the first metrics; more are routed (or
+/// answered) at once.
+pub const MAX_STARTUP_HELD: usize = 4096;
+
+/// Does the snapshot let the scheduler judge endpoints? False before the poller published, and
+/// while every endpoint it lists still waits for its first scrape result.
+pub fn snapshot_ready(snapshot: &Snapshot) -> bool {
+    snapshot.version > 0
+        && (snapshot.endpoints.is_empty()
+            || snapshot.endpoints.iter().any(|e| e.scraped_ms > 0 || e.failures > 0))
+}
+
+/// The 503 for a request that cannot wait any longer for the first metrics (`FailClose`).
+pub fn metrics_not_ready() -> Rejection {
+    Rejection::new(
+        503,
+        "service_unavailable",
+        "metrics_not_ready",
+        "The gateway has no endpoint metrics yet (it has just started); retry in a moment.",
+    )
+    .with_retry_after(1)
+}
+
+/// What the scheduler may use before the metrics are ready: the published endpoints, or the
+/// configured ones while nothing is published (each with no scrape yet, so the scheduler fails
+/// open over them). Model names resolve against it too.
+pub fn startup_snapshot(cfg: &Config, snapshot: &Snapshot) -> Snapshot {
+    if !snapshot.endpoints.is_empty() {
+        return snapshot.clone();
+    }
+    Snapshot {
+        version: snapshot.version,
+        published_ms: snapshot.published_ms,
+        endpoints: cfg
+            .endpoints
+            .iter()
+            .map(|e| EndpointStatus {
+                address: e.address.clone(),
+                models: e.models.clone(),
+                metrics: None,
+                scraped_ms: 0,
+                failures: 0,
+            })
+            .collect(),
+    }
+}
+
+/// The snapshot to route a request with now: `snapshot` itself when ready; before that, with
+/// `FailOpen`, [`startup_snapshot`]; with `FailClose`, [`metrics_not_ready`].
+pub fn routing_snapshot(cfg: &Config, snapshot: Rc<Snapshot>) -> Result<Rc<Snapshot>, Rejection> {
+    if snapshot_ready(&snapshot) {
+        return Ok(snapshot);
+    }
+    match cfg.filter.failure_mode {
+        FailureMode::FailOpen => Ok(Rc::new(startup_snapshot(cfg, &snapshot))),
+        FailureMode::FailClose => Err(metrics_not_ready()),
+    }
 }
 
 /// The group's capacity now, or `None` when flow control must be skipped: no endpoint serves
@@ -135,6 +209,10 @@ pub struct Gate {
     fail_open: BTreeMap<i32, u64>,
     /// Since the last `take_metrics`: (priority, ms held) of released and timed-out requests.
     samples: Vec<(i32, u64)>,
+    /// `health.startup_wait_ms`.
+    startup_wait_ms: u64,
+    /// Requests held until the first metrics: context id → when held.
+    startup: BTreeMap<u32, u64>,
 }
 
 impl Gate {
@@ -149,7 +227,41 @@ impl Gate {
             evicted: BTreeMap::new(),
             fail_open: BTreeMap::new(),
             samples: Vec::new(),
+            startup_wait_ms: cfg.health.startup_wait_ms,
+            startup: BTreeMap::new(),
         }
+    }
+
+    /// Holds request `id` until the first metrics (see the module doc). False when it cannot be
+    /// held (`startup_wait_ms` 0, or [`MAX_STARTUP_HELD`] already held): route it now.
+    pub fn hold_for_snapshot(&mut self, id: u32, now_ms: u64) -> bool {
+        if self.startup_wait_ms == 0 || self.startup.len() >= MAX_STARTUP_HELD {
+            return false;
+        }
+        self.startup.insert(id, now_ms);
+        true
+    }
+
+    /// Requests held until the first metrics.
+    pub fn startup_held(&self) -> usize {
+        self.startup.len()
+    }
+
+    /// The startup-held requests to route now, with the time each waited: all of them once
+    /// `ready`, else those that waited `startup_wait_ms`. Oldest first.
+    pub fn tick_startup(&mut self, ready: bool, now_ms: u64) -> Vec<(u32, u64)> {
+        let wait = self.startup_wait_ms;
+        let mut out: Vec<(u64, u32)> = self
+            .startup
+            .iter()
+            .filter(|(_, &at)| ready || now_ms.saturating_sub(at) >= wait)
+            .map(|(&id, &at)| (at, id))
+            .collect();
+        out.sort_unstable();
+        for (_, id) in &out {
+            self.startup.remove(id);
+        }
+        out.into_iter().map(|(at, id)| (id, now_ms.saturating_sub(at))).collect()
     }
 
     /// Requests held by this worker.
@@ -159,7 +271,7 @@ impl Gate {
 
     /// True while [`Gate::tick`] has work (something held, or a shared summary to withdraw).
     pub fn needs_tick(&self) -> bool {
-        self.queues.values().any(FlowQueue::needs_tick)
+        !self.startup.is_empty() || self.queues.values().any(FlowQueue::needs_tick)
     }
 
     /// Admits the request with context id `id`, sent to the base model `group`.
@@ -236,6 +348,9 @@ impl Gate {
     /// The client went away (or the stream ended): forget the request if it is held. Safe for
     /// any id. Returns whether it was held.
     pub fn cancel(&mut self, id: u32, now_ms: u64) -> bool {
+        if self.startup.remove(&id).is_some() {
+            return true;
+        }
         let Some(h) = self.held.remove(&id) else { return false };
         self.queues.get_mut(&h.group).is_some_and(|q| q.cancel(id, now_ms))
     }
@@ -570,6 +685,62 @@ mod tests {
         // An unreadable counter restarts at 1 rather than failing configuration.
         store.set(WORKER_SEQ_KEY, b"junk", 0).unwrap();
         assert_eq!(claim_worker_id(&store), Ok(1));
+    }
+
+    #[test]
+    fn startup_hold_until_metrics_or_wait() {
+        let mut g = Gate::new(&cfg(r#","health":{"startup_wait_ms":300}"#), 1);
+        assert!(!g.needs_tick());
+        assert!(g.hold_for_snapshot(1, NOW));
+        assert!(g.hold_for_snapshot(2, NOW + 100));
+        assert!(g.hold_for_snapshot(3, NOW + 200));
+        assert!(g.needs_tick());
+        // Not ready: only the one that waited 300 ms goes.
+        assert_eq!(g.tick_startup(false, NOW + 299), vec![]);
+        assert_eq!(g.tick_startup(false, NOW + 300), vec![(1, 300)]);
+        // The client of 2 leaves.
+        assert!(g.cancel(2, NOW + 310));
+        // Ready: everything left goes at once, oldest first.
+        assert!(g.hold_for_snapshot(4, NOW + 320));
+        assert_eq!(g.tick_startup(true, NOW + 350), vec![(3, 150), (4, 30)]);
+        assert_eq!(g.startup_held(), 0);
+        assert!(!g.needs_tick());
+        // Wait 0: never held.
+        let mut g0 = Gate::new(&cfg(r#","health":{"startup_wait_ms":0}"#), 1);
+        assert!(!g0.hold_for_snapshot(1, NOW));
+    }
+
+    #[test]
+    fn readiness_and_the_startup_route() {
+        let c = cfg("");
+        let empty = Snapshot::default();
+        assert!(!snapshot_ready(&empty));
+        // Published, but no endpoint has a scrape result yet.
+        let mut waiting = snap(1, 0);
+        for e in &mut waiting.endpoints {
+            e.scraped_ms = 0;
+        }
+        assert!(!snapshot_ready(&waiting));
+        // One failed scrape is a result: the pool can be judged (and may be unhealthy).
+        waiting.endpoints[0].failures = 1;
+        assert!(snapshot_ready(&waiting));
+        assert!(snapshot_ready(&snap(1, 10)));
+        // A published empty pool (discovery found nothing) is ready: "no endpoint" is true.
+        assert!(snapshot_ready(&Snapshot { version: 3, ..Snapshot::default() }));
+
+        // FailClose: an accurate 503.
+        let e = routing_snapshot(&c, Rc::new(empty.clone())).unwrap_err();
+        assert_eq!((e.status, e.code, e.retry_after_s), (503, "metrics_not_ready", Some(1)));
+        assert!(e.message.contains("metrics"), "{}", e.message);
+        // FailOpen: the configured endpoints stand in.
+        let open = cfg(r#","filter":{"failure_mode":"FailOpen"}"#);
+        let s = routing_snapshot(&open, Rc::new(empty)).unwrap();
+        let addrs: Vec<&str> = s.endpoints.iter().map(|e| e.address.as_str()).collect();
+        assert_eq!(addrs, vec!["10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"]);
+        assert!(s.endpoints.iter().all(|e| e.scraped_ms == 0 && e.models.len() == 1));
+        // Ready: the snapshot itself.
+        let ready = Rc::new(snap(2, 10));
+        assert!(Rc::ptr_eq(&routing_snapshot(&c, ready.clone()).unwrap(), &ready));
     }
 
     #[test]

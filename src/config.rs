@@ -32,6 +32,7 @@ use serde::{Deserialize, Serialize};
 pub use crate::scheduler::config::SchedulerConfig;
 
 use crate::flow::FlowControlConfig;
+use crate::health::HealthConfig;
 use crate::priority::{Criticality, PriorityConfig};
 use crate::saturation::SaturationConfig;
 
@@ -91,6 +92,10 @@ pub struct Config {
     /// Default: every field at its default (on).
     #[serde(default = "FlowControlConfig::default")]
     pub flow_control: FlowControlConfig,
+    /// Passive health from upstream results (ejection with back-off) and the startup hold (see
+    /// `crate::health`). Default: every field at its default (on).
+    #[serde(default = "HealthConfig::default")]
+    pub health: HealthConfig,
     /// Where endpoints come from besides `endpoints`. Default: none (only the static list).
     #[serde(default)]
     pub discovery: Option<DiscoveryConfig>,
@@ -472,6 +477,7 @@ impl Config {
         self.priority.validate("priority", &mut errs.0);
         self.saturation.validate("saturation", self.poller.interval_ms, &mut errs.0);
         self.flow_control.validate("flow_control", &mut errs.0);
+        self.health.validate("health", &mut errs.0);
         errs.0.extend(self.scheduler.validate(&|name| {
             self.models.iter().any(|m| m.name == name || m.adapters.iter().any(|a| a == name))
         }));

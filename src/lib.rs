@@ -17,6 +17,7 @@ pub mod config;
 pub mod discovery;
 pub mod errors;
 pub mod flow;
+pub mod health;
 pub mod inflight;
 pub mod lease;
 pub mod metrics;

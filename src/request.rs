@@ -333,6 +333,35 @@ pub fn prepare(
     })
 }
 
+/// [`route`] with the passive-health view (`crate::health`): ejected endpoints are left out and
+/// recent failures count as load.
+pub fn route_with(
+    scheduler: &mut Scheduler,
+    rng: &mut dyn Rng,
+    head: &RequestHead,
+    prepared: &Prepared,
+    inputs: &BodyInputs<'_>,
+    health: &crate::health::HealthView,
+) -> Result<Pick, Rejection> {
+    let req = PickRequest {
+        model: &prepared.requested_model,
+        prompt: &prepared.prompt,
+        cache_salt: prepared.cache_salt.as_deref(),
+        session_id: head.session_id.as_deref(),
+        session_token: head.session_token.as_deref(),
+    };
+    scheduler.pick_for_with(
+        &prepared.route,
+        &req,
+        inputs.snapshot,
+        inputs.inflight,
+        health,
+        inputs.store,
+        rng,
+        inputs.now_ms,
+    )
+}
+
 /// Picks the endpoint for a prepared request, with the inputs of the moment it goes on.
 pub fn route(
     scheduler: &mut Scheduler,

@@ -33,6 +33,17 @@ pub const FLOW_WAITING: &str = "inference_picker_flow_waiting";
 /// Histogram of the time, in ms, that released and timed-out requests were held, per priority.
 pub const FLOW_QUEUE_TIME: &str = "inference_picker_flow_queue_time_ms";
 
+/// Passive health: endpoints ejected from picking, by endpoint and reason
+/// (`consecutive_5xx`, `consecutive_gateway_failure`, `failure_rate`, `probation`); counted by
+/// the worker that decided the ejection.
+pub const HEALTH_EJECTIONS: &str = "inference_picker_health_ejections_total";
+/// Upstream results passive health recorded, by outcome (`success`, `failure`,
+/// `gateway_failure`, `load`).
+pub const HEALTH_RESULTS: &str = "inference_picker_health_results_total";
+/// Requests held because the proxy had no metrics yet (just started), by how they left:
+/// `held` (on arrival), `released` (metrics arrived), `expired` (the wait ran out).
+pub const STARTUP_REQUESTS: &str = "inference_picker_startup_requests_total";
+
 /// The tag names the Envoy config must extract.
 pub const TAGS: [&str; 5] = ["model", "endpoint", "outcome", "reason", "priority"];
 

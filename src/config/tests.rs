@@ -566,3 +566,19 @@ fn passthrough_prefixes_must_be_paths_that_cover_no_inference_path() {
     let cfg = parse(&with(base(), "/filter", json!({"expose_served_endpoint": true}))).unwrap();
     assert!(cfg.filter.expose_served_endpoint);
 }
+
+// ---- health ----
+
+#[test]
+fn health_defaults_and_bad_fields() {
+    let cfg = parse(&base()).unwrap();
+    assert_eq!(cfg.health, crate::health::HealthConfig::default());
+    assert_eq!((cfg.health.consecutive_5xx, cfg.health.startup_wait_ms), (3, 1000));
+    let v = with(base(), "/health", serde_json::json!({"base_ejection_ms": 1000, "max_ejection_ms": 10}));
+    assert_only(&errors(&v), "health.max_ejection_ms", "at least base_ejection_ms");
+    let v = with(base(), "/health", serde_json::json!({"startup_wait_ms": 600000}));
+    assert_only(&errors(&v), "health.startup_wait_ms", "at most 60000");
+    // A typo is an unknown field, not a silent default.
+    let v = with(base(), "/health", serde_json::json!({"consecutive_500": 3}));
+    assert!(parse(&v).is_err());
+}

@@ -15,9 +15,11 @@ use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::Action;
 
 use super::{io, Worker};
-use crate::admission::Decision;
+use crate::admission::{self, Decision};
 use crate::errors::Rejection;
+use crate::health::{self, HealthView};
 use crate::inflight;
+use crate::ports::SharedStore;
 use crate::priority::PriorityHeaders;
 use crate::request::{
     self, BodyInputs, HeadDecision, Prepared, RequestHead, DEBUG_SCORES_HEADER, DESTINATION_HEADER,
@@ -36,6 +38,8 @@ pub(crate) struct Exchange {
     /// Endpoint whose in-flight count this request holds (released in on_log).
     holding: Option<String>,
     primary: Option<String>,
+    /// Primary then fallbacks, as sent (passive health attributes failed retries to them).
+    destinations: Vec<String>,
     session_token: Option<String>,
     debug_scores: Option<String>,
     /// Time held by flow control, once the request went on (0 if never held).
@@ -80,11 +84,15 @@ impl Filter {
         }
         let body = if body_size == 0 { Vec::new() } else { io::request_body(body_size).unwrap_or_default() };
         let snapshot = worker.snapshot();
+        // Before the first metrics, model names resolve against the configured endpoints.
+        let ready = admission::snapshot_ready(&snapshot);
+        let resolving =
+            if ready { snapshot.clone() } else { Rc::new(admission::startup_snapshot(cfg, &snapshot)) };
         let prepared = {
             let scheduler = worker.scheduler.borrow();
             let mut rng = worker.rng.borrow_mut();
             let ex = self.ex.borrow();
-            request::prepare(cfg, &scheduler, &mut *rng, &ex.head, &body, &snapshot)
+            request::prepare(cfg, &scheduler, &mut *rng, &ex.head, &body, &resolving)
         };
         let prepared = match prepared {
             Ok(p) => p,
@@ -110,12 +118,25 @@ impl Filter {
         let group = prepared.route.base.clone();
         let priority = prepared.priority.clone();
         self.ex.borrow_mut().prepared = Some(prepared);
-        let decision =
-            worker.gate.borrow_mut().admit(&store, &snapshot, &inflight, self.id, &group, &priority, now_ms);
+        if !ready {
+            return self.before_metrics(&worker, snapshot, &inflight, now_ms);
+        }
+        // Flow control judges capacity without the endpoints passive health ejected.
+        let health = health_view(&worker, &store, now_ms);
+        let judged = health::without_ejected(&snapshot, &health, now_ms, &cfg.health).map(Rc::new);
+        let decision = worker.gate.borrow_mut().admit(
+            &store,
+            judged.as_ref().unwrap_or(&snapshot),
+            &inflight,
+            self.id,
+            &group,
+            &priority,
+            now_ms,
+        );
         match decision {
             Decision::Go => {
                 let inputs = BodyInputs { snapshot: &snapshot, inflight: &inflight, store: &store, now_ms };
-                let routed = go(&worker, &mut self.ex.borrow_mut(), &inputs);
+                let routed = go(&worker, &mut self.ex.borrow_mut(), &inputs, Some(&health));
                 match routed {
                     Ok(()) => Action::Continue,
                     Err(rej) => self.reject(&rej),
@@ -154,14 +175,28 @@ fn send_rejection(worker: &Worker, rej: &Rejection, queue_ms: Option<u64>) {
 /// Picks the endpoint of a prepared request and sets the routing headers on the current (or
 /// effective) context: the last step of every request that goes upstream, whether at once (with
 /// the snapshot and counts its admission just read) or after being held (with fresh ones).
-fn go(worker: &Worker, ex: &mut Exchange, inputs: &BodyInputs<'_>) -> Result<(), Rejection> {
+/// `health`: the passive-health view admission already read, or `None` to read it now.
+fn go(
+    worker: &Worker,
+    ex: &mut Exchange,
+    inputs: &BodyInputs<'_>,
+    health: Option<&HealthView>,
+) -> Result<(), Rejection> {
     let Some(prepared) = ex.prepared.take() else {
         return Err(Rejection::new(500, "internal_error", "internal", "request state lost before routing"));
+    };
+    let read;
+    let health = match health {
+        Some(h) => h,
+        None => {
+            read = health_view(worker, inputs.store, inputs.now_ms);
+            &read
+        }
     };
     let pick = {
         let mut scheduler = worker.scheduler.borrow_mut();
         let mut rng = worker.rng.borrow_mut();
-        request::route(&mut scheduler, &mut *rng, &ex.head, &prepared, inputs)?
+        request::route_with(&mut scheduler, &mut *rng, &ex.head, &prepared, inputs, health)?
     };
     io::set_request_header(DESTINATION_HEADER, Some(&pick.destination_header()));
     io::set_request_header(ORIGINAL_DST_HEADER, Some(&pick.primary));
@@ -184,6 +219,7 @@ fn go(worker: &Worker, ex: &mut Exchange, inputs: &BodyInputs<'_>) -> Result<(),
         telemetry::name(telemetry::SNAPSHOT_AGE, &[]),
         inputs.now_ms.saturating_sub(inputs.snapshot.published_ms),
     );
+    ex.destinations = std::iter::once(pick.primary.clone()).chain(pick.fallbacks.iter().cloned()).collect();
     ex.primary = Some(pick.primary);
     ex.session_token = Some(pick.session_token);
     ex.debug_scores = pick.debug_scores;
@@ -205,12 +241,23 @@ pub(crate) fn release_held(worker: &Worker, id: u32, waited_ms: u64, own_context
     }
     let mut ex = shared.borrow_mut();
     ex.queue_ms = Some(waited_ms);
-    // Fresh reads: earlier releases of this tick changed the in-flight counts.
+    // Fresh reads: earlier releases of this tick changed the in-flight counts. A request held
+    // for the first metrics may still have none (its wait ran out): failure_mode decides.
     let store = io::HostStore;
-    let snapshot = worker.snapshot();
+    let snapshot = match admission::routing_snapshot(&worker.cfg, worker.snapshot()) {
+        Ok(s) => s,
+        Err(rej) => {
+            ex.answered = true;
+            ex.prepared = None;
+            send_rejection(worker, &rej, Some(waited_ms));
+            drop(ex);
+            io::set_effective_context(own_context);
+            return;
+        }
+    };
     let inflight = inflight::read(&store).unwrap_or_default();
     let inputs = BodyInputs { snapshot: &snapshot, inflight: &inflight, store: &store, now_ms: io::now_ms() };
-    match go(worker, &mut ex, &inputs) {
+    match go(worker, &mut ex, &inputs, None) {
         Ok(()) => io::resume_request(),
         Err(rej) => {
             ex.answered = true;
@@ -242,6 +289,106 @@ pub(crate) fn answer_held(
     if io::set_effective_context(id) {
         send_rejection(worker, rej, Some(waited));
         io::set_effective_context(own_context);
+    }
+}
+
+/// The passive-health view for a pick (empty when `health.enabled` is false or shared data
+/// cannot be read).
+pub(crate) fn health_view(worker: &Worker, store: &dyn SharedStore, now_ms: u64) -> HealthView {
+    if !worker.cfg.health.enabled {
+        return HealthView::default();
+    }
+    match worker.health.borrow_mut().read(store, now_ms) {
+        Ok(v) => v,
+        Err(e) => {
+            warn!("inference-picker: reading passive health failed: {e:?}");
+            HealthView::default()
+        }
+    }
+}
+
+impl Filter {
+    /// A complete request while the proxy has no metrics yet (startup, hot restart): hold it
+    /// for the first snapshot (released by the root's tick through [`release_held`]), or, when
+    /// it cannot be held, route it now as `filter.failure_mode` says.
+    fn before_metrics(
+        &mut self,
+        worker: &Rc<Worker>,
+        snapshot: Rc<crate::snapshot::Snapshot>,
+        inflight: &crate::inflight::InflightCounts,
+        now_ms: u64,
+    ) -> Action {
+        if worker.gate.borrow_mut().hold_for_snapshot(self.id, now_ms) {
+            self.ex.borrow_mut().held_at_ms = Some(now_ms);
+            worker.pending.borrow_mut().insert(self.id, self.ex.clone());
+            worker
+                .metrics
+                .borrow_mut()
+                .count(telemetry::name(telemetry::STARTUP_REQUESTS, &[("outcome", "held")]));
+            return Action::Pause;
+        }
+        let snapshot = match admission::routing_snapshot(&worker.cfg, snapshot) {
+            Ok(s) => s,
+            Err(rej) => {
+                self.ex.borrow_mut().prepared = None;
+                return self.reject(&rej);
+            }
+        };
+        let store = io::HostStore;
+        let inputs = BodyInputs { snapshot: &snapshot, inflight, store: &store, now_ms };
+        let routed = go(worker, &mut self.ex.borrow_mut(), &inputs, None);
+        match routed {
+            Ok(()) => Action::Continue,
+            Err(rej) => self.reject(&rej),
+        }
+    }
+
+    /// Passive health: tells `crate::health` what this request's upstream result says about
+    /// each endpoint it tried (from `on_log`, once per stream), and counts any ejection.
+    fn record_health(&mut self) {
+        let worker = self.worker.clone();
+        let cfg = &worker.cfg.health;
+        let destinations = {
+            let mut ex = self.ex.borrow_mut();
+            if ex.answered || !cfg.enabled {
+                return;
+            }
+            std::mem::take(&mut ex.destinations)
+        };
+        if destinations.is_empty() {
+            return;
+        }
+        let r = io::upstream_result();
+        let outcome = health::classify(r.status, &r.details, r.flags);
+        let tried = health::attribute(&destinations, r.address.as_deref(), r.attempts, outcome);
+        let now_ms = io::now_ms();
+        let store = io::HostStore;
+        let mut metrics = worker.metrics.borrow_mut();
+        for (addr, o) in tried {
+            let kind = match o {
+                health::Outcome::Success => "success",
+                health::Outcome::Failure { gateway: false } => "failure",
+                health::Outcome::Failure { gateway: true } => "gateway_failure",
+                health::Outcome::Load => "load",
+            };
+            metrics.count(telemetry::name(telemetry::HEALTH_RESULTS, &[("outcome", kind)]));
+            match worker.health.borrow_mut().record(&store, cfg, addr, o, now_ms) {
+                Ok(Some(e)) => {
+                    warn!(
+                        "inference-picker: endpoint {addr} ejected for {} ms ({}, ejection {} in a row)",
+                        e.duration_ms,
+                        e.reason.as_str(),
+                        e.nth
+                    );
+                    metrics.count(telemetry::name(
+                        telemetry::HEALTH_EJECTIONS,
+                        &[("endpoint", addr), ("reason", e.reason.as_str())],
+                    ));
+                }
+                Ok(None) => {}
+                Err(e) => warn!("inference-picker: recording passive health for {addr} failed: {e:?}"),
+            }
+        }
     }
 }
 
@@ -347,11 +494,18 @@ impl HttpContext for Filter {
         if ex.answered || ex.passthrough {
             return Action::Continue;
         }
-        if let Some(p) = ex.primary.as_ref().filter(|_| self.worker.cfg.filter.expose_served_endpoint) {
-            io::set_response_header(SERVED_HEADER, p);
-        }
-        if let Some(t) = &ex.session_token {
-            io::set_response_header(&self.worker.cfg.scheduler.session.token_header, t);
+        // Name the pod that really answered: after a retry Envoy's override_host policy sent the
+        // request to a fallback. A reply Envoy made itself (every listed pod failed) names none.
+        if ex.primary.is_some() {
+            if let Some(served) = io::upstream_that_answered() {
+                if self.worker.cfg.filter.expose_served_endpoint {
+                    io::set_response_header(SERVED_HEADER, &served);
+                }
+                if ex.session_token.is_some() {
+                    let token = self.worker.scheduler.borrow().session_keys().token_for(&served);
+                    io::set_response_header(&self.worker.cfg.scheduler.session.token_header, &token);
+                }
+            }
         }
         if let Some(d) = &ex.debug_scores {
             io::set_response_header(DEBUG_SCORES_HEADER, d);
@@ -364,6 +518,7 @@ impl HttpContext for Filter {
 
     fn on_log(&mut self) {
         self.forget();
+        self.record_health();
         let holding = self.ex.borrow_mut().holding.take();
         if let Some(addr) = holding {
             match inflight::adjust(&io::HostStore, &addr, -1) {

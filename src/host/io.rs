@@ -275,6 +275,43 @@ pub fn property_string(path: &[&str]) -> Option<String> {
     abi::property(path).ok().flatten().and_then(|b| String::from_utf8(b).ok())
 }
 
+/// An integer property (`response.code`, `response.flags` ...): Envoy passes 64-bit integers
+/// as 8 little-endian bytes. `None` when absent, unreadable or of another size.
+pub fn property_u64(path: &[&str]) -> Option<u64> {
+    property_bytes(path).and_then(|b| <[u8; 8]>::try_from(b.as_slice()).ok()).map(u64::from_le_bytes)
+}
+
+/// A UTF-8 property through the status-checked reader (`None` when absent or not UTF-8).
+fn property_text(path: &[&str]) -> Option<String> {
+    property_bytes(path).and_then(|b| String::from_utf8(b).ok())
+}
+
+/// What `on_log` needs to judge the upstream result of this stream (see `crate::health`).
+pub struct UpstreamResult {
+    /// `response.code` (the final status, Envoy's own reply included).
+    pub status: Option<u32>,
+    /// `response.code_details` (e.g. `via_upstream`, `upstream_reset_before_response_started{...}`).
+    pub details: String,
+    /// `response.flags` (Envoy's response-flag bits).
+    pub flags: u64,
+    /// `upstream.address`: the endpoint that answered last.
+    pub address: Option<String>,
+    /// `upstream.request_attempt_count`, when this Envoy has it.
+    pub attempts: Option<u64>,
+}
+
+/// Reads [`UpstreamResult`] from the stream's properties, every call status-checked (a missing
+/// property is `None` or empty).
+pub fn upstream_result() -> UpstreamResult {
+    UpstreamResult {
+        status: property_u64(&["response", "code"]).and_then(|c| u32::try_from(c).ok()),
+        details: property_text(&["response", "code_details"]).unwrap_or_default(),
+        flags: property_u64(&["response", "flags"]).unwrap_or(0),
+        address: property_text(&["upstream", "address"]).filter(|a| !a.is_empty()),
+        attempts: property_u64(&["upstream", "request_attempt_count"]),
+    }
+}
+
 pub fn plugin_configuration() -> Option<Vec<u8>> {
     abi::buffer(BufferType::PluginConfiguration, 0, usize::MAX).ok().flatten()
 }
@@ -345,6 +382,23 @@ pub fn resume_request() {
     if status != Status::Ok {
         warn!("resuming a held request failed: {status:?}");
     }
+}
+
+/// Reads one host property through the status-checked import. Any status but Ok, and an absent
+/// value, are `None`.
+fn property_bytes(path: &[&str]) -> Option<Vec<u8>> {
+    abi::property(path).ok().flatten()
+}
+
+/// The upstream pod that produced the response now being processed (`ip:port`), read in the
+/// response callbacks: after a retry on a fallback it is that fallback, not the primary. `None`
+/// when the response did not come from upstream (`response.code_details` is not `via_upstream`:
+/// Envoy or a filter answered locally, e.g. after every listed pod failed) or the host cannot say.
+pub fn upstream_that_answered() -> Option<String> {
+    if property_bytes(&["response", "code_details"]).as_deref() != Some(b"via_upstream".as_slice()) {
+        return None;
+    }
+    property_bytes(&["upstream", "address"]).and_then(|b| String::from_utf8(b).ok()).filter(|a| !a.is_empty())
 }
 
 /// Serialises headers in the proxy-wasm map format: count, then (key len, value len) pairs,

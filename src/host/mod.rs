@@ -19,13 +19,15 @@ use log::{error, info, warn};
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{ContextType, LogLevel};
 
-use crate::admission::{claim_worker_id, Gate, MetricUpdate};
+use crate::admission::{self, claim_worker_id, Gate, MetricUpdate};
 use crate::config::{Config, PollerMode};
 use crate::flow;
+use crate::health::Recorder;
 use crate::inflight;
 use crate::ports::{Rng, SplitMix64};
 use crate::scheduler::Scheduler;
 use crate::snapshot::{Snapshot, SnapshotCache};
+use crate::telemetry;
 
 pub const FILTER_ROOT_ID: &str = "inference-picker";
 pub const POLLER_ROOT_ID: &str = "inference-picker-poller";
@@ -51,6 +53,8 @@ pub(crate) struct Worker {
     pub gate: RefCell<Gate>,
     /// Requests held by flow control: context id → their state, for the root's tick.
     pub pending: RefCell<HashMap<u32, filter::Shared>>,
+    /// Passive health: this worker's side (records results, keeps its own ejections).
+    pub health: RefCell<Recorder>,
 }
 
 impl Worker {
@@ -70,12 +74,19 @@ impl Worker {
     /// its metrics. `root_id` is the root context id (restored after acting on held requests).
     fn on_tick(&self, root_id: u32) {
         let needs_tick = self.gate.borrow().needs_tick();
+        if self.gate.borrow().startup_held() > 0 {
+            self.release_startup(root_id);
+        }
         if needs_tick {
             let store = io::HostStore;
             let snapshot = self.snapshot();
             let counts = inflight::read(&store).unwrap_or_default();
             let now_ms = io::now_ms();
-            let actions = self.gate.borrow_mut().tick(&store, &snapshot, &counts, now_ms);
+            // Capacity without the endpoints passive health ejected, as at admission.
+            let health = filter::health_view(self, &store, now_ms);
+            let judged = crate::health::without_ejected(&snapshot, &health, now_ms, &self.cfg.health);
+            let actions =
+                self.gate.borrow_mut().tick(&store, judged.as_ref().unwrap_or(&snapshot), &counts, now_ms);
             for a in actions {
                 match a {
                     flow::Action::Release { id, waited_ms, .. } => {
@@ -95,6 +106,27 @@ impl Worker {
                 MetricUpdate::GaugeAdd { name, delta } => metrics.gauge_add(name, delta),
                 MetricUpdate::Sample { name, value } => metrics.sample(name, value),
             }
+        }
+    }
+}
+
+impl Worker {
+    /// Routes the requests held for the first metrics: all once the snapshot is ready, else
+    /// those whose `health.startup_wait_ms` ran out (`release_held` then applies
+    /// `filter.failure_mode`).
+    fn release_startup(&self, root_id: u32) {
+        let ready = admission::snapshot_ready(&self.snapshot());
+        let now_ms = io::now_ms();
+        let go = self.gate.borrow_mut().tick_startup(ready, now_ms);
+        if go.is_empty() {
+            return;
+        }
+        let outcome = if ready { "released" } else { "expired" };
+        self.metrics
+            .borrow_mut()
+            .add(telemetry::name(telemetry::STARTUP_REQUESTS, &[("outcome", outcome)]), go.len() as u64);
+        for (id, waited_ms) in go {
+            filter::release_held(self, id, waited_ms, root_id);
         }
     }
 }
@@ -220,6 +252,7 @@ impl RootContext for Root {
                 metrics: RefCell::new(io::Metrics::default()),
                 gate: RefCell::new(Gate::new(&cfg, worker_id)),
                 pending: RefCell::new(HashMap::new()),
+                health: RefCell::new(Recorder::new()),
                 cfg,
             }))
         };

@@ -22,7 +22,8 @@ pub struct SchedulerConfig {
     #[serde(default)]
     pub model_weights: BTreeMap<String, WeightOverrides>,
     /// How many fallback endpoints follow the primary in `x-gateway-destination-endpoint`.
-    /// Default 2: Envoy can retry twice on another pod without asking the picker again.
+    /// Default 2: with the shipped Envoy configs (override_host and a route retry policy with
+    /// num_retries 2) a try that fails before the response starts goes to the next listed pod.
     #[serde(default = "default_fallbacks")]
     pub fallbacks: usize,
     /// Totals within this of the best are ties, broken by a seeded random choice. Default 0.001

@@ -9,8 +9,14 @@
 //!   A scrape timestamp in the future (clock skew between the poller and this worker) counts as
 //!   fresh.
 //!
+//! - Not ejected: passive health (`crate::health`) ejects endpoints whose requests fail; they
+//!   are removed from the serving list before the health check, within
+//!   `health.max_ejection_percent` of the serving endpoints ([`not_ejected`]). With no health
+//!   data nothing is removed.
+//!
 //! When no serving endpoint is healthy the scheduler fails open or answers 503 (see `mod.rs`).
 
+use crate::health::{HealthConfig, HealthView};
 use crate::snapshot::EndpointStatus;
 
 /// Does `ep` serve the base model `base`?
@@ -21,6 +27,22 @@ pub fn serves(ep: &EndpointStatus, base: &str) -> bool {
 /// Is `ep`'s last scrape successful and fresh at `now_ms`?
 pub fn healthy(ep: &EndpointStatus, now_ms: u64, stale_after_ms: u64) -> bool {
     ep.failures == 0 && ep.scraped_ms > 0 && now_ms.saturating_sub(ep.scraped_ms) <= stale_after_ms
+}
+
+/// The serving endpoints that passive health has not ejected at `now_ms` (see
+/// [`HealthView::excluded`] for the limit that keeps the pool from emptying).
+pub fn not_ejected<'a>(
+    serving: &[&'a EndpointStatus],
+    health: &HealthView,
+    now_ms: u64,
+    cfg: &HealthConfig,
+) -> Vec<&'a EndpointStatus> {
+    if health.is_empty() {
+        return serving.to_vec();
+    }
+    let addrs: Vec<&str> = serving.iter().map(|e| e.address.as_str()).collect();
+    let out = health.excluded(&addrs, now_ms, cfg);
+    serving.iter().zip(out).filter(|(_, gone)| !gone).map(|(e, _)| *e).collect()
 }
 
 #[cfg(test)]
@@ -44,6 +66,33 @@ mod tests {
         assert!(serves(&e, "qwen"));
         assert!(!serves(&e, "llam"));
         assert!(!serves(&e, "Llama"));
+    }
+
+    #[test]
+    fn ejected_endpoints_are_left_out_within_the_limit() {
+        use crate::health::{Outcome, Recorder};
+        use crate::ports::MemStore;
+        let mut a = ep(&["m"], 1, 0);
+        a.address = "10.0.0.1:8000".into();
+        let mut b = ep(&["m"], 1, 0);
+        b.address = "10.0.0.2:8000".into();
+        let cfg = HealthConfig::default();
+        let store = MemStore::new();
+        let mut rec = Recorder::new();
+        // No data: nothing removed.
+        let none = HealthView::default();
+        assert_eq!(not_ejected(&[&a, &b], &none, 1000, &cfg).len(), 2);
+        // Two gateway failures eject .2.
+        for _ in 0..2 {
+            rec.record(&store, &cfg, "10.0.0.2:8000", Outcome::Failure { gateway: true }, 1000).unwrap();
+        }
+        let view = rec.read(&store, 1000).unwrap();
+        let left = not_ejected(&[&a, &b], &view, 1001, &cfg);
+        assert_eq!(left.iter().map(|e| e.address.as_str()).collect::<Vec<_>>(), vec!["10.0.0.1:8000"]);
+        // Alone, it is kept: the pool never empties.
+        assert_eq!(not_ejected(&[&b], &view, 1001, &cfg).len(), 1);
+        // The ejection ends after base_ejection_ms.
+        assert_eq!(not_ejected(&[&a, &b], &view, 1000 + cfg.base_ejection_ms, &cfg).len(), 2);
     }
 
     #[test]

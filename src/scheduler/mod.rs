@@ -18,6 +18,11 @@
 //!    top k), then fallbacks in score order.
 //! 7. The primary records the request's prefix blocks (local index and cross-worker table).
 //!
+//! Passive health (`crate::health`, [`Scheduler::pick_for_with`]): endpoints ejected for
+//! failing requests are removed before stage 2's health filter (never more than
+//! `health.max_ejection_percent` of the serving ones), and recent failures and 429s count as
+//! requests in flight for `health.failure_load_ms`, in scoring and when failing open.
+//!
 //! Missing and stale signals: a stale endpoint is not a candidate at all. A healthy endpoint
 //! that does not report a signal gets that scorer's neutral score, `min(0.5, lowest known score
 //! among the candidates)` ([`neutral_fill`]): it never wins on a signal it does not have, and
@@ -44,6 +49,7 @@ use hashbrown::HashMap;
 
 use crate::config::{Config, FailureMode};
 use crate::errors::Rejection;
+use crate::health::{HealthConfig, HealthView};
 use crate::inflight::InflightCounts;
 use crate::metrics::EndpointMetrics;
 use crate::ports::{Rng, SharedStore};
@@ -193,6 +199,8 @@ pub struct Scheduler {
     cfg: SchedulerConfig,
     stale_after_ms: u64,
     failure_mode: FailureMode,
+    /// Passive-health settings (max ejection percent, phantom load).
+    health: HealthConfig,
     models: ModelTable,
     model_weights: HashMap<String, Weights>,
     /// This worker's per-endpoint prefix indexes.
@@ -213,6 +221,7 @@ impl Scheduler {
         Scheduler {
             stale_after_ms: cfg.poller.stale_after_ms,
             failure_mode: cfg.filter.failure_mode,
+            health: cfg.health.clone(),
             models: ModelTable::new(cfg),
             model_weights,
             local: LocalIndex::default(),
@@ -299,7 +308,7 @@ impl Scheduler {
     }
 
     /// Stages 2-7 for a model already resolved by [`Scheduler::route_model`]. `req.model` is not
-    /// read again (the route has the target).
+    /// read again (the route has the target). No passive-health data: nothing is ejected.
     #[allow(clippy::too_many_arguments)]
     pub fn pick_for(
         &mut self,
@@ -307,6 +316,24 @@ impl Scheduler {
         req: &PickRequest<'_>,
         snapshot: &Snapshot,
         inflight: &InflightCounts,
+        store: &dyn SharedStore,
+        rng: &mut dyn Rng,
+        now_ms: u64,
+    ) -> Result<Pick, Rejection> {
+        self.pick_for_with(route, req, snapshot, inflight, &HealthView::default(), store, rng, now_ms)
+    }
+
+    /// [`Scheduler::pick_for`] with the passive-health view (`crate::health`): ejected endpoints
+    /// are left out (within `health.max_ejection_percent`), and each endpoint's phantom load is
+    /// added to its in-flight count.
+    #[allow(clippy::too_many_arguments)]
+    pub fn pick_for_with(
+        &mut self,
+        route: &ModelRoute,
+        req: &PickRequest<'_>,
+        snapshot: &Snapshot,
+        inflight: &InflightCounts,
+        health: &HealthView,
         store: &dyn SharedStore,
         rng: &mut dyn Rng,
         now_ms: u64,
@@ -330,17 +357,21 @@ impl Scheduler {
             )
             .with_retry_after(1));
         }
+        // Passive health: ejected endpoints are not candidates, even to fail open.
+        let serving = filter::not_ejected(&serving, health, now_ms, &self.health);
+        let load =
+            |addr: &str| inflight.get(addr).saturating_add(health.phantom_load(addr, now_ms, &self.health));
         let healthy: Vec<&EndpointStatus> =
             serving.iter().copied().filter(|e| filter::healthy(e, now_ms, self.stale_after_ms)).collect();
         if healthy.is_empty() {
-            return self.fail_open(&serving, inflight, rng, target_model, model_rewritten);
+            return self.fail_open(&serving, &load, rng, target_model, model_rewritten);
         }
         let cands: Vec<Candidate<'_>> = healthy
             .iter()
             .map(|e| Candidate {
                 address: &e.address,
                 metrics: e.metrics.as_ref(),
-                inflight: inflight.get(&e.address),
+                inflight: load(&e.address),
             })
             .collect();
 
@@ -446,7 +477,7 @@ impl Scheduler {
     fn fail_open(
         &self,
         serving: &[&EndpointStatus],
-        inflight: &InflightCounts,
+        load: &dyn Fn(&str) -> u32,
         rng: &mut dyn Rng,
         target_model: String,
         model_rewritten: bool,
@@ -462,7 +493,7 @@ impl Scheduler {
         }
         // Fewer in flight is better; counts are integers, so a tie epsilon of 0.5 groups exactly
         // the equal counts.
-        let totals: Vec<f64> = serving.iter().map(|e| -f64::from(inflight.get(&e.address))).collect();
+        let totals: Vec<f64> = serving.iter().map(|e| -f64::from(load(&e.address))).collect();
         let order = picker::order(&totals, 0.5, 1, self.cfg.fallbacks, rng);
         let mut addrs = order.iter().filter_map(|&i| serving.get(i)).map(|e| e.address.clone());
         let primary = addrs.next().unwrap_or_default();

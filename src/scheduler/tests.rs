@@ -557,3 +557,93 @@ fn debug_scores_are_bounded_and_best_first() {
     assert!(d.starts_with("10.0.1.0:8000 t="), "{d}");
     assert!(d.is_ascii() && !d.contains('\n'));
 }
+
+/// Passive health: a black hole with idle metrics (b) is the best pick until it fails; one
+/// failure counts as a request in flight, and once ejected it is no candidate at all, not even
+/// as a fallback.
+#[test]
+fn failures_are_load_and_ejected_endpoints_are_never_picked() {
+    use crate::health::{Outcome, Recorder};
+    let cfg = config("");
+    let mut s = Scheduler::new(&cfg);
+    let sn = snap(vec![ep("a:1", &["llama"], 0.0, 0.2), ep("b:1", &["llama"], 0.0, 0.0)]);
+    let store = MemStore::new();
+    let mut rec = Recorder::new();
+    let inf = InflightCounts::default();
+    let pick_with = |s: &mut Scheduler, rec: &mut Recorder, seed| {
+        let view = rec.read(&store, NOW).unwrap();
+        let route = s.route_model("llama", None, &sn, &mut SplitMix64::new(seed)).unwrap();
+        s.pick_for_with(&route, &req("llama"), &sn, &inf, &view, &store, &mut SplitMix64::new(seed), NOW)
+            .unwrap()
+    };
+    // b: kv 0 → 1.0 beats a's 0.8, everything else equal.
+    assert_eq!(pick_with(&mut s, &mut rec, 1).primary, "b:1");
+    // One 500 from b: phantom load 1, so b's in-flight score drops below a's; with the default
+    // weights (in-flight 2, KV 0.5) that costs b more than its KV edge (0.5 × 0.2) gains.
+    rec.record(&store, &cfg.health, "b:1", Outcome::Failure { gateway: false }, NOW).unwrap();
+    assert_eq!(pick_with(&mut s, &mut rec, 1).primary, "a:1");
+    // Two more 500s make three in a row (health.consecutive_5xx): b is ejected.
+    for _ in 0..2 {
+        rec.record(&store, &cfg.health, "b:1", Outcome::Failure { gateway: false }, NOW).unwrap();
+    }
+    for seed in 0..20 {
+        let p = pick_with(&mut s, &mut rec, seed);
+        assert_eq!((p.primary.as_str(), p.fallbacks.len()), ("a:1", 0), "seed {seed}");
+    }
+}
+
+/// The black hole of issue #10 without any retry (an ORIGINAL_DST setup, where the client sees
+/// each failure): 60 sequential requests, 150 ms apart, on three idle pods, one of which fails
+/// every request at once. It costs at most `consecutive_5xx` (3) failed requests, and none
+/// after its ejection.
+#[test]
+fn a_black_hole_costs_at_most_three_requests_of_sixty() {
+    use crate::health::{Outcome, Recorder};
+    let cfg = config("");
+    for seed in 0..20 {
+        let mut s = Scheduler::new(&cfg);
+        let sn = snap(vec![
+            ep("a:1", &["llama"], 0.0, 0.1),
+            ep("b:1", &["llama"], 0.0, 0.1),
+            ep("hole:1", &["llama"], 0.0, 0.1),
+        ]);
+        let store = MemStore::new();
+        let mut rec = Recorder::new();
+        let mut rng = SplitMix64::new(seed);
+        let (mut failed, mut ejected_at) = (0, None);
+        for i in 0..60u64 {
+            // The snapshot stays fresh: the fake clock moves 150 ms per request from NOW - 100.
+            let now = NOW + i * 150;
+            let mut sn = sn.clone();
+            for e in &mut sn.endpoints {
+                e.scraped_ms = now - 50;
+            }
+            let view = rec.read(&store, now).unwrap();
+            let route = s.route_model("llama", None, &sn, &mut rng).unwrap();
+            let p = s
+                .pick_for_with(
+                    &route,
+                    &req("llama"),
+                    &sn,
+                    &InflightCounts::default(),
+                    &view,
+                    &store,
+                    &mut rng,
+                    now,
+                )
+                .unwrap();
+            let outcome = if p.primary == "hole:1" {
+                failed += 1;
+                assert!(ejected_at.is_none(), "seed {seed}: picked after its ejection");
+                Outcome::Failure { gateway: false }
+            } else {
+                Outcome::Success
+            };
+            if rec.record(&store, &cfg.health, &p.primary, outcome, now).unwrap().is_some() {
+                ejected_at = Some(i);
+            }
+        }
+        assert!(failed <= 3, "seed {seed}: {failed} failed");
+        assert!(ejected_at.is_some(), "seed {seed}: never ejected ({failed} failures)");
+    }
+}

@@ -191,6 +191,8 @@ def test_assembly_applies_the_patches(tmp_path):
     assert cd["default_config"]["config"]["vm_config"]["code"] == {"local": {"filename": str(tmp_path / "m.wasm")}}
     route = hcm["route_config"]["virtual_hosts"][0]["routes"][0]
     assert (route["name"], route["route"]["cluster"]) == ("inference.llm-route.0", "inference_pool")
+    assert route["route"]["retry_policy"]["num_retries"] == 2
+    assert [m["filter"]["response_flag_filter"]["flags"][0] for m in hcm["local_reply_config"]["mappers"]][:2] == ["UT", "UH"]
     clusters = {c["name"]: c for c in boot["static_resources"]["clusters"]}
     assert {"inference_pool", "inference_pool_metrics", "kubernetes_api"} <= set(clusters)
     tls = clusters["kubernetes_api"]["transport_socket"]["typed_config"]["common_tls_context"]
@@ -246,3 +248,18 @@ def test_gie_schema_catches_bad_pools(gie_crds):
     pool["spec"]["endpointPickerRef"]["failureMode"] = "FailSometimes"
     errs = schema_errors(gie_crds, [pool])
     assert any("targetPorts" in e for e in errs) and any("FailSometimes" in e for e in errs), errs
+
+
+def test_consistency_catches_a_data_cluster_without_fallbacks(tmp_path):
+    d = copy_dir(tmp_path, "gateway-api")
+
+    def original_dst(doc):
+        for p in doc["spec"]["configPatches"]:
+            if p["applyTo"] == "CLUSTER" and p["patch"]["value"]["name"] == "inference_pool":
+                p["patch"]["value"].pop("load_balancing_policy")
+            if p["applyTo"] == "HTTP_ROUTE":
+                p["patch"]["value"]["route"].pop("retry_policy")
+    edit_yaml(d / "envoyfilter.yaml", 0, original_dst)
+    errs = consistency_errors(d)
+    assert any("override_host" in e for e in errs), errs
+    assert any("no retry_policy" in e for e in errs), errs

@@ -359,6 +359,21 @@ def check_consistency(proxy: Proxy, report: Report):
                 report.error(where, f"HTTP_FILTER {name!r} discovers a config that no EXTENSION_CONFIG defines")
     if "inference_pool" not in cluster_names:
         report.error(where, "no CLUSTER patch adds the data cluster inference_pool")
+    for apply_to, _, patch in proxy.patches:
+        value = patch.get("value", {})
+        if apply_to == "CLUSTER" and value.get("name") == "inference_pool":
+            policies = value.get("load_balancing_policy", {}).get("policies", [])
+            lb = policies[0].get("typed_extension_config", {}) if policies else {}
+            if lb.get("name") != "envoy.load_balancing_policies.override_host":
+                report.error(where, "inference_pool must use the override_host policy (fallbacks on retry)")
+            else:
+                fb = lb["typed_config"].get("fallback_policy", {}).get("policies", [{}])[0]
+                if fb.get("typed_extension_config", {}).get("typed_config", {}).get("fallback_policy") != "NO_FALLBACK":
+                    report.error(where, "inference_pool's fallback policy must find no host (a NO_FALLBACK subset): "
+                                        "never a pod the picker did not list")
+        if apply_to == "HTTP_ROUTE" and value.get("route", {}).get("cluster") == "inference_pool":
+            if "retry_policy" not in value["route"]:
+                report.error(where, "the route to inference_pool has no retry_policy: fallbacks are never tried")
     if not any(a == "HTTP_ROUTE" for a, _, _ in proxy.patches):
         report.error(where, "no HTTP_ROUTE patch sends traffic to inference_pool")
 
@@ -456,6 +471,11 @@ def assemble(proxy: Proxy, wasm: Path, ca: Path = TEST_CA) -> dict:
                 hcm["http_filters"].insert(0, value)
             else:
                 raise ValueError(f"HTTP_FILTER operation {op} is not modelled")
+        elif apply_to == "NETWORK_FILTER" and op == "MERGE":
+            name = match.get("listener", {}).get("filterChain", {}).get("filter", {}).get("name")
+            if name != HCM:
+                raise ValueError(f"NETWORK_FILTER MERGE on {name!r} is not modelled")
+            merge(listener["filter_chains"][0]["filters"][0], value)
         elif apply_to == "HTTP_ROUTE" and op == "MERGE":
             name = match.get("routeConfiguration", {}).get("vhost", {}).get("route", {}).get("name")
             for r in routes:

@@ -93,6 +93,17 @@ class Sim:
     def reset_stats(self) -> None:
         requests.post(self.url + "/sim/reset-stats", timeout=5).raise_for_status()
 
+    def chaos(self, mode: str = "ok", **kw) -> None:
+        """Fault injection for inference requests (see the simulator README, "Chaos"):
+        `chaos("status", status=500)`, `chaos("reset")`, `chaos("hang")`,
+        `chaos("stream_cut", after_chunks=2)`, `chaos("ok")`; `count=N` limits it to the next N
+        requests. A pod that refuses connections is `stop()`; one whose /metrics lies is
+        `fake_load()`."""
+        requests.post(self.url + "/sim/chaos", json={"mode": mode, **kw}, timeout=5).raise_for_status()
+
+    def chaos_total(self) -> int:
+        return int(self.stats()["chaos_total"])
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.terminate()
@@ -103,6 +114,13 @@ class Sim:
                 self.proc.wait(timeout=5)
 
     kill = stop
+
+    def crash(self) -> None:
+        """SIGKILL: the pod dies at once, with its requests in flight and its connections open
+        (stop() is a graceful SIGTERM that lets running requests finish)."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=5)
 
 
 def endpoint(sim: Sim, *models: str) -> dict:
@@ -137,12 +155,13 @@ class Envoy:
 
     def __init__(self, config: dict, concurrency: int = 2, base_yaml: Path = ENVOY_YAML,
                  singleton: bool = True, extra_clusters: list | None = None,
-                 front_filters: list[dict] | None = None):
+                 front_filters: list[dict] | None = None, pool_hosts: list[str] | None = None,
+                 retry_policy: dict | None = None):
         self.port = free_port()
         self.admin_port = free_port()
         self.tmp = tempfile.TemporaryDirectory(prefix="picker-envoy-")
         doc = yaml.safe_load(base_yaml.read_text())
-        doc = render(doc, config, self.port, self.admin_port, front_filters or [])
+        doc = render(doc, config, self.port, self.admin_port, front_filters or [], pool_hosts, retry_policy)
         if not singleton:
             # Lease mode: no bootstrap extension; the filter's roots elect the poller.
             doc.pop("bootstrap_extensions", None)
@@ -242,17 +261,42 @@ def wait_until(predicate, timeout: float, what: str, interval: float = 0.05):
         time.sleep(interval)
 
 
-def render(doc: dict, config: dict, port: int, admin_port: int, front_filters: list[dict] = ()) -> dict:
+POOL_CLUSTER = "inference_pool"
+
+
+def socket_address(address: str) -> dict:
+    """`ip:port` or `[v6]:port` as an Envoy socket_address."""
+    host, _, port = address.rpartition(":")
+    return {"address": host.strip("[]"), "port_value": int(port)}
+
+
+def render(doc: dict, config: dict, port: int, admin_port: int, front_filters: list[dict] = (),
+           pool_hosts: list[str] | None = None, retry_policy: dict | None = None) -> dict:
     """Applies ports, the absolute .wasm path and the plugin configuration to a parsed
     envoy.yaml (the same structure `make run` uses). `front_filters` are HTTP filters inserted
-    before the inference-picker filter (for example one that sets a trusted header)."""
+    before the inference-picker filter (for example one that sets a trusted header).
+
+    The members of the inference cluster (STATIC, override_host) become the module config's
+    endpoints, or `pool_hosts` when given (e.g. every pod a headless Service would list, when the
+    module discovers pods itself). `retry_policy` entries replace those of the route's retry
+    policy (e.g. a short `per_try_idle_timeout` for a hung-pod test)."""
     doc = copy.deepcopy(doc)
     cfg_json = json.dumps(config)
     doc["admin"]["address"]["socket_address"]["port_value"] = admin_port
     doc["static_resources"]["listeners"][0]["address"]["socket_address"]["port_value"] = port
+    hcm = doc["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
     if front_filters:
-        hcm = doc["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
         hcm["http_filters"] = list(front_filters) + hcm["http_filters"]
+    hosts = pool_hosts if pool_hosts is not None else [e["address"] for e in config.get("endpoints", [])]
+    for cluster in doc["static_resources"]["clusters"]:
+        if cluster["name"] == POOL_CLUSTER and "load_assignment" in cluster:
+            cluster["load_assignment"]["endpoints"] = [{"lb_endpoints": [
+                {"endpoint": {"address": {"socket_address": socket_address(h)}}} for h in hosts]}]
+    if retry_policy:
+        for vh in hcm["route_config"]["virtual_hosts"]:
+            for r in vh["routes"]:
+                if r.get("route", {}).get("cluster") == POOL_CLUSTER:
+                    r["route"].setdefault("retry_policy", {}).update(retry_policy)
 
     def visit(node):
         if isinstance(node, dict):

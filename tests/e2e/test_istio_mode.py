@@ -82,7 +82,10 @@ def test_pod_discovery_follows_readiness_and_new_pods(tmp_path):
             "namespace": "llm", "selector": {"app": "vllm-llama"}, "target_ports": [port],
             "api_cluster": "kubernetes_api", "api_authority": "kubernetes.default.svc",
             "token": "secret-token", "refresh_ms": 1000, "timeout_ms": 1000}}
-        envoy = Envoy(cfg, concurrency=2, extra_clusters=[static_cluster("kubernetes_api", "127.0.0.1", api.port)])
+        # Envoy's cluster holds every pod, as a headless Service's STRICT_DNS cluster (or the
+        # Service's EDS cluster on Istio) would; the module's discovery decides which are picked.
+        envoy = Envoy(cfg, concurrency=2, extra_clusters=[static_cluster("kubernetes_api", "127.0.0.1", api.port)],
+                      pool_hosts=[s.address for s in sims])
         try:
             envoy.wait_routable()
             seen = {envoy.chat().json()["served_by"] for _ in range(20)}

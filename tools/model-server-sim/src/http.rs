@@ -7,19 +7,25 @@
 //!
 //! Endpoints are listed in the crate README. Every response carries `x-sim-server: <name>`, and
 //! every inference JSON body (and every stream chunk) carries `"served_by": "<name>"`.
+//!
+//! Fault injection (`POST /sim/chaos`, [`ChaosMode`]) acts on inference requests only, so a pod can
+//! look healthy on `/metrics` while it fails, resets, hangs or cuts its streams. `reset` needs the
+//! request's TCP connection: serve the router with
+//! `into_make_service_with_connect_info::<ConnHandle>()` (the binary does).
 
 use std::collections::{BTreeMap, HashMap};
-use std::convert::Infallible;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use axum::body::Bytes;
+use axum::extract::connect_info::{ConnectInfo, Connected};
 use axum::extract::{DefaultBodyLimit, State};
-use axum::http::{header, HeaderMap, HeaderName, HeaderValue, StatusCode};
+use axum::http::{header, Extensions, HeaderMap, HeaderName, HeaderValue, StatusCode};
 use axum::response::sse::{Event as SseEvent, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
+use axum::serve::IncomingStream;
 use axum::Router;
 use futures_util::stream::{self, Stream};
 use serde::{Deserialize, Serialize};
@@ -90,9 +96,152 @@ pub struct FakeLoad {
     pub running: u64,
 }
 
+/// What the simulator does with the next inference requests (POST /sim/chaos).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+#[serde(tag = "mode", rename_all = "snake_case")]
+pub enum ChaosMode {
+    /// Serve normally.
+    #[default]
+    Ok,
+    /// Answer at once with this status and an OpenAI-style error body.
+    Status { status: u16 },
+    /// Close the connection without any response.
+    Reset,
+    /// Accept the request and never answer (until the client or proxy gives up).
+    Hang,
+    /// Streaming requests: send the response head and `after_chunks` SSE events, then cut the
+    /// connection. Non-streaming requests are served normally.
+    StreamCut { after_chunks: u32 },
+}
+
+/// The chaos setting: a mode, for every request or for the next `remaining` ones.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct Chaos {
+    #[serde(flatten)]
+    pub mode: ChaosMode,
+    /// Requests still to be affected; `None` = until changed.
+    pub remaining: Option<u64>,
+}
+
+/// The JSON body of POST /sim/chaos.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ChaosRequest {
+    mode: String,
+    #[serde(default)]
+    status: Option<u16>,
+    #[serde(default)]
+    after_chunks: Option<u32>,
+    #[serde(default)]
+    count: Option<u64>,
+}
+
+impl Chaos {
+    /// Validates a POST /sim/chaos body. Errors are messages for a 400.
+    fn parse(body: &[u8]) -> Result<Chaos, String> {
+        if body.iter().all(u8::is_ascii_whitespace) {
+            return Ok(Chaos::default());
+        }
+        let r: ChaosRequest = serde_json::from_slice(body).map_err(|e| format!("invalid chaos JSON: {e}"))?;
+        let only = |allowed: &[&str]| -> Result<(), String> {
+            let given = [("status", r.status.is_some()), ("after_chunks", r.after_chunks.is_some())];
+            match given.iter().find(|(name, set)| *set && !allowed.contains(name)) {
+                Some((name, _)) => Err(format!("`{name}` does not apply to mode `{}`", r.mode)),
+                None => Ok(()),
+            }
+        };
+        let mode = match r.mode.as_str() {
+            "ok" => {
+                only(&[])?;
+                if r.count.is_some() {
+                    return Err("`count` does not apply to mode `ok`".into());
+                }
+                ChaosMode::Ok
+            }
+            "status" => {
+                only(&["status"])?;
+                let status = r.status.ok_or("mode `status` needs `status` (200-599)")?;
+                if !(200..=599).contains(&status) {
+                    return Err(format!("status must be in 200-599, got {status}"));
+                }
+                ChaosMode::Status { status }
+            }
+            "reset" => {
+                only(&[])?;
+                ChaosMode::Reset
+            }
+            "hang" => {
+                only(&[])?;
+                ChaosMode::Hang
+            }
+            "stream_cut" => {
+                only(&["after_chunks"])?;
+                ChaosMode::StreamCut { after_chunks: r.after_chunks.unwrap_or(1) }
+            }
+            other => {
+                return Err(format!("unknown mode `{other}` (ok, status, reset, hang, stream_cut)"));
+            }
+        };
+        if r.count == Some(0) {
+            return Err("count must be >= 1 (omit it for every request)".into());
+        }
+        Ok(Chaos { mode, remaining: r.count })
+    }
+
+    /// The mode for one inference request; counts it down.
+    fn take(&mut self) -> ChaosMode {
+        let mode = self.mode;
+        match self.remaining {
+            Some(n) if n <= 1 => *self = Chaos::default(),
+            Some(n) => self.remaining = Some(n - 1),
+            None => {}
+        }
+        mode
+    }
+}
+
+/// Connection info for chaos mode `reset`: a duplicate of the connection's socket descriptor, so
+/// a handler can shut the connection down. Serve with
+/// `router.into_make_service_with_connect_info::<ConnHandle>()`.
+#[derive(Debug, Clone, Default)]
+pub struct ConnHandle {
+    #[cfg(unix)]
+    fd: Option<Arc<std::os::fd::OwnedFd>>,
+}
+
+impl Connected<IncomingStream<'_, tokio::net::TcpListener>> for ConnHandle {
+    fn connect_info(stream: IncomingStream<'_, tokio::net::TcpListener>) -> Self {
+        #[cfg(unix)]
+        {
+            use std::os::fd::AsFd as _;
+            ConnHandle { fd: stream.io().as_fd().try_clone_to_owned().ok().map(Arc::new) }
+        }
+        #[cfg(not(unix))]
+        {
+            let _ = stream;
+            ConnHandle::default()
+        }
+    }
+}
+
+impl ConnHandle {
+    /// Shuts the connection down (with SO_LINGER 0, so its final close sends a RST). Returns
+    /// false when the connection is unknown (an in-process call).
+    fn reset(&self) -> bool {
+        #[cfg(unix)]
+        if let Some(fd) = &self.fd {
+            let sock = socket2::SockRef::from(fd.as_ref());
+            let _ = sock.set_linger(Some(Duration::ZERO));
+            return sock.shutdown(std::net::Shutdown::Both).is_ok();
+        }
+        false
+    }
+}
+
 #[derive(Debug, Clone, Default, Serialize)]
 struct Stats {
     requests_total: u64,
+    chaos_total: u64,
     requests_by_model: BTreeMap<String, u64>,
     metrics_scrapes_total: u64,
     last_request_headers: BTreeMap<String, String>,
@@ -116,6 +265,7 @@ pub struct AppState {
     next_id: AtomicU64,
     stats: Mutex<Stats>,
     fake: Mutex<FakeLoad>,
+    chaos: Mutex<Chaos>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -152,6 +302,7 @@ impl AppState {
             next_id: AtomicU64::new(1),
             stats: Mutex::new(Stats::default()),
             fake: Mutex::new(FakeLoad::default()),
+            chaos: Mutex::new(Chaos::default()),
         }))
     }
 
@@ -212,6 +363,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/sim/stats", get(sim_stats))
         .route("/sim/fake-load", post(sim_fake_load))
         .route("/sim/reset-stats", post(sim_reset_stats))
+        .route("/sim/chaos", post(sim_chaos))
         .fallback(not_found)
         .layer(axum::middleware::map_response_with_state(state.clone(), add_server_header))
         .layer(DefaultBodyLimit::max(BODY_LIMIT))
@@ -307,6 +459,7 @@ async fn sim_stats(State(st): State<Arc<AppState>>) -> Response {
     body.insert("name".into(), json!(st.cfg.name));
     body.insert("engine".into(), json!(st.cfg.engine.as_str()));
     body.insert("fake_load".into(), json!(fake));
+    body.insert("chaos".into(), json!(*lock(&st.chaos)));
     body.insert("model".into(), serde_json::to_value(&snap).unwrap_or(Value::Null));
     axum::Json(Value::Object(body)).into_response()
 }
@@ -327,6 +480,16 @@ async fn sim_fake_load(State(st): State<Arc<AppState>>, body: Bytes) -> Response
     axum::Json(json!({ "fake_load": load })).into_response()
 }
 
+async fn sim_chaos(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
+    match Chaos::parse(&body) {
+        Ok(chaos) => {
+            *lock(&st.chaos) = chaos;
+            axum::Json(json!({ "chaos": chaos })).into_response()
+        }
+        Err(m) => bad_request(m),
+    }
+}
+
 async fn sim_reset_stats(State(st): State<Arc<AppState>>) -> Response {
     *lock(&st.stats) = Stats::default();
     axum::Json(json!({ "reset": true })).into_response()
@@ -338,12 +501,34 @@ enum Api {
     Completion,
 }
 
-async fn chat_completions(State(st): State<Arc<AppState>>, headers: HeaderMap, body: Bytes) -> Response {
-    inference(st, Api::Chat, headers, body).await
+async fn chat_completions(
+    State(st): State<Arc<AppState>>,
+    ext: Extensions,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    inference(st, Api::Chat, &ext, headers, body).await
 }
 
-async fn completions(State(st): State<Arc<AppState>>, headers: HeaderMap, body: Bytes) -> Response {
-    inference(st, Api::Completion, headers, body).await
+async fn completions(
+    State(st): State<Arc<AppState>>,
+    ext: Extensions,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    inference(st, Api::Completion, &ext, headers, body).await
+}
+
+/// The OpenAI error type vLLM's clients expect for a status.
+fn error_kind(status: StatusCode) -> &'static str {
+    match status.as_u16() {
+        400 => "BadRequestError",
+        401 => "AuthenticationError",
+        403 => "PermissionDeniedError",
+        404 => "NotFoundError",
+        429 => "RateLimitError",
+        _ => "InternalServerError",
+    }
 }
 
 fn headers_map(headers: &HeaderMap) -> BTreeMap<String, String> {
@@ -482,12 +667,39 @@ impl Drop for AbortGuard {
     }
 }
 
-async fn inference(st: Arc<AppState>, api: Api, headers: HeaderMap, body: Bytes) -> Response {
+async fn inference(
+    st: Arc<AppState>,
+    api: Api,
+    ext: &Extensions,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let chaos = lock(&st.chaos).take();
     {
         let mut s = lock(&st.stats);
         s.requests_total += 1;
         s.last_request_headers = headers_map(&headers);
         s.last_request_model = None;
+        if chaos != ChaosMode::Ok {
+            s.chaos_total += 1;
+        }
+    }
+    let mut cut_after = None;
+    match chaos {
+        ChaosMode::Ok => {}
+        ChaosMode::Status { status } => {
+            let code = StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+            return error_response(code, error_kind(code), format!("chaos: simulated {status}"));
+        }
+        ChaosMode::Reset => {
+            let reset = ext.get::<ConnectInfo<ConnHandle>>().is_some_and(|c| c.0.reset());
+            // After a reset the response below cannot be written; without a connection (an
+            // in-process call) it says why nothing was reset.
+            let why = if reset { "chaos: reset" } else { "chaos: reset needs a TCP connection" };
+            return error_response(StatusCode::INTERNAL_SERVER_ERROR, "InternalServerError", why);
+        }
+        ChaosMode::Hang => return std::future::pending::<Response>().await,
+        ChaosMode::StreamCut { after_chunks } => cut_after = Some(after_chunks),
     }
     let value: Value = match serde_json::from_slice(&body) {
         Ok(v) => v,
@@ -561,7 +773,7 @@ async fn inference(st: Arc<AppState>, api: Api, headers: HeaderMap, body: Bytes)
     };
     let guard = AbortGuard { state: st.clone(), id, armed: true };
     if p.stream {
-        Sse::new(sse_stream(reply, rx, guard)).into_response()
+        Sse::new(sse_stream(reply, rx, guard, cut_after)).into_response()
     } else {
         wait_for_completion(reply, rx, guard).await
     }
@@ -599,17 +811,31 @@ struct StreamState {
     guard: AbortGuard,
     queued: std::collections::VecDeque<String>,
     done: bool,
+    /// Chaos `stream_cut`: events still to send before the body fails.
+    cut_after: Option<u32>,
 }
 
 fn sse_stream(
     reply: Reply,
     rx: mpsc::UnboundedReceiver<Event>,
     guard: AbortGuard,
-) -> impl Stream<Item = Result<SseEvent, Infallible>> {
-    let init = StreamState { reply, rx, guard, queued: Default::default(), done: false };
+    cut_after: Option<u32>,
+) -> impl Stream<Item = Result<SseEvent, std::io::Error>> {
+    let init = StreamState { reply, rx, guard, queued: Default::default(), done: false, cut_after };
     stream::unfold(init, |mut s| async move {
         loop {
+            if s.cut_after == Some(0) {
+                // Wait for the engine's next event first: while this stream is pending, the server
+                // flushes the events already yielded, so the peer receives them before the cut.
+                let _ = s.rx.recv().await;
+                // A failing body makes the server abort the connection mid-response.
+                s.done = true;
+                s.queued.clear();
+                s.cut_after = None;
+                return Some((Err(std::io::Error::other("chaos: stream cut")), s));
+            }
             if let Some(data) = s.queued.pop_front() {
+                s.cut_after = s.cut_after.map(|n| n.saturating_sub(1));
                 return Some((Ok(SseEvent::default().data(data)), s));
             }
             if s.done {

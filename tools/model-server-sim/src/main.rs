@@ -122,6 +122,7 @@ fn run(args: Args) -> Result<(), String> {
         let app = http::router(state);
 
         let (stop_tx, mut stop_rx) = tokio::sync::watch::channel(false);
+        let app = app.into_make_service_with_connect_info::<http::ConnHandle>();
         let server = axum::serve(listener, app).with_graceful_shutdown(async move {
             shutdown_signal().await;
             let _ = stop_tx.send(true);

@@ -240,3 +240,124 @@ async fn models_and_health() {
     assert_eq!(v["data"][2]["parent"], "base");
     assert_eq!(call(&app, "GET", "/health", "").await.0, StatusCode::OK);
 }
+
+#[tokio::test]
+async fn chaos_status_answers_at_once_for_count_requests_then_serves() {
+    let app = app(Engine::Vllm);
+    let (status, _, text) =
+        call(&app, "POST", "/sim/chaos", r#"{"mode": "status", "status": 503, "count": 2}"#).await;
+    assert_eq!(status, StatusCode::OK, "{text}");
+    let body = json!({"model": "base", "messages": [{"role": "user", "content": "hi"}]}).to_string();
+    for _ in 0..2 {
+        let (status, server, text) = call(&app, "POST", "/v1/chat/completions", &body).await;
+        assert_eq!((status, server.as_str()), (StatusCode::SERVICE_UNAVAILABLE, "sim-test"));
+        assert_eq!(parse(&text)["error"]["code"], 503);
+    }
+    // The count is spent: back to normal.
+    assert_eq!(call(&app, "POST", "/v1/chat/completions", &body).await.0, StatusCode::OK);
+    let stats = parse(&call(&app, "GET", "/sim/stats", "").await.2);
+    assert_eq!((stats["requests_total"].as_u64(), stats["chaos_total"].as_u64()), (Some(3), Some(2)));
+    assert_eq!(stats["chaos"], json!({"mode": "ok", "remaining": null}));
+    // /metrics is never affected.
+    call(&app, "POST", "/sim/chaos", r#"{"mode": "status", "status": 500}"#).await;
+    assert_eq!(call(&app, "GET", "/metrics", "").await.0, StatusCode::OK);
+}
+
+#[tokio::test]
+async fn chaos_rejects_bad_settings() {
+    let app = app(Engine::Vllm);
+    for bad in [
+        r#"{"mode": "status"}"#,
+        r#"{"mode": "status", "status": 99}"#,
+        r#"{"mode": "reset", "status": 500}"#,
+        r#"{"mode": "explode"}"#,
+        r#"{"mode": "hang", "count": 0}"#,
+        r#"{"mode": "ok", "count": 1}"#,
+        r#"{"mode": "hang", "typo": 1}"#,
+    ] {
+        let (status, _, text) = call(&app, "POST", "/sim/chaos", bad).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{bad}: {text}");
+    }
+    // An empty body clears.
+    assert_eq!(call(&app, "POST", "/sim/chaos", "").await.0, StatusCode::OK);
+}
+
+#[tokio::test]
+async fn chaos_hang_never_answers() {
+    let app = app(Engine::Vllm);
+    call(&app, "POST", "/sim/chaos", r#"{"mode": "hang"}"#).await;
+    let body = json!({"model": "base", "prompt": "x"}).to_string();
+    // A served request completes in a few ms at this speed; a hung one never does.
+    let hung = tokio::time::timeout(
+        std::time::Duration::from_millis(300),
+        call(&app, "POST", "/v1/completions", &body),
+    );
+    assert!(hung.await.is_err(), "a hung request was answered");
+}
+
+#[tokio::test]
+async fn chaos_stream_cut_fails_the_body_after_n_events() {
+    let app = app(Engine::Vllm);
+    call(&app, "POST", "/sim/chaos", r#"{"mode": "stream_cut", "after_chunks": 2}"#).await;
+    let body = json!({"model": "base", "prompt": "x", "stream": true, "max_tokens": 8}).to_string();
+    let req = Request::builder()
+        .method("POST")
+        .uri("/v1/completions")
+        .header("content-type", "application/json")
+        .body(Body::from(body))
+        .unwrap();
+    let resp = app.clone().oneshot(req).await.unwrap();
+    assert_eq!(resp.status(), StatusCode::OK, "the head is sent before the cut");
+    let mut stream = resp.into_body().into_data_stream();
+    let mut events = 0;
+    let mut failed = false;
+    while let Some(frame) = futures_util::StreamExt::next(&mut stream).await {
+        match frame {
+            Ok(bytes) => events += bytes.windows(6).filter(|w| w == b"data: ").count(),
+            Err(_) => {
+                failed = true;
+                break;
+            }
+        }
+    }
+    assert!(failed, "the body must fail");
+    assert_eq!(events, 2);
+}
+
+/// Serves the router on a real loopback socket, as the binary does.
+async fn serve_on_loopback() -> std::net::SocketAddr {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let app = app(Engine::Vllm).into_make_service_with_connect_info::<http::ConnHandle>();
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    addr
+}
+
+async fn raw_post(addr: std::net::SocketAddr, path: &str, body: &str) -> Vec<u8> {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let mut c = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let req = format!(
+        "POST {path} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    c.write_all(req.as_bytes()).await.unwrap();
+    let mut out = Vec::new();
+    // A reset connection may end in an error instead of EOF; both mean "no more bytes".
+    let _ = c.read_to_end(&mut out).await;
+    out
+}
+
+#[tokio::test]
+async fn chaos_reset_closes_the_connection_without_a_response() {
+    let addr = serve_on_loopback().await;
+    let set = raw_post(addr, "/sim/chaos", r#"{"mode": "reset"}"#).await;
+    assert!(set.starts_with(b"HTTP/1.1 200"), "{}", String::from_utf8_lossy(&set));
+    let body = json!({"model": "base", "prompt": "x"}).to_string();
+    let got = raw_post(addr, "/v1/completions", &body).await;
+    assert!(got.is_empty(), "expected no response bytes, got {}", String::from_utf8_lossy(&got));
+    // Non-inference endpoints still answer.
+    let stats = raw_post(addr, "/sim/chaos", "").await;
+    assert!(stats.starts_with(b"HTTP/1.1 200"));
+    let got = raw_post(addr, "/v1/completions", &body).await;
+    assert!(got.starts_with(b"HTTP/1.1 200"), "{}", String::from_utf8_lossy(&got));
+}
