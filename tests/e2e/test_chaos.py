@@ -106,6 +106,12 @@ def test_pod_failing_fast_is_retried_on_a_fallback(mode):
         addr = {s.name: s.address for s in sims}
         # The served header names the fallback that answered, not the primary that failed.
         assert [r.headers.get(SERVED) for r in results] == [addr[n] for n in names]
+        # So does the session token: one token per pod that answered, whatever the primary was.
+        tokens = {}
+        for r, n in zip(results, names):
+            tokens.setdefault(n, set()).add(r.headers.get("x-session-token"))
+        assert all(len(t) == 1 and None not in t for t in tokens.values()), tokens
+        assert len({t for ts in tokens.values() for t in ts}) == len(tokens), tokens
         print(f"\n{mode}: 30 of 30 answered 200, {bad.chaos_total()} tries on the failing pod retried")
     finally:
         envoy.stop()
