@@ -17,7 +17,6 @@ use proxy_wasm::types::Action;
 use super::{io, Worker};
 use crate::admission::Decision;
 use crate::errors::Rejection;
-use crate::inflight;
 use crate::priority::PriorityHeaders;
 use crate::request::{
     self, BodyInputs, HeadDecision, Prepared, RequestHead, DEBUG_SCORES_HEADER, DESTINATION_HEADER,
@@ -88,17 +87,17 @@ fn go(worker: &Worker, ex: &mut Exchange, inputs: &BodyInputs<'_>) -> Result<(),
     };
     io::set_request_header(DESTINATION_HEADER, Some(&pick.destination_header()));
     io::set_request_header(ORIGINAL_DST_HEADER, Some(&pick.primary));
-    let mut metrics = worker.metrics.borrow_mut();
-    match inflight::adjust(inputs.store, &pick.primary, 1) {
-        Ok(n) => {
-            ex.holding = Some(pick.primary.clone());
-            metrics.gauge(
-                telemetry::name(telemetry::ENDPOINT_INFLIGHT, &[("endpoint", &pick.primary)]),
-                u64::from(n),
-            );
-        }
-        Err(e) => warn!("inference-picker: in-flight increment failed: {e:?}"),
+    // The +1 counts locally even if publishing it fails (the next tick publishes it), so the
+    // matching -1 is always due.
+    ex.holding = Some(pick.primary.clone());
+    if let Err(e) = worker.inflight.borrow_mut().adjust(inputs.store, &pick.primary, 1, inputs.now_ms) {
+        warn!("inference-picker: publishing the in-flight increment failed: {e:?}");
     }
+    let mut metrics = worker.metrics.borrow_mut();
+    metrics.gauge(
+        telemetry::name(telemetry::ENDPOINT_INFLIGHT, &[("endpoint", &pick.primary)]),
+        u64::from(inputs.inflight.get(&pick.primary)).saturating_add(1),
+    );
     metrics.count(telemetry::name(
         telemetry::REQUESTS,
         &[("model", &pick.target_model), ("endpoint", &pick.primary), ("outcome", pick.reason.as_str())],
@@ -131,8 +130,9 @@ pub(crate) fn release_held(worker: &Worker, id: u32, waited_ms: u64, own_context
     // Fresh reads: earlier releases of this tick changed the in-flight counts.
     let store = io::HostStore;
     let snapshot = worker.snapshot();
-    let inflight = inflight::read(&store).unwrap_or_default();
-    let inputs = BodyInputs { snapshot: &snapshot, inflight: &inflight, store: &store, now_ms: io::now_ms() };
+    let now_ms = io::now_ms();
+    let inflight = worker.inflight_counts(now_ms);
+    let inputs = BodyInputs { snapshot: &snapshot, inflight: &inflight, store: &store, now_ms };
     match go(worker, &mut ex, &inputs) {
         Ok(()) => io::resume_request(),
         Err(rej) => {
@@ -255,8 +255,8 @@ impl HttpContext for Filter {
         }
 
         let store = io::HostStore;
-        let inflight = inflight::read(&store).unwrap_or_default();
         let now_ms = io::now_ms();
+        let inflight = worker.inflight_counts(now_ms);
         let group = prepared.route.base.clone();
         let priority = prepared.priority.clone();
         self.ex.borrow_mut().prepared = Some(prepared);
@@ -314,13 +314,16 @@ impl HttpContext for Filter {
         self.forget();
         let holding = self.ex.borrow_mut().holding.take();
         if let Some(addr) = holding {
-            match inflight::adjust(&io::HostStore, &addr, -1) {
-                Ok(n) => self.worker.metrics.borrow_mut().gauge(
-                    telemetry::name(telemetry::ENDPOINT_INFLIGHT, &[("endpoint", &addr)]),
-                    u64::from(n),
-                ),
-                Err(e) => warn!("inference-picker: in-flight release for {addr} failed: {e:?}"),
+            let now_ms = io::now_ms();
+            let published = self.worker.inflight.borrow_mut().adjust(&io::HostStore, &addr, -1, now_ms);
+            if let Err(e) = published {
+                warn!("inference-picker: publishing the in-flight release for {addr} failed: {e:?}");
             }
+            let n = self.worker.inflight_counts(now_ms).get(&addr);
+            self.worker
+                .metrics
+                .borrow_mut()
+                .gauge(telemetry::name(telemetry::ENDPOINT_INFLIGHT, &[("endpoint", &addr)]), u64::from(n));
         }
     }
 }

@@ -52,6 +52,8 @@ pub(crate) struct Worker {
     pub gate: RefCell<Gate>,
     /// Requests held by flow control: context id → their state, for the root's tick.
     pub pending: RefCell<HashMap<u32, filter::Shared>>,
+    /// This VM's in-flight counts and its slot in shared data (`crate::inflight`).
+    pub inflight: RefCell<inflight::InflightTable>,
 }
 
 impl Worker {
@@ -67,15 +69,32 @@ impl Worker {
         }
     }
 
-    /// The filter root's tick: let flow control release or reject held requests, then flush
-    /// its metrics. `root_id` is the root context id (restored after acting on held requests).
+    /// Every live VM's in-flight counts (this VM's from memory). On a store error, this VM's
+    /// own counts only.
+    pub fn inflight_counts(&self, now_ms: u64) -> inflight::InflightCounts {
+        let mut table = self.inflight.borrow_mut();
+        match table.read(&io::HostStore, now_ms) {
+            Ok(c) => c,
+            Err(e) => {
+                warn!("inference-picker: reading in-flight counts failed: {e:?}");
+                table.local().clone()
+            }
+        }
+    }
+
+    /// The filter root's tick: keep this VM's in-flight record alive (heartbeat, ownership
+    /// check), let flow control release or reject held requests, then flush its metrics.
+    /// `root_id` is the root context id (restored after acting on held requests).
     fn on_tick(&self, root_id: u32) {
+        if let Err(e) = self.inflight.borrow_mut().tick(&io::HostStore, io::now_ms()) {
+            warn!("inference-picker: in-flight heartbeat failed: {e:?}");
+        }
         let needs_tick = self.gate.borrow().needs_tick();
         if needs_tick {
             let store = io::HostStore;
             let snapshot = self.snapshot();
-            let counts = inflight::read(&store).unwrap_or_default();
             let now_ms = io::now_ms();
+            let counts = self.inflight_counts(now_ms);
             let actions = self.gate.borrow_mut().tick(&store, &snapshot, &counts, now_ms);
             for a in actions {
                 match a {
@@ -140,6 +159,12 @@ impl Context for Root {
         if let Some(l) = &mut self.leased {
             l.release();
         }
+        // This VM is going away: its in-flight counts go with it, now rather than after the TTL.
+        if let Role::Filter(w) = &self.role {
+            if let Err(e) = w.inflight.borrow_mut().release(&io::HostStore) {
+                warn!("inference-picker: freeing the in-flight slot failed: {e:?}");
+            }
+        }
         true
     }
 }
@@ -202,6 +227,10 @@ impl RootContext for Root {
                 metrics: RefCell::new(io::Metrics::default()),
                 gate: RefCell::new(Gate::new(&cfg, worker_id)),
                 pending: RefCell::new(HashMap::new()),
+                inflight: RefCell::new(inflight::InflightTable::new(crate::lease::holder_id(
+                    io::entropy(),
+                    self.context_id,
+                ))),
                 cfg,
             }))
         };
