@@ -306,7 +306,7 @@ impl InflightTable {
                 self.slot = None;
                 continue;
             };
-            if !decode(&bytes).is_some_and(|r| r.owner == self.owner) {
+            if decode(&bytes).is_none_or(|r| r.owner != self.owner) {
                 // Another VM owns this slot now: move, with our full state.
                 self.slot = None;
                 continue;

@@ -94,14 +94,22 @@ fn go(worker: &Worker, ex: &mut Exchange, inputs: &BodyInputs<'_>) -> Result<(),
         warn!("inference-picker: publishing the in-flight increment failed: {e:?}");
     }
     let mut metrics = worker.metrics.borrow_mut();
-    metrics.gauge(
-        telemetry::name(telemetry::ENDPOINT_INFLIGHT, &[("endpoint", &pick.primary)]),
-        u64::from(inputs.inflight.get(&pick.primary)).saturating_add(1),
-    );
-    metrics.count(telemetry::name(
-        telemetry::REQUESTS,
-        &[("model", &pick.target_model), ("endpoint", &pick.primary), ("outcome", pick.reason.as_str())],
-    ));
+    let per_endpoint = worker.cfg.filter.endpoint_metrics;
+    if per_endpoint {
+        metrics.gauge(
+            telemetry::name(telemetry::ENDPOINT_INFLIGHT, &[("endpoint", &pick.primary)]),
+            u64::from(inputs.inflight.get(&pick.primary)).saturating_add(1),
+        );
+    }
+    let tags: Vec<(&str, &str)> = [
+        Some(("model", pick.target_model.as_str())),
+        telemetry::endpoint_tag(per_endpoint, &pick.primary),
+        Some(("outcome", pick.reason.as_str())),
+    ]
+    .into_iter()
+    .flatten()
+    .collect();
+    metrics.count(telemetry::name(telemetry::REQUESTS, &tags));
     metrics.gauge(
         telemetry::name(telemetry::SNAPSHOT_AGE, &[]),
         inputs.now_ms.saturating_sub(inputs.snapshot.published_ms),
@@ -319,11 +327,11 @@ impl HttpContext for Filter {
             if let Err(e) = published {
                 warn!("inference-picker: publishing the in-flight release for {addr} failed: {e:?}");
             }
-            let n = self.worker.inflight_counts(now_ms).get(&addr);
-            self.worker
-                .metrics
-                .borrow_mut()
-                .gauge(telemetry::name(telemetry::ENDPOINT_INFLIGHT, &[("endpoint", &addr)]), u64::from(n));
+            if self.worker.cfg.filter.endpoint_metrics {
+                let n = self.worker.inflight_counts(now_ms).get(&addr);
+                let name = telemetry::name(telemetry::ENDPOINT_INFLIGHT, &[("endpoint", &addr)]);
+                self.worker.metrics.borrow_mut().gauge(name, u64::from(n));
+            }
         }
     }
 }

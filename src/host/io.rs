@@ -254,12 +254,26 @@ mod tests {
 #[derive(Default)]
 pub struct Metrics {
     ids: hashbrown::HashMap<String, u32>,
+    /// The name limit was hit and logged.
+    full_logged: bool,
 }
 
 impl Metrics {
     fn id(&mut self, kind: proxy_wasm::types::MetricType, name: String) -> Option<u32> {
         if let Some(id) = self.ids.get(&name) {
             return Some(*id);
+        }
+        // Bounded: a VM never defines more than MAX_METRIC_NAMES names (logged once).
+        if self.ids.len() >= crate::telemetry::MAX_METRIC_NAMES {
+            if !self.full_logged {
+                self.full_logged = true;
+                log::error!(
+                    "inference-picker: {} metric names defined in this VM; not defining {name} or any \
+                     new one (is filter.endpoint_metrics on while pods churn?)",
+                    self.ids.len()
+                );
+            }
+            return None;
         }
         match hostcalls::define_metric(kind, &name) {
             Ok(id) => {

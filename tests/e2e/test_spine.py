@@ -14,7 +14,9 @@ POLL_S = 0.2
 @pytest.fixture(scope="module")
 def pool():
     sims = [Sim("sim-a"), Sim("sim-b"), Sim("sim-c", models=(LLAMA, QWEN))]
-    cfg = picker_config([endpoint(sims[0], LLAMA), endpoint(sims[1], LLAMA), endpoint(sims[2], LLAMA, QWEN)])
+    # Per-endpoint metric names are opt-in (unbounded while pods churn); this pool is fixed.
+    cfg = picker_config([endpoint(sims[0], LLAMA), endpoint(sims[1], LLAMA), endpoint(sims[2], LLAMA, QWEN)],
+                        filter={"endpoint_metrics": True})
     envoy = Envoy(cfg)
     try:
         envoy.wait_routable(LLAMA)
