@@ -244,14 +244,14 @@ impl HttpContext for Filter {
             let ex = self.ex.borrow();
             request::prepare(cfg, &scheduler, &mut *rng, &ex.head, &body, &snapshot)
         };
-        let prepared = match prepared {
+        let mut prepared = match prepared {
             Ok(p) => p,
             Err(rej) => return self.reject(&rej),
         };
         // The model rewrite does not depend on the endpoint: apply it now, while the body is in
-        // hand, whether or not the request is held.
-        if let Some(new_body) = &prepared.new_body {
-            if !io::replace_request_body(body_size, new_body) {
+        // hand, whether or not the request is held. Taken, so a held request does not keep it.
+        if let Some(new_body) = prepared.new_body.take() {
+            if !io::replace_request_body(body_size, &new_body) {
                 return self.reject(&Rejection::new(
                     500,
                     "internal_error",
