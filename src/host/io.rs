@@ -23,6 +23,9 @@ impl SharedStore for HostStore {
     fn get(&self, key: &str) -> Result<Option<(Vec<u8>, u32)>, StoreError> {
         match hostcalls::get_shared_data(key) {
             Ok((Some(v), cas)) => Ok(Some((v, cas.unwrap_or(0)))),
+            // The SDK reports an EMPTY stored value as no value, but with the key's CAS token:
+            // the key exists (the shared-data "removed" convention), and callers need the token.
+            Ok((None, Some(cas))) if cas != 0 => Ok(Some((Vec::new(), cas))),
             Ok((None, _)) => Ok(None),
             Err(s) => Err(StoreError::Host(format!("{s:?}"))),
         }

@@ -305,6 +305,7 @@ class LdsEnvoy(Envoy):
         self.listener = doc["static_resources"].pop("listeners")[0]
         doc["dynamic_resources"] = {"lds_config": {"resource_api_version": "V3",
                                                    "path_config_source": {"path": str(self.lds_path)}}}
+        doc["node"] = {"id": "picker-test", "cluster": "picker-test"}
         self._write_listener()
         path = Path(self.tmp.name) / "envoy.yaml"
         path.write_text(yaml.safe_dump(doc))

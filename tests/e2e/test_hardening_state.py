@@ -22,7 +22,10 @@ def post(url: str, model: str, content: str, max_tokens: int, timeout: float = 1
     body = {"model": model, "max_tokens": max_tokens, "messages": [{"role": "user", "content": content}]}
     try:
         with requests.Session() as s:
-            return s.post(url + "/v1/chat/completions", json=body, timeout=timeout).status_code
+            r = s.post(url + "/v1/chat/completions", json=body, timeout=timeout)
+            if r.status_code != 200:
+                print("non-200:", r.status_code, r.headers, r.text[:300])
+            return r.status_code
     except requests.RequestException:
         return 0
 
@@ -107,7 +110,8 @@ def test_rss_stays_bounded_across_rounds_of_large_held_bodies():
         held = [pool.submit(post, envoy.url, ALIAS, big, 1) for _ in range(HELD)]
         wait_until(lambda: envoy.metric("inference_picker_flow_waiting", priority="0") >= HELD, 30,
                    "every large request held")
-        assert all(f.result(timeout=120) == 200 for f in blockers + held)
+        statuses = [f.result(timeout=120) for f in blockers + held]
+        assert statuses == [200] * (HELD + 2), statuses
         wait_until(lambda: inflight(envoy, sim) == 0, 10, "round finished")
 
     try:
