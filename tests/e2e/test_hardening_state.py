@@ -105,7 +105,9 @@ def test_rss_stays_bounded_across_rounds_of_large_held_bodies():
     big = "x" * BIG
 
     def round_of_held_bodies() -> None:
-        blockers = [pool.submit(post, envoy.url, LLAMA, f"blocker {i}", 30) for i in range(2)]
+        # 200 tokens at 50 ms: the blockers hold both slots for about 10 s, long enough for every
+        # large request to arrive and be held (uploading them takes a few seconds here).
+        blockers = [pool.submit(post, envoy.url, LLAMA, f"blocker {i}", 200) for i in range(2)]
         wait_until(lambda: inflight(envoy, sim) == 2, 10, "both blockers in flight")
         held = [pool.submit(post, envoy.url, ALIAS, big, 1) for _ in range(HELD)]
         wait_until(lambda: envoy.metric("inference_picker_flow_waiting", priority="0") >= HELD, 30,
@@ -127,7 +129,8 @@ def test_rss_stays_bounded_across_rounds_of_large_held_bodies():
         # Envoy itself buffers each held body (HELD x 4 MiB = 48 MiB while held); the module may add
         # little beyond that. Before the fix the module added HELD x 8 MiB = 96 MiB more.
         assert r1 - base <= HELD * BIG // 1024 + 32 * 1024, (base, r1, r2)
-        assert r2 <= r1 + 16 * 1024, (base, r1, r2)
+        # Envoy's own allocator may still grow a little between rounds (measured +14 MiB here).
+        assert r2 <= r1 + 24 * 1024, (base, r1, r2)
         # Default metrics carry no endpoint address (bounded names): only the opt-in gauge
         # and requests counter would, and this config opts in, so check the reason-tagged ones.
         text = envoy.stats_prometheus()
