@@ -435,11 +435,13 @@ mod tests {
         assert_eq!(r.slot(), Some(0));
     }
 
+    type Other<'a> = Box<dyn FnOnce(&MemStore) + 'a>;
+
     /// Runs `other` once, right after the next `get` of `key` (another VM interleaving).
     struct Interleave<'a> {
         inner: &'a MemStore,
         key: String,
-        other: RefCell<Option<Box<dyn FnOnce(&MemStore) + 'a>>>,
+        other: RefCell<Option<Other<'a>>>,
     }
     impl SharedStore for Interleave<'_> {
         fn get(&self, key: &str) -> Result<Option<(Vec<u8>, u32)>, StoreError> {
