@@ -527,6 +527,24 @@ vllm:kv_cache_usage_perc{engine=\"0\",model_name=\"m\"} 0.25\n";
     }
 
     #[test]
+    fn a_discovery_that_could_not_be_used_keeps_the_endpoints_and_retries_at_the_next_refresh() {
+        // Envoy refused the call, or the pod list was over poller.max_response_bytes.
+        let cfg = k8s_cfg();
+        let k = &cfg.discovery.as_ref().unwrap().kubernetes;
+        let mut p = Poller::new(&cfg);
+        assert!(p.discovery_due(0));
+        p.on_discovery(k, Some(200), &pod_list(&["10.1.0.5"])).unwrap();
+        assert!(p.discovery_due(5000));
+        p.discovery_failed();
+        // No longer outstanding, but the refresh cadence still applies.
+        assert!(!p.discovery_due(5001));
+        assert!(p.discovery_due(10_000));
+        assert_eq!(p.snapshot(10_001).endpoints.len(), 2);
+        assert_eq!(DiscoveryError::Status(403).reason(), "status");
+        assert_eq!(DiscoveryError::WrongKind("Status".into()).reason(), "bad_body");
+    }
+
+    #[test]
     fn abandoning_outstanding_scrapes_allows_a_fresh_round() {
         let mut p = Poller::new(&cfg());
         assert!(p.start_round_if_due(0).is_some());
