@@ -67,14 +67,14 @@ pub const WORKER_SEQ_KEY: &str = "inference-picker/flow-worker-seq";
 /// (CAS; shared data is per process, which is all the flow records need). Ids start at 1 and
 /// are never reused while the process lives; a restarted VM takes a new one, and its old id
 /// ages out of the records after `worker_ttl_ms`.
+///
+/// First write: the counter key is created with `crate::ports::get_or_create` (value `0`), so
+/// every increment, the first one included, is a true CAS. Two VMs starting at once can no
+/// longer both take id 1 (a blind first write let the second overwrite the first's `1`).
 pub fn claim_worker_id(store: &dyn SharedStore) -> Result<u64, StoreError> {
     for _ in 0..crate::inflight::MAX_CAS_ATTEMPTS {
-        let (current, cas) = match store.get(WORKER_SEQ_KEY)? {
-            Some((v, cas)) => {
-                (std::str::from_utf8(&v).ok().and_then(|t| t.parse::<u64>().ok()).unwrap_or(0), cas)
-            }
-            None => (0, 0),
-        };
+        let (v, cas) = crate::ports::get_or_create(store, WORKER_SEQ_KEY, b"0")?;
+        let current = std::str::from_utf8(&v).ok().and_then(|t| t.parse::<u64>().ok()).unwrap_or(0);
         let next = current.wrapping_add(1).max(1);
         match store.set(WORKER_SEQ_KEY, next.to_string().as_bytes(), cas) {
             Ok(()) => return Ok(next),
@@ -675,6 +675,31 @@ mod tests {
         g.tick(&store, &snap(2, 10), &inflight("10.0.0.2:8000=2"), NOW + 5);
         // Two slots on .1 in epoch 2: both released.
         assert_eq!(gauge(&g.take_metrics()), -2);
+    }
+
+    #[test]
+    fn two_vms_starting_together_get_different_worker_ids() {
+        // Both read the counter absent; B creates and increments it before A writes.
+        struct Racing<'a> {
+            inner: &'a MemStore,
+            other: std::cell::Cell<bool>,
+        }
+        impl SharedStore for Racing<'_> {
+            fn get(&self, key: &str) -> Result<Option<(Vec<u8>, u32)>, StoreError> {
+                let r = self.inner.get(key);
+                if self.other.replace(false) {
+                    assert_eq!(claim_worker_id(self.inner), Ok(1));
+                }
+                r
+            }
+            fn set(&self, key: &str, value: &[u8], cas: u32) -> Result<(), StoreError> {
+                self.inner.set(key, value, cas)
+            }
+        }
+        let store = MemStore::new();
+        let a = claim_worker_id(&Racing { inner: &store, other: std::cell::Cell::new(true) });
+        assert_eq!(a, Ok(2));
+        assert_eq!(store.get(WORKER_SEQ_KEY).unwrap().unwrap().0, b"2");
     }
 
     #[test]

@@ -47,6 +47,10 @@ pub const MIN_TIMEOUT_MS: u64 = 1;
 /// Largest `filter.max_body_bytes` (64 MiB). The filter buffers the whole body in every worker's
 /// VM; more than this is a misconfiguration, not a workload.
 pub const MAX_BODY_BYTES_LIMIT: usize = 64 * 1024 * 1024;
+/// Smallest `poller.max_response_bytes` (1 KiB): less cannot hold one engine's routing metrics.
+pub const MIN_RESPONSE_BYTES: usize = 1024;
+/// Largest `poller.max_response_bytes` (64 MiB).
+pub const MAX_RESPONSE_BYTES_LIMIT: usize = 64 * 1024 * 1024;
 
 /// Configuration of the inference-picker module: the same document for the HTTP filter and the
 /// poller.
@@ -175,6 +179,15 @@ pub struct PollerConfig {
     /// be at least twice `interval_ms` (the tick that renews it).
     #[serde(default = "default_lease_ttl_ms")]
     pub lease_ttl_ms: u64,
+    /// Largest callout response read, in bytes: a `/metrics` answer, and the Kubernetes pod list
+    /// when discovery is on. 1024 to 67108864. Default 4194304 (4 MiB). A larger response is not
+    /// read at all: the scrape (or pod list) counts as failed, with an error log and
+    /// `inference_picker_scrape_failures_total;reason=too_large` (or
+    /// `inference_picker_discovery_failures_total;reason=too_large`). It bounds the memory a
+    /// misbehaving server can make the poller allocate (in lease mode, inside a worker VM).
+    #[serde(default = "default_max_response_bytes")]
+    #[cfg_attr(feature = "schema", schemars(range(min = MIN_RESPONSE_BYTES, max = MAX_RESPONSE_BYTES_LIMIT)))]
+    pub max_response_bytes: usize,
 }
 
 /// Which root context scrapes the endpoints and publishes the snapshot.
@@ -233,6 +246,13 @@ pub struct FilterConfig {
     /// Default false.
     #[serde(default)]
     pub expose_served_endpoint: bool,
+    /// Add the `endpoint` tag to the filter's metrics (`inference_picker_requests_total` by
+    /// endpoint, and the per-endpoint `inference_picker_endpoint_inflight` gauge). Default false.
+    /// Envoy never deletes a stat, so with this on every pod address ever routed to stays a
+    /// metric name for the life of the process: the number of names grows without bound while
+    /// pods churn. Turn it on only for a fixed set of endpoints, or for debugging.
+    #[serde(default = "default_endpoint_metrics")]
+    pub endpoint_metrics: bool,
 }
 
 fn default_interval_ms() -> u64 {
@@ -256,6 +276,12 @@ fn default_poller_mode() -> PollerMode {
 fn default_lease_ttl_ms() -> u64 {
     1000
 }
+fn default_max_response_bytes() -> usize {
+    4 * 1024 * 1024
+}
+fn default_endpoint_metrics() -> bool {
+    false
+}
 fn default_max_body_bytes() -> usize {
     4 * 1024 * 1024
 }
@@ -273,6 +299,7 @@ impl Default for PollerConfig {
             metrics_path: default_metrics_path(),
             mode: default_poller_mode(),
             lease_ttl_ms: default_lease_ttl_ms(),
+            max_response_bytes: default_max_response_bytes(),
         }
     }
 }
@@ -284,6 +311,7 @@ impl Default for FilterConfig {
             failure_mode: default_failure_mode(),
             passthrough_prefixes: Vec::new(),
             expose_served_endpoint: false,
+            endpoint_metrics: default_endpoint_metrics(),
         }
     }
 }
@@ -623,6 +651,15 @@ impl PollerConfig {
                 format!(
                     "must be at least twice interval_ms ({}), got {}: the holder renews once per tick",
                     self.interval_ms, self.lease_ttl_ms
+                ),
+            );
+        }
+        if !(MIN_RESPONSE_BYTES..=MAX_RESPONSE_BYTES_LIMIT).contains(&self.max_response_bytes) {
+            errs.push(
+                field(at, "max_response_bytes"),
+                format!(
+                    "must be in {MIN_RESPONSE_BYTES}..={MAX_RESPONSE_BYTES_LIMIT} (1 KiB to 64 MiB), got {}",
+                    self.max_response_bytes
                 ),
             );
         }

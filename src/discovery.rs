@@ -289,6 +289,16 @@ pub enum DiscoveryError {
     WrongKind(String),
 }
 
+impl DiscoveryError {
+    /// The `reason` tag of `inference_picker_discovery_failures_total`: a fixed code.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            DiscoveryError::Status(_) => "status",
+            DiscoveryError::BadBody(_) | DiscoveryError::WrongKind(_) => "bad_body",
+        }
+    }
+}
+
 impl std::fmt::Display for DiscoveryError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {

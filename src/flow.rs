@@ -57,6 +57,16 @@
 //! - When the shared store fails, the queue acts locally: it holds, times out and cancels, but
 //!   releases nothing until the store works again (timeouts bound the wait).
 //!
+//! # First writes
+//! Envoy has no create-if-absent: a write with CAS 0 to an absent key is blind, so two workers
+//! that both found a group's key absent would both write and the second would erase the first's
+//! hold or token spend. A read-modify-write that finds the key absent and
+//! has something to write first creates it with an empty value (the neutral record: no workers,
+//! no ledger) using `crate::ports::CREATE_CAS`, which fails if the key exists, then re-reads and
+//! applies its update with CAS on a real token, the first one included. Tested by
+//! interleaving two first writers on a store with Envoy's exact semantics
+//! (`two_first_writers_of_a_group_key_both_count`).
+//!
 //! # Keys
 //! One key per group, so the number of keys is bounded by the configured models. The value is
 //! bounded by workers × distinct priorities (priorities come only from the config).
@@ -360,13 +370,21 @@ fn read_modify_write<R>(
     f: &mut dyn FnMut(&mut Record) -> (R, bool),
 ) -> Result<(R, Record), StoreError> {
     for _ in 0..MAX_CAS_ATTEMPTS {
-        let (mut rec, cas) = match store.get(key)? {
-            Some((bytes, cas)) => (Record::decode(&bytes), cas),
-            None => (Record::default(), 0),
-        };
+        let found = store.get(key)?;
+        let absent = found.is_none();
+        let (bytes, cas) = found.unwrap_or_default();
+        let mut rec = Record::decode(&bytes);
         let (r, write) = f(&mut rec);
         if !write {
             return Ok((r, rec));
+        }
+        if absent {
+            // Never written: create it empty (the neutral record) with the creation CAS, then
+            // redo the update as a CAS on a real token. See the module doc, "First writes".
+            match store.set(key, b"", crate::ports::CREATE_CAS) {
+                Ok(()) | Err(StoreError::CasMismatch) => continue,
+                Err(e) => return Err(e),
+            }
         }
         let bytes = serde_json::to_vec(&rec).map_err(|e| StoreError::Host(e.to_string()))?;
         match store.set(key, &bytes, cas) {
@@ -1254,6 +1272,37 @@ mod tests {
         assert!(held(&q.admit(&s, &t(1, 0, "a"), &SAT, 0)));
         let rec = Record::decode(&s.inner.get(&shared_key("m")).unwrap().unwrap().0);
         assert_eq!(rec.workers, vec![WorkerEntry { id: 1, hb: 0, q: vec![(0, 1)] }]);
+    }
+
+    #[test]
+    fn two_first_writers_of_a_group_key_both_count() {
+        // Worker 1 reads the group key absent; before it writes, worker 2 creates the key and
+        // records its own hold. On Envoy's semantics a blind first write by worker 1 would erase
+        // worker 2's entry; with create-then-CAS both holds are in the record.
+        struct Interleaved<'a> {
+            inner: &'a MemStore,
+            other: std::cell::RefCell<Option<FlowQueue>>,
+        }
+        impl SharedStore for Interleaved<'_> {
+            fn get(&self, k: &str) -> Result<Option<(Vec<u8>, u32)>, StoreError> {
+                let r = self.inner.get(k);
+                if let Some(mut w2) = self.other.borrow_mut().take() {
+                    assert!(held(&w2.admit(self.inner, &t(7, 0, "b"), &SAT, 0)));
+                }
+                r
+            }
+            fn set(&self, k: &str, v: &[u8], cas: u32) -> Result<(), StoreError> {
+                self.inner.set(k, v, cas)
+            }
+        }
+        let s = MemStore::new();
+        let racing =
+            Interleaved { inner: &s, other: std::cell::RefCell::new(Some(FlowQueue::new(&cfg(), "m", 2))) };
+        let mut w1 = FlowQueue::new(&cfg(), "m", 1);
+        assert!(held(&w1.admit(&racing, &t(1, 0, "a"), &SAT, 0)));
+        let mut ids: Vec<u64> = record(&s, "m").workers.iter().map(|w| w.id).collect();
+        ids.sort_unstable();
+        assert_eq!(ids, vec![1, 2]);
     }
 
     #[test]

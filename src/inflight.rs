@@ -1,26 +1,65 @@
-//! Router-local in-flight request counts, shared by every Envoy worker through shared data.
+//! Router-local in-flight request counts, shared by every Envoy worker through shared data, and
+//! never outliving the VM that counted them.
 //!
-//! Polled metrics lag bursts by up to one poll interval; this count reacts at once. Every worker
-//! VM increments an endpoint's count when it sends a request there and decrements it when the
-//! request finishes or fails (the host calls [`adjust`] from `on_log`, which Envoy runs for every
-//! stream, reset or not).
+//! Polled metrics lag bursts by up to one poll interval; this count reacts at once. A worker VM
+//! counts +1 when it sends a request to an endpoint and -1 when the request ends (`on_log`, which
+//! Envoy runs for every stream, reset or not).
 //!
-//! Layout: ONE shared-data key, [`INFLIGHT_KEY`], holding `addr=count` entries separated by `;`.
-//! Entries at zero are dropped, so the value holds at most one entry per endpoint with requests
-//! in flight, and the number of keys is one whatever the traffic. Updates are CAS loops bounded
-//! by [`MAX_CAS_ATTEMPTS`]; a read is one host call, which the scorer needs anyway (it reads all
-//! candidates' counts).
+//! # One record per VM (single writer)
+//! Each VM keeps its own counts locally ([`InflightTable`]) and publishes them in ONE slot key,
+//! `inference-picker/inflight/<k>` ([`slot_key`]), that only it writes. The record
+//! ([`encode`]/[`decode`]) is `i1 <owner nonce, 16 hex> <heartbeat ms> addr=n;addr=n`; an empty
+//! value is a free slot. Readers sum the records of the live slots; a record whose heartbeat is
+//! older than [`TTL_MS`] is ignored. So the +1 of a VM that dies (panic, reload, config change)
+//! mid-request stops counting within `TTL_MS`: a count never survives its VM. The root context's
+//! `on_done` writes an empty record at once ([`InflightTable::release`]).
 //!
-//! Failure behaviour: a value that does not parse is treated as empty (counts restart at zero,
-//! which under-counts for at most the requests in flight at that moment); an update that loses
-//! the CAS race `MAX_CAS_ATTEMPTS` times in a row returns the error and the host logs it.
+//! # Slots: bounded keys, claimed with ownership
+//! - Slots are taken lowest first, so the written ones are `0..n` with `n` the peak number of
+//!   VMs alive at once; a slot whose record is empty, garbled or stale is reused. At most
+//!   [`MAX_SLOTS`] keys, whatever the churn.
+//! - Claiming a never-written slot writes our record with [`CREATE_CAS`] (Envoy accepts any cas on
+//!   an absent key and rejects a non-matching one on an existing key, so of two VMs creating the
+//!   same slot only the first succeeds; see `crate::ports::get_or_create`). Claiming a free or
+//!   stale slot is a CAS on the token just read.
+//! - Ownership is verified on every write: a sync reads the slot, checks that the record carries
+//!   our nonce, and writes with that read's token. If another VM holds the slot (it won a
+//!   creation race our CAS could not see, or reused our slot while we were stalled past the
+//!   TTL), we move to another slot and write our full state there: the counts live locally, so
+//!   nothing is lost. The root's tick verifies the slot (one read) every tick and rewrites the
+//!   heartbeat every [`HEARTBEAT_MS`], so a conflict resolves within one tick.
+//!
+//! # Cost
+//! A +1 or -1 is one read and one write of this VM's own small record. A read of all counts is one
+//! host read per written slot other than our own (our counts are local); records are decoded
+//! again only when their CAS token changed.
+//!
+//! # Failure behaviour
+//! A garbled record reads as a free slot (its counts are ignored and its slot reusable). If the
+//! store fails, counts stay local and the next sync publishes them. If all slots are live, the
+//! VM keeps counting locally and its counts are invisible to the others (the host logs it).
 
 use hashbrown::HashMap;
 
-use crate::ports::{SharedStore, StoreError};
+use crate::ports::{SharedStore, StoreError, CREATE_CAS};
 
-pub const INFLIGHT_KEY: &str = "inference-picker/inflight";
+/// Prefix of the slot keys: `inference-picker/inflight/<k>`, `k` in `0..MAX_SLOTS`.
+pub const SLOT_KEY_PREFIX: &str = "inference-picker/inflight/";
+/// Most slot keys ever written (bounds the keys whatever the VM churn): more than any Envoy's
+/// worker count. A VM that finds every slot live keeps its counts local (logged).
+pub const MAX_SLOTS: usize = 256;
+/// A record whose heartbeat is older than this, in ms, belongs to a dead (or stalled) VM: readers
+/// ignore it and a claimer may reuse its slot.
+pub const TTL_MS: u64 = 2_000;
+/// How often a live VM rewrites its heartbeat, in ms (a quarter of [`TTL_MS`]; the filter root
+/// ticks every 50 ms).
+pub const HEARTBEAT_MS: u64 = TTL_MS / 4;
+/// CAS attempts for counters elsewhere (the worker-id sequence).
 pub const MAX_CAS_ATTEMPTS: usize = 64;
+/// Write attempts of one sync (lost CAS races, or moves after losing the slot).
+const MAX_SYNC_ATTEMPTS: usize = 8;
+/// Format tag in front of every slot record.
+const RECORD_TAG: &str = "i1";
 
 /// In-flight counts by endpoint address. Missing means zero.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -75,6 +114,14 @@ impl InflightCounts {
         out.into_bytes()
     }
 
+    /// Adds `other`'s counts to these.
+    fn add_all(&mut self, other: &InflightCounts) {
+        for (a, n) in other.iter() {
+            let e = self.counts.entry(a.to_string()).or_insert(0);
+            *e = e.saturating_add(n);
+        }
+    }
+
     /// Applies `delta`, saturating at 0 and u32::MAX; returns the new count.
     fn apply(&mut self, address: &str, delta: i32) -> u32 {
         let cur = self.get(address);
@@ -92,103 +139,460 @@ impl InflightCounts {
     }
 }
 
-/// Reads every endpoint's count.
-pub fn read(store: &dyn SharedStore) -> Result<InflightCounts, StoreError> {
-    Ok(store.get(INFLIGHT_KEY)?.map(|(v, _)| InflightCounts::decode(&v)).unwrap_or_default())
+/// The shared-data key of slot `k`.
+pub fn slot_key(k: usize) -> String {
+    format!("{SLOT_KEY_PREFIX}{k}")
 }
 
-/// Adds `delta` (+1 on send, -1 on finish) to an endpoint's count with a CAS loop.
-pub fn adjust(store: &dyn SharedStore, address: &str, delta: i32) -> Result<u32, StoreError> {
-    let mut last = StoreError::CasMismatch;
-    for _ in 0..MAX_CAS_ATTEMPTS {
-        let (mut counts, cas) = match store.get(INFLIGHT_KEY)? {
-            Some((v, cas)) => (InflightCounts::decode(&v), cas),
-            None => (InflightCounts::default(), 0),
-        };
-        let n = counts.apply(address, delta);
-        // cas 0 means "don't compare"; for a key never written we still want a race to be
-        // detected, which Envoy gives us because a second writer's get then returns cas != 0.
-        match store.set(INFLIGHT_KEY, &counts.encode(), cas) {
-            Ok(()) => return Ok(n),
-            Err(StoreError::CasMismatch) => last = StoreError::CasMismatch,
-            Err(e) => return Err(e),
+/// One VM's published record.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SlotRecord {
+    /// The owning VM's random nonce (never 0).
+    pub owner: u64,
+    /// When the owner last wrote, in ms.
+    pub heartbeat_ms: u64,
+    pub counts: InflightCounts,
+}
+
+/// Parses a slot record. `None` for an empty value (a free slot) or anything that is not a
+/// well-formed record (treated as free). Pure; never panics.
+pub fn decode(bytes: &[u8]) -> Option<SlotRecord> {
+    let text = std::str::from_utf8(bytes).ok()?;
+    let mut parts = text.splitn(4, ' ');
+    let (Some(tag), Some(owner), Some(hb)) = (parts.next(), parts.next(), parts.next()) else {
+        return None;
+    };
+    if tag != RECORD_TAG || owner.len() != 16 {
+        return None;
+    }
+    let owner = u64::from_str_radix(owner, 16).ok().filter(|&o| o != 0)?;
+    let heartbeat_ms = hb.parse().ok()?;
+    let counts = InflightCounts::decode(parts.next().unwrap_or("").as_bytes());
+    Some(SlotRecord { owner, heartbeat_ms, counts })
+}
+
+/// Serialises a slot record (see [`decode`]).
+pub fn encode(rec: &SlotRecord) -> Vec<u8> {
+    let mut out = format!("{RECORD_TAG} {:016x} {} ", rec.owner, rec.heartbeat_ms).into_bytes();
+    out.extend_from_slice(&rec.counts.encode());
+    out
+}
+
+/// This VM's in-flight counts and its slot in shared data. One per VM, kept for its lifetime.
+#[derive(Debug)]
+pub struct InflightTable {
+    owner: u64,
+    local: InflightCounts,
+    /// The slot this VM believes it owns (verified on every write).
+    slot: Option<usize>,
+    last_beat_ms: u64,
+    /// Decoded records of the other slots, by CAS token, so unchanged ones are not re-parsed.
+    cache: Vec<Option<(u32, Option<SlotRecord>)>>,
+}
+
+impl InflightTable {
+    /// `owner`: a random non-zero u64 for this VM (host entropy).
+    pub fn new(owner: u64) -> Self {
+        Self {
+            owner: owner.max(1),
+            local: InflightCounts::default(),
+            slot: None,
+            last_beat_ms: 0,
+            cache: Vec::new(),
         }
     }
-    Err(last)
+
+    pub fn owner(&self) -> u64 {
+        self.owner
+    }
+
+    /// The slot this VM writes, once it has claimed one.
+    pub fn slot(&self) -> Option<usize> {
+        self.slot
+    }
+
+    /// This VM's own counts.
+    pub fn local(&self) -> &InflightCounts {
+        &self.local
+    }
+
+    fn record(&self, now_ms: u64) -> SlotRecord {
+        SlotRecord { owner: self.owner, heartbeat_ms: now_ms, counts: self.local.clone() }
+    }
+
+    /// Every live VM's counts summed: ours from memory, the others' from their slots (records
+    /// older than [`TTL_MS`] ignored). Stops at the first never-written slot.
+    pub fn read(&mut self, store: &dyn SharedStore, now_ms: u64) -> Result<InflightCounts, StoreError> {
+        let mut total = self.local.clone();
+        for k in 0..MAX_SLOTS {
+            if Some(k) == self.slot {
+                continue;
+            }
+            let Some((bytes, cas)) = store.get(&slot_key(k))? else {
+                break;
+            };
+            if self.cache.len() <= k {
+                self.cache.resize(k + 1, None);
+            }
+            let entry = match self.cache.get_mut(k) {
+                Some(e) => e,
+                None => continue,
+            };
+            if !matches!(entry, Some((c, _)) if *c == cas) {
+                *entry = Some((cas, decode(&bytes)));
+            }
+            if let Some((_, Some(rec))) = entry {
+                if rec.owner != self.owner && now_ms.saturating_sub(rec.heartbeat_ms) <= TTL_MS {
+                    total.add_all(&rec.counts);
+                }
+            }
+        }
+        Ok(total)
+    }
+
+    /// Adds `delta` (+1 on send, -1 on finish) to this VM's count for `address`, then publishes.
+    /// Returns this VM's new count. The local count changes even if publishing fails (the next
+    /// sync publishes it).
+    pub fn adjust(
+        &mut self,
+        store: &dyn SharedStore,
+        address: &str,
+        delta: i32,
+        now_ms: u64,
+    ) -> Result<u32, StoreError> {
+        let n = self.local.apply(address, delta);
+        self.sync(store, now_ms)?;
+        Ok(n)
+    }
+
+    /// The root's tick: verify the slot is still ours (one read) and rewrite the heartbeat when
+    /// due. A VM with nothing ever counted has no slot and does nothing.
+    pub fn tick(&mut self, store: &dyn SharedStore, now_ms: u64) -> Result<(), StoreError> {
+        let Some(k) = self.slot else {
+            return Ok(());
+        };
+        let beat_due = now_ms.saturating_sub(self.last_beat_ms) >= HEARTBEAT_MS;
+        match store.get(&slot_key(k))? {
+            Some((bytes, _)) if !beat_due && decode(&bytes).is_some_and(|r| r.owner == self.owner) => Ok(()),
+            _ => self.sync(store, now_ms),
+        }
+    }
+
+    /// Frees the slot (an empty record) if this VM still owns it: call from the root's `on_done`.
+    pub fn release(&mut self, store: &dyn SharedStore) -> Result<(), StoreError> {
+        let Some(k) = self.slot.take() else {
+            return Ok(());
+        };
+        let key = slot_key(k);
+        if let Some((bytes, cas)) = store.get(&key)? {
+            if decode(&bytes).is_some_and(|r| r.owner == self.owner) {
+                return store.set(&key, b"", cas);
+            }
+        }
+        Ok(())
+    }
+
+    /// Publishes the local counts in our slot, verifying ownership; claims (or moves to) another
+    /// slot when we have none or lost ours.
+    fn sync(&mut self, store: &dyn SharedStore, now_ms: u64) -> Result<(), StoreError> {
+        let mut last = StoreError::CasMismatch;
+        for _ in 0..MAX_SYNC_ATTEMPTS {
+            let Some(k) = self.slot else {
+                return self.claim(store, now_ms);
+            };
+            let key = slot_key(k);
+            let Some((bytes, cas)) = store.get(&key)? else {
+                // Shared data has no delete; treat it as lost and claim again.
+                self.slot = None;
+                continue;
+            };
+            if decode(&bytes).is_none_or(|r| r.owner != self.owner) {
+                // Another VM owns this slot now: move, with our full state.
+                self.slot = None;
+                continue;
+            }
+            match store.set(&key, &encode(&self.record(now_ms)), cas) {
+                Ok(()) => {
+                    self.last_beat_ms = now_ms;
+                    return Ok(());
+                }
+                Err(StoreError::CasMismatch) => last = StoreError::CasMismatch,
+                Err(e) => return Err(e),
+            }
+        }
+        Err(last)
+    }
+
+    /// Takes the lowest slot that is never written, free, garbled or stale, and writes our record
+    /// there.
+    fn claim(&mut self, store: &dyn SharedStore, now_ms: u64) -> Result<(), StoreError> {
+        let mine = encode(&self.record(now_ms));
+        for k in 0..MAX_SLOTS {
+            let key = slot_key(k);
+            let written = match store.get(&key)? {
+                None => match store.set(&key, &mine, CREATE_CAS) {
+                    Ok(()) => true,
+                    Err(StoreError::CasMismatch) => false,
+                    Err(e) => return Err(e),
+                },
+                Some((bytes, cas)) => {
+                    let reusable = match decode(&bytes) {
+                        None => true,
+                        Some(r) => r.owner == self.owner || now_ms.saturating_sub(r.heartbeat_ms) > TTL_MS,
+                    };
+                    reusable
+                        && match store.set(&key, &mine, cas) {
+                            Ok(()) => true,
+                            Err(StoreError::CasMismatch) => false,
+                            Err(e) => return Err(e),
+                        }
+                }
+            };
+            if written {
+                self.slot = Some(k);
+                self.last_beat_ms = now_ms;
+                return Ok(());
+            }
+        }
+        Err(StoreError::Host(format!("all {MAX_SLOTS} in-flight slots are live")))
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::ports::MemStore;
+    use std::cell::{Cell, RefCell};
+
+    const T0: u64 = 1_000_000;
 
     #[test]
-    fn increments_and_releases() {
+    fn one_vm_counts_and_releases() {
         let s = MemStore::new();
-        assert_eq!(adjust(&s, "10.0.0.1:8000", 1).unwrap(), 1);
-        assert_eq!(adjust(&s, "10.0.0.1:8000", 1).unwrap(), 2);
-        assert_eq!(adjust(&s, "10.0.0.2:8000", 1).unwrap(), 1);
-        let c = read(&s).unwrap();
+        let mut a = InflightTable::new(0xA);
+        assert_eq!(a.adjust(&s, "10.0.0.1:8000", 1, T0).unwrap(), 1);
+        assert_eq!(a.adjust(&s, "10.0.0.1:8000", 1, T0).unwrap(), 2);
+        assert_eq!(a.adjust(&s, "10.0.0.2:8000", 1, T0).unwrap(), 1);
+        let mut reader = InflightTable::new(0xB);
+        let c = reader.read(&s, T0).unwrap();
         assert_eq!((c.get("10.0.0.1:8000"), c.get("10.0.0.2:8000"), c.total()), (2, 1, 3));
-        assert_eq!(adjust(&s, "10.0.0.1:8000", -1).unwrap(), 1);
-        assert_eq!(adjust(&s, "10.0.0.1:8000", -1).unwrap(), 0);
-        // Zero entries are dropped from the stored value.
-        assert_eq!(s.get(INFLIGHT_KEY).unwrap().unwrap().0, b"10.0.0.2:8000=1");
+        assert_eq!(a.adjust(&s, "10.0.0.1:8000", -1, T0).unwrap(), 1);
+        assert_eq!(a.adjust(&s, "10.0.0.1:8000", -1, T0).unwrap(), 0);
         // Releasing below zero saturates instead of wrapping.
-        assert_eq!(adjust(&s, "10.0.0.1:8000", -1).unwrap(), 0);
+        assert_eq!(a.adjust(&s, "10.0.0.1:8000", -1, T0).unwrap(), 0);
+        assert_eq!(s.get(&slot_key(0)).unwrap().unwrap().0, b"i1 000000000000000a 1000000 10.0.0.2:8000=1");
+        assert_eq!(s.keys(), vec![slot_key(0)]);
+    }
+
+    #[test]
+    fn workers_have_their_own_slots_and_readers_sum_them() {
+        let s = MemStore::new();
+        let mut a = InflightTable::new(0xA);
+        let mut b = InflightTable::new(0xB);
+        a.adjust(&s, "e", 1, T0).unwrap();
+        b.adjust(&s, "e", 1, T0).unwrap();
+        b.adjust(&s, "f", 1, T0).unwrap();
+        assert_eq!((a.slot(), b.slot()), (Some(0), Some(1)));
+        // Each reads the other's slot and its own memory.
+        for t in [&mut a, &mut b] {
+            let c = t.read(&s, T0).unwrap();
+            assert_eq!((c.get("e"), c.get("f")), (2, 1));
+        }
+    }
+
+    #[test]
+    fn a_dead_vms_count_stops_counting_after_the_ttl_and_its_slot_is_reused() {
+        let s = MemStore::new();
+        let mut dead = InflightTable::new(0xD);
+        dead.adjust(&s, "e", 1, T0).unwrap(); // +1, then the VM dies: no -1 ever comes.
+        let mut live = InflightTable::new(0xA);
+        assert_eq!(live.read(&s, T0 + TTL_MS).unwrap().get("e"), 1);
+        assert_eq!(live.read(&s, T0 + TTL_MS + 1).unwrap().get("e"), 0);
+        // A new VM reuses the dead slot: keys stay bounded.
+        live.adjust(&s, "e", 1, T0 + TTL_MS + 1).unwrap();
+        assert_eq!(live.slot(), Some(0));
         assert_eq!(s.key_count(), 1);
     }
 
     #[test]
-    fn ipv6_addresses_round_trip() {
+    fn heartbeats_keep_an_idle_holder_alive_and_release_frees_at_once() {
         let s = MemStore::new();
-        adjust(&s, "[fd00::1]:8000", 3).unwrap();
-        assert_eq!(read(&s).unwrap().get("[fd00::1]:8000"), 3);
+        let mut a = InflightTable::new(0xA);
+        let mut r = InflightTable::new(0xB);
+        a.adjust(&s, "e", 1, T0).unwrap();
+        // Ticks every 50 ms for 10 TTLs: the count stays visible.
+        let mut now = T0;
+        for _ in 0..(10 * TTL_MS / 50) {
+            now += 50;
+            a.tick(&s, now).unwrap();
+            assert_eq!(r.read(&s, now).unwrap().get("e"), 1);
+        }
+        a.release(&s).unwrap();
+        assert_eq!(r.read(&s, now).unwrap().get("e"), 0);
+        assert_eq!(s.get(&slot_key(0)).unwrap().unwrap().0, b"");
+        // The freed slot is taken again by the next VM at once.
+        r.adjust(&s, "e", 1, now).unwrap();
+        assert_eq!(r.slot(), Some(0));
     }
 
-    #[test]
-    fn garbled_value_reads_as_empty_and_is_repaired() {
-        let s = MemStore::new();
-        s.set(INFLIGHT_KEY, b"\xff\xfe", 0).unwrap();
-        assert_eq!(read(&s).unwrap().total(), 0);
-        s.set(INFLIGHT_KEY, b"a=x;b=2;=3;c", 0).unwrap();
-        let c = read(&s).unwrap();
-        assert_eq!((c.get("a"), c.get("b"), c.total()), (0, 2, 2));
-        adjust(&s, "b", 1).unwrap();
-        assert_eq!(s.get(INFLIGHT_KEY).unwrap().unwrap().0, b"b=3");
-    }
+    type Other<'a> = Box<dyn FnOnce(&MemStore) + 'a>;
 
-    /// A store whose value changes between every get and set, as if another worker always won.
-    struct AlwaysRacing(MemStore);
-    impl SharedStore for AlwaysRacing {
+    /// Runs `other` once, right after the next `get` of `key` (another VM interleaving).
+    struct Interleave<'a> {
+        inner: &'a MemStore,
+        key: String,
+        other: RefCell<Option<Other<'a>>>,
+    }
+    impl SharedStore for Interleave<'_> {
         fn get(&self, key: &str) -> Result<Option<(Vec<u8>, u32)>, StoreError> {
-            let r = self.0.get(key);
-            self.0.set(key, b"other=1", 0)?;
+            let r = self.inner.get(key);
+            if key == self.key {
+                if let Some(f) = self.other.borrow_mut().take() {
+                    f(self.inner);
+                }
+            }
             r
         }
         fn set(&self, key: &str, value: &[u8], cas: u32) -> Result<(), StoreError> {
-            self.0.set(key, value, cas)
+            self.inner.set(key, value, cas)
         }
     }
 
     #[test]
-    fn lost_races_are_bounded_and_reported() {
-        let s = AlwaysRacing(MemStore::new());
-        s.0.set(INFLIGHT_KEY, b"", 0).unwrap();
-        assert_eq!(adjust(&s, "a", 1), Err(StoreError::CasMismatch));
+    fn two_first_creators_of_one_slot_end_in_two_slots_with_all_counts() {
+        let s = MemStore::new();
+        let b = RefCell::new(InflightTable::new(0xB));
+        // A reads slot 0 absent; before A writes, B claims slot 0 (B also saw it absent).
+        let racing = Interleave {
+            inner: &s,
+            key: slot_key(0),
+            other: RefCell::new(Some(Box::new(|st: &MemStore| {
+                b.borrow_mut().adjust(st, "e", 1, T0).unwrap();
+            }))),
+        };
+        let mut a = InflightTable::new(0xA);
+        a.adjust(&racing, "e", 1, T0).unwrap();
+        a.adjust(&racing, "e", 1, T0).unwrap();
+        assert_eq!(b.borrow().slot(), Some(0));
+        assert_eq!(a.slot(), Some(1));
+        let mut r = InflightTable::new(0xC);
+        assert_eq!(r.read(&s, T0).unwrap().get("e"), 3);
     }
 
     #[test]
-    fn interleaved_writers_do_not_lose_updates() {
-        // Two "workers" read, then both try to write: the loser retries on fresh data.
+    fn a_clobbered_slot_is_detected_on_the_next_tick_and_the_loser_moves_with_its_state() {
+        // The residual case get_or_create cannot exclude (a token equal to CREATE_CAS), or any blind
+        // writer: B overwrites A's slot. A notices on its next tick and moves, keeping its counts.
         let s = MemStore::new();
-        adjust(&s, "a", 1).unwrap();
-        let (v, cas) = s.get(INFLIGHT_KEY).unwrap().unwrap();
-        let mut theirs = InflightCounts::decode(&v);
-        theirs.apply("a", 1);
-        adjust(&s, "a", 1).unwrap(); // we win first
-        assert_eq!(s.set(INFLIGHT_KEY, &theirs.encode(), cas), Err(StoreError::CasMismatch));
-        adjust(&s, "a", 1).unwrap(); // their retry via adjust
-        assert_eq!(read(&s).unwrap().get("a"), 3);
+        let mut a = InflightTable::new(0xA);
+        a.adjust(&s, "e", 2, T0).unwrap();
+        let mut b = InflightTable::new(0xB);
+        b.adjust(&s, "e", 1, T0).unwrap(); // slot 1
+        s.set(
+            &slot_key(0),
+            &encode(&SlotRecord { owner: 0xB, heartbeat_ms: T0, counts: InflightCounts::decode(b"e=1") }),
+            0,
+        )
+        .unwrap();
+        a.tick(&s, T0 + 50).unwrap();
+        assert_eq!(a.slot(), Some(2));
+        assert_eq!(decode(&s.get(&slot_key(2)).unwrap().unwrap().0).unwrap().counts.get("e"), 2);
+    }
+
+    #[test]
+    fn a_stalled_vm_whose_slot_was_reused_moves_and_loses_nothing() {
+        let s = MemStore::new();
+        let mut a = InflightTable::new(0xA);
+        a.adjust(&s, "e", 1, T0).unwrap();
+        // A stalls past the TTL; B takes slot 0 over.
+        let mut b = InflightTable::new(0xB);
+        b.adjust(&s, "e", 1, T0 + TTL_MS + 1).unwrap();
+        assert_eq!(b.slot(), Some(0));
+        // A wakes up and finishes its request: the -1 goes to its own new slot.
+        a.adjust(&s, "e", -1, T0 + TTL_MS + 2).unwrap();
+        assert_eq!(a.slot(), Some(1));
+        let mut r = InflightTable::new(0xC);
+        assert_eq!(r.read(&s, T0 + TTL_MS + 2).unwrap().get("e"), 1);
+    }
+
+    #[test]
+    fn records_round_trip_and_garbage_reads_as_free() {
+        let rec = SlotRecord {
+            owner: 7,
+            heartbeat_ms: 42,
+            counts: InflightCounts::decode(b"[fd00::1]:8000=3;a=1"),
+        };
+        assert_eq!(decode(&encode(&rec)), Some(rec));
+        for junk in [
+            &b""[..],
+            b"\xff\xfe",
+            b"i1",
+            b"i1 0000000000000000 5 a=1",
+            b"i2 0000000000000001 5 ",
+            b"i1 1 5 a=1",
+            b"i1 0000000000000001 x a=1",
+        ] {
+            assert_eq!(decode(junk), None, "{junk:?}");
+        }
+        // A garbled slot is reusable, and its counts are never read.
+        let s = MemStore::new();
+        s.set(&slot_key(0), b"junk a=9", 0).unwrap();
+        let mut a = InflightTable::new(0xA);
+        assert_eq!(a.read(&s, T0).unwrap().total(), 0);
+        a.adjust(&s, "e", 1, T0).unwrap();
+        assert_eq!(a.slot(), Some(0));
+    }
+
+    #[test]
+    fn counts_parse_tolerates_garbage() {
+        let c = InflightCounts::decode(b"a=x;b=2;=3;c");
+        assert_eq!((c.get("a"), c.get("b"), c.total()), (0, 2, 2));
+        assert_eq!(InflightCounts::decode(b"\xff").total(), 0);
+    }
+
+    #[test]
+    fn reads_reuse_decoded_records_while_the_token_is_unchanged() {
+        let s = MemStore::new();
+        let mut a = InflightTable::new(0xA);
+        a.adjust(&s, "e", 1, T0).unwrap();
+        let gets = Cell::new(0);
+        struct Counting<'a>(&'a MemStore, &'a Cell<usize>);
+        impl SharedStore for Counting<'_> {
+            fn get(&self, key: &str) -> Result<Option<(Vec<u8>, u32)>, StoreError> {
+                self.1.set(self.1.get() + 1);
+                self.0.get(key)
+            }
+            fn set(&self, key: &str, value: &[u8], cas: u32) -> Result<(), StoreError> {
+                self.0.set(key, value, cas)
+            }
+        }
+        let mut r = InflightTable::new(0xB);
+        r.adjust(&s, "f", 1, T0).unwrap(); // r owns slot 1: its own slot is not read.
+        let c = Counting(&s, &gets);
+        assert_eq!(r.read(&c, T0).unwrap().total(), 2);
+        // One read for slot 0, one for the absent slot 2 that ends the scan.
+        assert_eq!(gets.get(), 2);
+        assert!(matches!(r.cache.first(), Some(Some((_, Some(_))))));
+    }
+
+    #[test]
+    fn a_full_table_keeps_counting_locally() {
+        let s = MemStore::new();
+        for k in 0..MAX_SLOTS {
+            s.set(
+                &slot_key(k),
+                &encode(&SlotRecord {
+                    owner: 1000 + k as u64,
+                    heartbeat_ms: T0,
+                    counts: InflightCounts::default(),
+                }),
+                0,
+            )
+            .unwrap();
+        }
+        let mut a = InflightTable::new(0xA);
+        assert!(a.adjust(&s, "e", 1, T0).is_err());
+        assert_eq!(a.local().get("e"), 1);
+        assert_eq!(s.key_count(), MAX_SLOTS);
     }
 }

@@ -14,10 +14,11 @@
 //!
 //! ## The algorithm (one call)
 //! 1. Read the record and its CAS token.
-//! 2. The key was never written: create it with a blind write (Envoy has no create-if-absent, and
-//!    CAS 0 means "don't compare"), and answer [`LeaseState::Claimed`]: the next call confirms it,
-//!    because if a second root blind-wrote in between, the record names that root and only it
-//!    renews. This costs one tick of delay, once per Envoy process.
+//! 2. The key was never written: create it as a *free* record with `crate::ports::CREATE_CAS`
+//!    (Envoy accepts any cas on an absent key and rejects a non-matching cas on an existing one,
+//!    so a root that lost the creation race cannot overwrite the winner's record), re-read it,
+//!    and go on with the record found, as in steps 3–5. The take itself is then a CAS like every
+//!    other write: of two roots that both found the key absent, exactly one holds.
 //! 3. The record names us: renew it (expiry = now + ttl) with CAS. Success is `Held`; a CAS
 //!    mismatch means another root wrote in between (a takeover), and we are not the holder.
 //! 4. The record is free: take it with CAS.
@@ -38,8 +39,8 @@
 //! observation, and a dead one is displaced after `ttl_ms` whatever the record says.
 //!
 //! ## Bounds
-//! Exactly one root gets `Held` for a given record write: every write but the blind first one is
-//! CAS-protected. A holder that stops renewing at `t` (its last write) is replaced by
+//! Exactly one root gets `Held` for a given record write: every write is CAS-protected, the
+//! creation of the key included (it writes a free record, never a holder). A holder that stops renewing at `t` (its last write) is replaced by
 //! `t + ttl_ms + tick_ms` when the clock is sane (expiry path), and by `t + ttl_ms + 2 × tick_ms`
 //! in any case (observation path), where `tick_ms` is the tick period of the other roots; see
 //! [`takeover_bound_ms`]. After a takeover the old holder learns it lost on its next call (its CAS
@@ -65,8 +66,6 @@ pub enum LeaseState {
     /// Another root holds it. `holder` 0 means unknown (a free record that a racing root took
     /// first, or a garbled record); `expires_ms` 0 means unknown.
     NotHeld { holder: u64, expires_ms: u64 },
-    /// This root created the record with a blind write; do not poll yet, the next call confirms.
-    Claimed { expires_ms: u64 },
     /// The store failed; do not poll. The next call tries again.
     Unavailable(StoreError),
 }
@@ -165,10 +164,10 @@ impl Lease {
             Err(e) => return LeaseState::Unavailable(e),
             Ok(None) => {
                 self.observed = None;
-                return match store.set(LEASE_KEY, &encode_record(self.holder_id, expires_ms), 0) {
-                    Ok(()) => LeaseState::Claimed { expires_ms },
-                    Err(e) => LeaseState::Unavailable(e),
-                };
+                match crate::ports::get_or_create(store, LEASE_KEY, &encode_record(0, 0)) {
+                    Ok(found) => found,
+                    Err(e) => return LeaseState::Unavailable(e),
+                }
             }
             Ok(Some(found)) => found,
         };
@@ -292,13 +291,12 @@ mod tests {
     }
 
     #[test]
-    fn first_root_claims_then_holds_and_others_see_it() {
+    fn first_root_holds_at_once_and_others_see_it() {
         let store = MemStore::new();
         let mut a = Lease::new(0xA, TTL);
         let mut b = Lease::new(0xB, TTL);
-        // The key does not exist: a blind write, not yet held.
-        assert_eq!(a.try_acquire_or_renew(&store, 0), LeaseState::Claimed { expires_ms: 1000 });
-        // The next tick confirms: the record still names A, so A renews it.
+        // The key does not exist: created free, then taken with CAS in the same call.
+        assert_eq!(a.try_acquire_or_renew(&store, 0), LeaseState::Held { expires_ms: 1000 });
         assert_eq!(a.try_acquire_or_renew(&store, 200), LeaseState::Held { expires_ms: 1200 });
         assert_eq!(
             b.try_acquire_or_renew(&store, 250),
@@ -415,7 +413,7 @@ mod tests {
     }
 
     #[test]
-    fn blind_writes_on_an_absent_key_resolve_to_one_holder() {
+    fn two_first_writers_on_an_absent_key_have_one_winner() {
         let store = MemStore::new();
         let mut a = Lease::new(0xA, TTL);
         let b = RefCell::new(Lease::new(0xB, TTL));
@@ -423,18 +421,18 @@ mod tests {
         let racing = InterleavingStore {
             inner: &store,
             hook: RefCell::new(Some(Box::new(|s: &MemStore| {
+                // B also found the key absent, and runs a whole call before A's first write.
                 *b_first.borrow_mut() = Some(b.borrow_mut().try_acquire_or_renew(s, 0));
             }))),
         };
-        // Both saw no key and both blind-write; A writes last, so the record names A.
-        assert_eq!(a.try_acquire_or_renew(&racing, 0), LeaseState::Claimed { expires_ms: 1000 });
-        assert_eq!(b_first.borrow().clone(), Some(LeaseState::Claimed { expires_ms: 1000 }));
-        // Neither polled yet. On the next tick only A confirms.
-        assert_eq!(
-            b.borrow_mut().try_acquire_or_renew(&store, 200),
-            LeaseState::NotHeld { holder: 0xA, expires_ms: 1000 }
-        );
-        assert_eq!(a.try_acquire_or_renew(&store, 200), LeaseState::Held { expires_ms: 1200 });
+        let a_state = a.try_acquire_or_renew(&racing, 0);
+        assert_eq!(b_first.borrow().clone(), Some(LeaseState::Held { expires_ms: 1000 }));
+        // A's creation write fails (the key exists now), and it reads B's record.
+        assert_eq!(a_state, LeaseState::NotHeld { holder: 0xB, expires_ms: 1000 });
+        assert_eq!(record_of(&store), Record::Taken { holder: 0xB, expires_ms: 1000 });
+        // B keeps it; A does not take it over.
+        assert_eq!(b.borrow_mut().try_acquire_or_renew(&store, 200), LeaseState::Held { expires_ms: 1200 });
+        assert!(!a.try_acquire_or_renew(&store, 200).is_held());
     }
 
     #[test]

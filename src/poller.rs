@@ -37,6 +37,8 @@ pub enum ScrapeResult<'a> {
     Response { status: u32, body: &'a [u8] },
     /// The call failed: reset, connect failure or timeout (Envoy reports 0 headers).
     Failed,
+    /// The response body is larger than `poller.max_response_bytes`; it was not read.
+    TooLarge { size: usize },
 }
 
 /// Why a scrape failed, for the log.
@@ -46,6 +48,51 @@ pub enum ScrapeError {
     NotUtf8,
     Metrics(String),
     Transport,
+    /// Over `poller.max_response_bytes` (the size, not read).
+    TooLarge(usize),
+    /// Envoy refused to start the call (unknown cluster: BadArgument).
+    Dispatch(String),
+    /// No callback came within the timeout and its grace.
+    Lost,
+}
+
+impl ScrapeError {
+    /// The `reason` tag of `inference_picker_scrape_failures_total`: a fixed code.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            ScrapeError::Status(_) => "status",
+            ScrapeError::NotUtf8 => "not_utf8",
+            ScrapeError::Metrics(_) => "metrics",
+            ScrapeError::Transport => "transport",
+            ScrapeError::TooLarge(_) => "too_large",
+            ScrapeError::Dispatch(_) => "dispatch",
+            ScrapeError::Lost => "lost",
+        }
+    }
+}
+
+impl std::fmt::Display for ScrapeError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ScrapeError::Status(s) => write!(f, "answered HTTP {s}"),
+            ScrapeError::NotUtf8 => write!(f, "body is not UTF-8"),
+            ScrapeError::Metrics(e) => write!(f, "no usable metrics: {e}"),
+            ScrapeError::Transport => write!(f, "call failed (reset, connect failure or timeout)"),
+            ScrapeError::TooLarge(n) => {
+                write!(f, "response of {n} bytes is over poller.max_response_bytes; not read")
+            }
+            ScrapeError::Dispatch(s) => {
+                write!(f, "Envoy refused the call ({s}): is the cluster defined in Envoy's configuration?")
+            }
+            ScrapeError::Lost => write!(f, "no answer within the timeout"),
+        }
+    }
+}
+
+/// True when a callout response of `size` bytes may be read under the cap
+/// (`poller.max_response_bytes`). The host checks this before copying the body into the VM.
+pub fn response_within_cap(size: usize, cap: usize) -> bool {
+    size <= cap
 }
 
 #[derive(Debug, Clone)]
@@ -70,6 +117,8 @@ pub struct Poller {
     last_discovery_ms: Option<u64>,
     discovery_outstanding_since: Option<u64>,
     discovery_timeout_ms: u64,
+    /// Scrapes written off as lost (no callback), not yet reported.
+    lost: u64,
 }
 
 impl Poller {
@@ -93,6 +142,7 @@ impl Poller {
             last_discovery_ms: None,
             discovery_outstanding_since: None,
             discovery_timeout_ms: k8s.map_or(0, |k| k.timeout_ms),
+            lost: 0,
         };
         p.set_endpoints(static_endpoints);
         p
@@ -188,7 +238,7 @@ impl Poller {
     }
 
     /// Endpoints to scrape now (ignoring the round cadence). Marks them outstanding; expires
-    /// calls that never answered.
+    /// calls that never answered (counted in [`Poller::take_lost`]).
     pub fn due(&mut self, now_ms: u64) -> Vec<String> {
         let mut out = Vec::new();
         for t in &mut self.targets {
@@ -197,11 +247,24 @@ impl Poller {
                     continue;
                 }
                 t.status.failures = t.status.failures.saturating_add(1);
+                self.lost = self.lost.saturating_add(1);
             }
             t.outstanding_since = Some(now_ms);
             out.push(t.status.address.clone());
         }
         out
+    }
+
+    /// Scrapes written off as lost since the last call (for the failure metric).
+    pub fn take_lost(&mut self) -> u64 {
+        std::mem::take(&mut self.lost)
+    }
+
+    /// The pod-list call could not be used without reaching [`Poller::on_discovery`] (Envoy
+    /// refused to start it, or its answer was over the size cap): keep the previous endpoints,
+    /// and try again at the next refresh.
+    pub fn discovery_failed(&mut self) {
+        self.discovery_outstanding_since = None;
     }
 
     /// The host could not even start the call (e.g. unknown cluster): count it as failed.
@@ -225,6 +288,7 @@ impl Poller {
         t.outstanding_since = None;
         let parsed = match result {
             ScrapeResult::Failed => Err(ScrapeError::Transport),
+            ScrapeResult::TooLarge { size } => Err(ScrapeError::TooLarge(size)),
             ScrapeResult::Response { status, .. } if status != 200 => Err(ScrapeError::Status(status)),
             ScrapeResult::Response { body, .. } => match std::str::from_utf8(body) {
                 Err(_) => Err(ScrapeError::NotUtf8),
@@ -301,6 +365,35 @@ vllm:kv_cache_usage_perc{engine=\"0\",model_name=\"m\"} 0.25\n";
         let b = &s.endpoints[1];
         assert_eq!((b.scraped_ms, b.failures, b.metrics.is_none()), (0, 1, true));
         assert_eq!(p.snapshot(1030).version, 2);
+    }
+
+    #[test]
+    fn an_oversize_response_fails_the_scrape_and_keeps_the_old_metrics() {
+        let mut p = Poller::new(&cfg());
+        p.due(0);
+        p.on_result("127.0.0.1:8001", 10, ScrapeResult::Response { status: 200, body: VLLM }).unwrap();
+        p.due(200);
+        let e = p.on_result("127.0.0.1:8001", 210, ScrapeResult::TooLarge { size: 5 << 20 }).unwrap_err();
+        assert_eq!(e, ScrapeError::TooLarge(5 << 20));
+        assert_eq!(e.reason(), "too_large");
+        assert!(e.to_string().contains("max_response_bytes"));
+        let s = p.snapshot(210);
+        assert_eq!((s.endpoints[0].failures, s.endpoints[0].metrics.is_some()), (1, true));
+        assert!(response_within_cap(4 << 20, 4 << 20));
+        assert!(!response_within_cap((4 << 20) + 1, 4 << 20));
+    }
+
+    #[test]
+    fn lost_calls_are_counted_once_for_the_metric() {
+        let mut p = Poller::new(&cfg());
+        p.due(0);
+        assert_eq!(p.take_lost(), 0);
+        // timeout 100 + grace: written off at the next due() after that.
+        p.due(100 + LOST_CALL_GRACE_MS + 1);
+        assert_eq!(p.take_lost(), 2);
+        assert_eq!(p.take_lost(), 0);
+        assert_eq!(ScrapeError::Lost.reason(), "lost");
+        assert!(ScrapeError::Dispatch("BadArgument".into()).to_string().contains("cluster"));
     }
 
     #[test]
@@ -431,6 +524,24 @@ vllm:kv_cache_usage_perc{engine=\"0\",model_name=\"m\"} 0.25\n";
         assert!(p.discovery_due(15_000));
         assert!(p.on_discovery(k, None, b"").is_err());
         assert_eq!(p.snapshot(15_001).endpoints.len(), 3);
+    }
+
+    #[test]
+    fn a_discovery_that_could_not_be_used_keeps_the_endpoints_and_retries_at_the_next_refresh() {
+        // Envoy refused the call, or the pod list was over poller.max_response_bytes.
+        let cfg = k8s_cfg();
+        let k = &cfg.discovery.as_ref().unwrap().kubernetes;
+        let mut p = Poller::new(&cfg);
+        assert!(p.discovery_due(0));
+        p.on_discovery(k, Some(200), &pod_list(&["10.1.0.5"])).unwrap();
+        assert!(p.discovery_due(5000));
+        p.discovery_failed();
+        // No longer outstanding, but the refresh cadence still applies.
+        assert!(!p.discovery_due(5001));
+        assert!(p.discovery_due(10_000));
+        assert_eq!(p.snapshot(10_001).endpoints.len(), 2);
+        assert_eq!(DiscoveryError::Status(403).reason(), "status");
+        assert_eq!(DiscoveryError::WrongKind("Status".into()).reason(), "bad_body");
     }
 
     #[test]

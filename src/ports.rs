@@ -30,16 +30,75 @@ pub trait SharedStore {
     fn set(&self, key: &str, value: &[u8], cas: u32) -> Result<(), StoreError>;
 }
 
-/// In-memory [`SharedStore`] with the same CAS semantics as Envoy's: every successful write bumps
-/// the key's CAS token.
-#[derive(Debug, Default)]
+/// The CAS token used to create a key (see [`get_or_create`]).
+///
+/// Envoy's shared data (proxy-wasm-cpp-host `SharedData::set`) accepts a write to an ABSENT key
+/// whatever its cas, and rejects a write to an EXISTING key whose non-zero cas differs from the
+/// key's token. Tokens come from one process-wide counter (1, 2, 3, …, skipping 0). So a write
+/// with a fixed non-zero cas creates a key that is absent and fails on a key that exists, unless
+/// that key's token happens to be exactly this value: the counter hands `u32::MAX` out once per
+/// 2^32 writes process-wide, and it would also have to be the key's latest write at that moment.
+/// That residual chance is accepted; every user of [`get_or_create`] also verifies ownership or
+/// tolerates a clobber (see each module's doc).
+pub const CREATE_CAS: u32 = u32::MAX;
+
+/// Reads `key`, creating it with `initial` first when it was never written, so that the caller
+/// always holds a non-zero CAS token and every later write it makes is a true compare-and-set.
+///
+/// This is the one race-safe first write: a plain `set(key, v, 0)` on an absent key is blind, and
+/// two workers that both saw the key absent would both "win", the second silently overwriting the
+/// first. Here the second creator's write fails (the key exists and its token is not
+/// [`CREATE_CAS`]) and it reads what the first wrote. `initial` must be a neutral value (an empty
+/// record) or one the caller verifies after reading back (an ownership nonce).
+pub fn get_or_create(
+    store: &dyn SharedStore,
+    key: &str,
+    initial: &[u8],
+) -> Result<(Vec<u8>, u32), StoreError> {
+    if let Some(found) = store.get(key)? {
+        return Ok(found);
+    }
+    match store.set(key, initial, CREATE_CAS) {
+        Ok(()) | Err(StoreError::CasMismatch) => {}
+        Err(e) => return Err(e),
+    }
+    store.get(key)?.ok_or_else(|| StoreError::Host(format!("{key} absent right after its creation")))
+}
+
+/// In-memory [`SharedStore`] with exactly Envoy's semantics (proxy-wasm-cpp-host `SharedData`):
+/// - a write to an absent key is accepted whatever `cas`;
+/// - a write to an existing key with a non-zero `cas` that differs from its token is a
+///   [`StoreError::CasMismatch`]; `cas == 0` never compares;
+/// - every successful write gives the key the next value of one store-wide counter (starting at
+///   1, skipping 0 when it wraps).
+#[derive(Debug)]
 pub struct MemStore {
     inner: RefCell<HashMap<String, (Vec<u8>, u32)>>,
+    next_cas: std::cell::Cell<u32>,
+}
+
+impl Default for MemStore {
+    fn default() -> Self {
+        Self { inner: RefCell::default(), next_cas: std::cell::Cell::new(1) }
+    }
 }
 
 impl MemStore {
     pub fn new() -> Self {
         Self::default()
+    }
+    /// A store whose counter hands out `next` first (to test token wrap-around and collisions).
+    pub fn with_next_cas(next: u32) -> Self {
+        Self { inner: RefCell::default(), next_cas: std::cell::Cell::new(next.max(1)) }
+    }
+    fn take_cas(&self) -> u32 {
+        let t = self.next_cas.get();
+        let mut n = t.wrapping_add(1);
+        if n == 0 {
+            n = 1;
+        }
+        self.next_cas.set(n);
+        t
     }
     /// Number of keys ever written (shared data has no delete).
     pub fn key_count(&self) -> usize {
@@ -59,11 +118,13 @@ impl SharedStore for MemStore {
     }
     fn set(&self, key: &str, value: &[u8], cas: u32) -> Result<(), StoreError> {
         let mut map = self.inner.borrow_mut();
-        let current = map.get(key).map(|(_, c)| *c).unwrap_or(0);
-        if cas != 0 && cas != current {
-            return Err(StoreError::CasMismatch);
+        if let Some((_, current)) = map.get(key) {
+            if cas != 0 && cas != *current {
+                return Err(StoreError::CasMismatch);
+            }
         }
-        map.insert(key.to_string(), (value.to_vec(), current.wrapping_add(1).max(1)));
+        let token = self.take_cas();
+        map.insert(key.to_string(), (value.to_vec(), token));
         Ok(())
     }
 }
@@ -119,6 +180,60 @@ mod tests {
         // The old token no longer matches.
         assert_eq!(s.set("k", b"c", cas), Err(StoreError::CasMismatch));
         assert_eq!(s.get("k").unwrap().unwrap().0, b"b");
+    }
+
+    #[test]
+    fn memstore_matches_envoy_on_absent_keys_and_token_counter() {
+        let s = MemStore::new();
+        // Absent key: any cas is accepted (Envoy has no create-if-absent).
+        s.set("a", b"1", 77).unwrap();
+        assert_eq!(s.get("a").unwrap(), Some((b"1".to_vec(), 1)));
+        // Tokens come from one counter for all keys.
+        s.set("b", b"2", 0).unwrap();
+        assert_eq!(s.get("b").unwrap().unwrap().1, 2);
+        // Existing key: a non-zero cas must match; 0 never compares.
+        assert_eq!(s.set("a", b"x", 2), Err(StoreError::CasMismatch));
+        s.set("a", b"y", 0).unwrap();
+        assert_eq!(s.get("a").unwrap(), Some((b"y".to_vec(), 3)));
+        // The counter skips 0 when it wraps.
+        let w = MemStore::with_next_cas(u32::MAX);
+        w.set("k", b"", 0).unwrap();
+        w.set("k", b"", 0).unwrap();
+        assert_eq!(w.get("k").unwrap().unwrap().1, 1);
+    }
+
+    /// A store that lets another writer create the key between our read and our write.
+    struct CreatedBehindOurBack {
+        inner: MemStore,
+        armed: std::cell::Cell<bool>,
+    }
+    impl SharedStore for CreatedBehindOurBack {
+        fn get(&self, key: &str) -> Result<Option<(Vec<u8>, u32)>, StoreError> {
+            let r = self.inner.get(key);
+            if self.armed.replace(false) {
+                // The other worker creates it, then updates it with CAS.
+                let (_, cas) = get_or_create(&self.inner, key, b"")?;
+                self.inner.set(key, b"theirs", cas)?;
+            }
+            r
+        }
+        fn set(&self, key: &str, value: &[u8], cas: u32) -> Result<(), StoreError> {
+            self.inner.set(key, value, cas)
+        }
+    }
+
+    #[test]
+    fn get_or_create_never_overwrites_a_racing_creator() {
+        let s = CreatedBehindOurBack { inner: MemStore::new(), armed: std::cell::Cell::new(true) };
+        // We saw the key absent; the other creator won and already wrote real data.
+        let (v, cas) = get_or_create(&s, "k", b"").unwrap();
+        assert_eq!(v, b"theirs");
+        assert_ne!(cas, 0);
+        // A blind first write (cas 0), the old way, would have destroyed it.
+        let t = MemStore::new();
+        t.set("k", b"theirs", 0).unwrap();
+        t.set("k", b"", 0).unwrap();
+        assert_eq!(t.get("k").unwrap().unwrap().0, b"");
     }
 
     #[test]

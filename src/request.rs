@@ -323,10 +323,14 @@ pub fn prepare(
     let new_body = if route.model_rewritten { Some(rewrite_model(body, &route.target_model)?) } else { None };
     let criticality = criticality_of(cfg, &parsed.model, &route.base);
     let priority = head.priority.resolve(&cfg.priority, criticality);
+    // A held request keeps only what the prefix scorer hashes (bounded memory per held request).
+    let mut prompt = parsed.prompt;
+    let hashed = cfg.scheduler.prefix.block_chars.saturating_mul(cfg.scheduler.prefix.max_blocks);
+    truncate_prompt(&mut prompt, hashed);
     Ok(Prepared {
         requested_model: parsed.model,
         route,
-        prompt: parsed.prompt,
+        prompt,
         cache_salt: parsed.cache_salt,
         new_body,
         priority,
@@ -360,6 +364,18 @@ pub fn route_with(
         rng,
         inputs.now_ms,
     )
+}
+
+/// Cuts `prompt` to the first `max_bytes` bytes, or just past them to the next character
+/// boundary (at most 3 bytes more), so that every full block the prefix scorer hashes
+/// (`block_chars × max_blocks` bytes) is kept byte for byte and the hashes are unchanged.
+pub fn truncate_prompt(prompt: &mut String, max_bytes: usize) {
+    if prompt.len() <= max_bytes {
+        return;
+    }
+    let cut = (max_bytes..=prompt.len()).find(|&i| prompt.is_char_boundary(i)).unwrap_or(prompt.len());
+    prompt.truncate(cut);
+    prompt.shrink_to_fit();
 }
 
 /// Picks the endpoint for a prepared request, with the inputs of the moment it goes on.
@@ -440,6 +456,36 @@ pub fn model_object(cfg: &Config, id: &str) -> Option<Vec<u8>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn held_prompt_is_cut_to_what_the_prefix_scorer_hashes_with_the_same_hashes() {
+        use crate::scheduler::prefix::{block_hashes, seed};
+        // 'é' is 2 bytes: the cut at 10 falls inside a character and moves just past it.
+        let full: String = "ab".repeat(4) + &"é".repeat(100);
+        let mut p = full.clone();
+        truncate_prompt(&mut p, 9);
+        assert_eq!(p.len(), 10);
+        assert!(full.starts_with(&p));
+        let (mut a, mut b) = (Vec::new(), Vec::new());
+        block_hashes(&full, seed("m", None), 3, 3, &mut a);
+        block_hashes(&p, seed("m", None), 3, 3, &mut b);
+        assert_eq!(a, b);
+        let mut short = "hi".to_string();
+        truncate_prompt(&mut short, 9);
+        assert_eq!(short, "hi");
+        // prepare() keeps at most block_chars × max_blocks (+3) bytes of a huge prompt.
+        let c = cfg();
+        let sched = Scheduler::new(&c);
+        let mut rng = SplitMix64::new(1);
+        let big = "x".repeat(1 << 20);
+        let body = format!(r#"{{"model":"base-a","prompt":"{big}"}}"#);
+        let pr =
+            prepare(&c, &sched, &mut rng, &head(PriorityHeaders::default()), body.as_bytes(), &snapshot())
+                .unwrap();
+        let cap = c.scheduler.prefix.block_chars * c.scheduler.prefix.max_blocks;
+        assert!(pr.prompt.len() <= cap + 3 && pr.prompt.len() >= cap, "{}", pr.prompt.len());
+        assert!(pr.prompt.capacity() <= cap + 3);
+    }
     use crate::metrics::EndpointMetrics;
     use crate::ports::{MemStore, SplitMix64};
     use crate::priority::PrioritySource;

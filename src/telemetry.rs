@@ -6,8 +6,11 @@
 //! `/stats/prometheus` shows `inference_picker_requests_total{model="M",endpoint="E",outcome="O"}`.
 //! Characters that would break that syntax (`;`, `=`) are replaced in values.
 //!
-//! The set of names is bounded: models and endpoints come from the configuration and the
-//! snapshot, outcomes and reasons are fixed codes.
+//! The set of names is bounded: models come from the configuration, outcomes and reasons are
+//! fixed codes. Endpoint addresses are NOT bounded (pods come and go, and Envoy never deletes a
+//! stat), so the `endpoint` tag is only added when `filter.endpoint_metrics` is on
+//! ([`endpoint_tag`]); by default no metric name carries an address. The host's per-VM cache of
+//! metric ids is bounded too ([`MAX_METRIC_NAMES`]).
 
 /// Requests routed, by model (as sent upstream), endpoint and outcome (`scored`,
 /// `session_token`, `fail_open`).
@@ -43,6 +46,69 @@ pub const HEALTH_RESULTS: &str = "inference_picker_health_results_total";
 /// Requests held because the proxy had no metrics yet (just started), by how they left:
 /// `held` (on arrival), `released` (metrics arrived), `expired` (the wait ran out).
 pub const STARTUP_REQUESTS: &str = "inference_picker_startup_requests_total";
+/// Poller scrapes that failed, by `reason`: `dispatch` (Envoy refused to start the call: the
+/// cluster is unknown, BadArgument), `transport` (reset, connect failure, timeout), `status`
+/// (not 200), `not_utf8`, `metrics` (no routing metric found), `too_large` (over
+/// `poller.max_response_bytes`), `lost` (no callback within the timeout).
+pub const SCRAPE_FAILURES: &str = "inference_picker_scrape_failures_total";
+/// Kubernetes pod-list calls that failed, by `reason`: `dispatch`, `status`, `bad_body`,
+/// `too_large`.
+pub const DISCOVERY_FAILURES: &str = "inference_picker_discovery_failures_total";
+
+/// Most distinct metric names one VM defines. Past it, new names are not defined (and not
+/// updated): the names already defined keep working, and the host logs once. With
+/// `filter.endpoint_metrics` off the names are bounded far below this by the configuration.
+pub const MAX_METRIC_NAMES: usize = 4096;
+
+/// How often, at most, one cause of a run-time error is logged, in ms.
+pub const ERROR_LOG_EVERY_MS: u64 = 10_000;
+
+/// The `endpoint` tag, or nothing when per-endpoint metrics are off (the default: addresses are
+/// unbounded while pods churn).
+pub fn endpoint_tag(enabled: bool, address: &str) -> Option<(&'static str, &str)> {
+    enabled.then_some(("endpoint", address))
+}
+
+/// Rate limit for error logs: at most one line per cause every `every_ms`, with the number of
+/// occurrences swallowed since the last line. Bounded: at most [`MAX_LOG_CAUSES`] causes are
+/// tracked; beyond that, new causes share one slot.
+#[derive(Debug)]
+pub struct LogLimiter {
+    every_ms: u64,
+    causes: Vec<(String, u64, u64)>,
+}
+
+/// Most distinct causes a [`LogLimiter`] tracks.
+pub const MAX_LOG_CAUSES: usize = 64;
+
+impl LogLimiter {
+    pub fn new(every_ms: u64) -> Self {
+        Self { every_ms, causes: Vec::new() }
+    }
+
+    /// `Some(suppressed)` when `cause` should be logged now (`suppressed` occurrences were
+    /// swallowed since its last line), `None` when it was logged less than `every_ms` ago.
+    pub fn allow(&mut self, cause: &str, now_ms: u64) -> Option<u64> {
+        let i = match self.causes.iter().position(|(c, _, _)| c == cause) {
+            Some(i) => i,
+            None if self.causes.len() < MAX_LOG_CAUSES => {
+                self.causes.push((cause.to_string(), now_ms, 0));
+                return Some(0);
+            }
+            None => self.causes.len() - 1,
+        };
+        let entry = self.causes.get_mut(i)?;
+        if now_ms.saturating_sub(entry.1) >= self.every_ms {
+            let suppressed = entry.2;
+            entry.1 = now_ms;
+            entry.2 = 0;
+            Some(suppressed)
+        } else {
+            entry.2 = entry.2.saturating_add(1);
+            None
+        }
+    }
+}
 
 /// The tag names the Envoy config must extract.
 pub const TAGS: [&str; 5] = ["model", "endpoint", "outcome", "reason", "priority"];
@@ -75,5 +141,32 @@ mod tests {
             "inference_picker_rejections_total;reason=a_b_c"
         );
         assert_eq!(name(SNAPSHOT_AGE, &[]), SNAPSHOT_AGE);
+    }
+
+    #[test]
+    fn endpoint_tag_only_when_enabled() {
+        let tags: Vec<_> =
+            [Some(("model", "m")), endpoint_tag(false, "10.0.0.1:8000")].into_iter().flatten().collect();
+        assert_eq!(name(REQUESTS, &tags), "inference_picker_requests_total;model=m");
+        let tags: Vec<_> =
+            [Some(("model", "m")), endpoint_tag(true, "10.0.0.1:8000")].into_iter().flatten().collect();
+        assert_eq!(name(REQUESTS, &tags), "inference_picker_requests_total;model=m;endpoint=10.0.0.1:8000");
+    }
+
+    #[test]
+    fn log_limiter_logs_once_per_period_per_cause_and_counts_the_rest() {
+        let mut l = LogLimiter::new(1000);
+        assert_eq!(l.allow("dispatch", 0), Some(0));
+        assert_eq!(l.allow("dispatch", 10), None);
+        assert_eq!(l.allow("dispatch", 999), None);
+        // Another cause is not held back by the first.
+        assert_eq!(l.allow("status", 20), Some(0));
+        assert_eq!(l.allow("dispatch", 1000), Some(2));
+        assert_eq!(l.allow("dispatch", 1001), None);
+        // Causes are bounded: the overflow shares the last slot.
+        for i in 0..(2 * MAX_LOG_CAUSES) {
+            l.allow(&format!("c{i}"), 5000);
+        }
+        assert_eq!(l.causes.len(), MAX_LOG_CAUSES);
     }
 }

@@ -582,3 +582,21 @@ fn health_defaults_and_bad_fields() {
     let v = with(base(), "/health", serde_json::json!({"consecutive_500": 3}));
     assert!(parse(&v).is_err());
 }
+
+#[test]
+fn max_response_bytes_bounds_and_default() {
+    assert_eq!(parse(&base()).unwrap().poller.max_response_bytes, 4 * 1024 * 1024);
+    let v = with(base(), "/poller", json!({"max_response_bytes": 1023}));
+    assert_only(&errors(&v), "poller.max_response_bytes", "must be in 1024..=67108864");
+    let v = with(base(), "/poller", json!({"max_response_bytes": 64 * 1024 * 1024 + 1}));
+    assert_only(&errors(&v), "poller.max_response_bytes", "got 67108865");
+    assert!(parse(&with(base(), "/poller", json!({"max_response_bytes": 1024}))).is_ok());
+}
+
+#[test]
+fn endpoint_metrics_is_off_by_default() {
+    assert!(!parse(&base()).unwrap().filter.endpoint_metrics);
+    assert!(
+        parse(&with(base(), "/filter", json!({"endpoint_metrics": true}))).unwrap().filter.endpoint_metrics
+    );
+}

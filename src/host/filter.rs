@@ -18,7 +18,6 @@ use super::{io, Worker};
 use crate::admission::{self, Decision};
 use crate::errors::Rejection;
 use crate::health::{self, HealthView};
-use crate::inflight;
 use crate::ports::SharedStore;
 use crate::priority::PriorityHeaders;
 use crate::request::{
@@ -94,14 +93,14 @@ impl Filter {
             let ex = self.ex.borrow();
             request::prepare(cfg, &scheduler, &mut *rng, &ex.head, &body, &resolving)
         };
-        let prepared = match prepared {
+        let mut prepared = match prepared {
             Ok(p) => p,
             Err(rej) => return self.reject(&rej),
         };
         // The model rewrite does not depend on the endpoint: apply it now, while the body is in
-        // hand, whether or not the request is held.
-        if let Some(new_body) = &prepared.new_body {
-            if !io::replace_request_body(body_size, new_body) {
+        // hand, whether or not the request is held. Taken, so a held request does not keep it.
+        if let Some(new_body) = prepared.new_body.take() {
+            if !io::replace_request_body(body_size, &new_body) {
                 return self.reject(&Rejection::new(
                     500,
                     "internal_error",
@@ -113,8 +112,8 @@ impl Filter {
         }
 
         let store = io::HostStore;
-        let inflight = inflight::read(&store).unwrap_or_default();
         let now_ms = io::now_ms();
+        let inflight = worker.inflight_counts(now_ms);
         let group = prepared.route.base.clone();
         let priority = prepared.priority.clone();
         self.ex.borrow_mut().prepared = Some(prepared);
@@ -200,21 +199,29 @@ fn go(
     };
     io::set_request_header(DESTINATION_HEADER, Some(&pick.destination_header()));
     io::set_request_header(ORIGINAL_DST_HEADER, Some(&pick.primary));
-    let mut metrics = worker.metrics.borrow_mut();
-    match inflight::adjust(inputs.store, &pick.primary, 1) {
-        Ok(n) => {
-            ex.holding = Some(pick.primary.clone());
-            metrics.gauge(
-                telemetry::name(telemetry::ENDPOINT_INFLIGHT, &[("endpoint", &pick.primary)]),
-                u64::from(n),
-            );
-        }
-        Err(e) => warn!("inference-picker: in-flight increment failed: {e:?}"),
+    // The +1 counts locally even if publishing it fails (the next tick publishes it), so the
+    // matching -1 is always due.
+    ex.holding = Some(pick.primary.clone());
+    if let Err(e) = worker.inflight.borrow_mut().adjust(inputs.store, &pick.primary, 1, inputs.now_ms) {
+        warn!("inference-picker: publishing the in-flight increment failed: {e:?}");
     }
-    metrics.count(telemetry::name(
-        telemetry::REQUESTS,
-        &[("model", &pick.target_model), ("endpoint", &pick.primary), ("outcome", pick.reason.as_str())],
-    ));
+    let mut metrics = worker.metrics.borrow_mut();
+    let per_endpoint = worker.cfg.filter.endpoint_metrics;
+    if per_endpoint {
+        metrics.gauge(
+            telemetry::name(telemetry::ENDPOINT_INFLIGHT, &[("endpoint", &pick.primary)]),
+            u64::from(inputs.inflight.get(&pick.primary)).saturating_add(1),
+        );
+    }
+    let tags: Vec<(&str, &str)> = [
+        Some(("model", pick.target_model.as_str())),
+        telemetry::endpoint_tag(per_endpoint, &pick.primary),
+        Some(("outcome", pick.reason.as_str())),
+    ]
+    .into_iter()
+    .flatten()
+    .collect();
+    metrics.count(telemetry::name(telemetry::REQUESTS, &tags));
     metrics.gauge(
         telemetry::name(telemetry::SNAPSHOT_AGE, &[]),
         inputs.now_ms.saturating_sub(inputs.snapshot.published_ms),
@@ -255,8 +262,9 @@ pub(crate) fn release_held(worker: &Worker, id: u32, waited_ms: u64, own_context
             return;
         }
     };
-    let inflight = inflight::read(&store).unwrap_or_default();
-    let inputs = BodyInputs { snapshot: &snapshot, inflight: &inflight, store: &store, now_ms: io::now_ms() };
+    let now_ms = io::now_ms();
+    let inflight = worker.inflight_counts(now_ms);
+    let inputs = BodyInputs { snapshot: &snapshot, inflight: &inflight, store: &store, now_ms };
     match go(worker, &mut ex, &inputs, None) {
         Ok(()) => io::resume_request(),
         Err(rej) => {
@@ -521,12 +529,15 @@ impl HttpContext for Filter {
         self.record_health();
         let holding = self.ex.borrow_mut().holding.take();
         if let Some(addr) = holding {
-            match inflight::adjust(&io::HostStore, &addr, -1) {
-                Ok(n) => self.worker.metrics.borrow_mut().gauge(
-                    telemetry::name(telemetry::ENDPOINT_INFLIGHT, &[("endpoint", &addr)]),
-                    u64::from(n),
-                ),
-                Err(e) => warn!("inference-picker: in-flight release for {addr} failed: {e:?}"),
+            let now_ms = io::now_ms();
+            let published = self.worker.inflight.borrow_mut().adjust(&io::HostStore, &addr, -1, now_ms);
+            if let Err(e) = published {
+                warn!("inference-picker: publishing the in-flight release for {addr} failed: {e:?}");
+            }
+            if self.worker.cfg.filter.endpoint_metrics {
+                let n = self.worker.inflight_counts(now_ms).get(&addr);
+                let name = telemetry::name(telemetry::ENDPOINT_INFLIGHT, &[("endpoint", &addr)]);
+                self.worker.metrics.borrow_mut().gauge(name, u64::from(n));
             }
         }
     }

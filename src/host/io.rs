@@ -185,6 +185,9 @@ mod abi {
         let (mut data, mut size, mut cas) = (null_mut(), 0usize, 0u32);
         // SAFETY: as in `map_value`.
         match unsafe { proxy_get_shared_data(key.as_ptr(), key.len(), &mut data, &mut size, &mut cas) } {
+            // An EMPTY stored value comes back as a null pointer, but with the key's CAS token:
+            // the key exists (the shared-data "removed" convention), and callers need the token.
+            Status::Ok if data.is_null() && cas != 0 => Ok(Some((Vec::new(), cas))),
             Status::Ok if data.is_null() => Ok(None),
             Status::Ok => Ok(Some((unsafe { owned(data, size) }, cas))),
             Status::NotFound => Ok(None),
@@ -535,12 +538,26 @@ mod tests {
 #[derive(Default)]
 pub struct Metrics {
     ids: hashbrown::HashMap<String, u32>,
+    /// The name limit was hit and logged.
+    full_logged: bool,
 }
 
 impl Metrics {
     fn id(&mut self, kind: MetricType, name: String) -> Option<u32> {
         if let Some(id) = self.ids.get(&name) {
             return Some(*id);
+        }
+        // Bounded: a VM never defines more than MAX_METRIC_NAMES names (logged once).
+        if self.ids.len() >= crate::telemetry::MAX_METRIC_NAMES {
+            if !self.full_logged {
+                self.full_logged = true;
+                log::error!(
+                    "inference-picker: {} metric names defined in this VM; not defining {name} or any \
+                     new one (is filter.endpoint_metrics on while pods churn?)",
+                    self.ids.len()
+                );
+            }
+            return None;
         }
         match abi::define_metric(kind, &name) {
             Ok(id) => {

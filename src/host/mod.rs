@@ -55,6 +55,8 @@ pub(crate) struct Worker {
     pub pending: RefCell<HashMap<u32, filter::Shared>>,
     /// Passive health: this worker's side (records results, keeps its own ejections).
     pub health: RefCell<Recorder>,
+    /// This VM's in-flight counts and its slot in shared data (`crate::inflight`).
+    pub inflight: RefCell<inflight::InflightTable>,
 }
 
 impl Worker {
@@ -70,9 +72,26 @@ impl Worker {
         }
     }
 
-    /// The filter root's tick: let flow control release or reject held requests, then flush
-    /// its metrics. `root_id` is the root context id (restored after acting on held requests).
+    /// Every live VM's in-flight counts (this VM's from memory). On a store error, this VM's
+    /// own counts only.
+    pub fn inflight_counts(&self, now_ms: u64) -> inflight::InflightCounts {
+        let mut table = self.inflight.borrow_mut();
+        match table.read(&io::HostStore, now_ms) {
+            Ok(c) => c,
+            Err(e) => {
+                warn!("inference-picker: reading in-flight counts failed: {e:?}");
+                table.local().clone()
+            }
+        }
+    }
+
+    /// The filter root's tick: keep this VM's in-flight record alive (heartbeat, ownership
+    /// check), let flow control release or reject held requests, then flush its metrics.
+    /// `root_id` is the root context id (restored after acting on held requests).
     fn on_tick(&self, root_id: u32) {
+        if let Err(e) = self.inflight.borrow_mut().tick(&io::HostStore, io::now_ms()) {
+            warn!("inference-picker: in-flight heartbeat failed: {e:?}");
+        }
         let needs_tick = self.gate.borrow().needs_tick();
         if self.gate.borrow().startup_held() > 0 {
             self.release_startup(root_id);
@@ -80,8 +99,8 @@ impl Worker {
         if needs_tick {
             let store = io::HostStore;
             let snapshot = self.snapshot();
-            let counts = inflight::read(&store).unwrap_or_default();
             let now_ms = io::now_ms();
+            let counts = self.inflight_counts(now_ms);
             // Capacity without the endpoints passive health ejected, as at admission.
             let health = filter::health_view(self, &store, now_ms);
             let judged = crate::health::without_ejected(&snapshot, &health, now_ms, &self.cfg.health);
@@ -171,6 +190,12 @@ impl Context for Root {
         if let Some(l) = &mut self.leased {
             l.release();
         }
+        // This VM is going away: its in-flight counts go with it, now rather than after the TTL.
+        if let Role::Filter(w) = &self.role {
+            if let Err(e) = w.inflight.borrow_mut().release(&io::HostStore) {
+                warn!("inference-picker: freeing the in-flight slot failed: {e:?}");
+            }
+        }
         true
     }
 }
@@ -253,6 +278,10 @@ impl RootContext for Root {
                 gate: RefCell::new(Gate::new(&cfg, worker_id)),
                 pending: RefCell::new(HashMap::new()),
                 health: RefCell::new(Recorder::new()),
+                inflight: RefCell::new(inflight::InflightTable::new(crate::lease::holder_id(
+                    io::entropy(),
+                    self.context_id,
+                ))),
                 cfg,
             }))
         };

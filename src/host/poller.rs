@@ -9,15 +9,16 @@
 use std::rc::Rc;
 
 use hashbrown::HashMap;
-use log::{debug, info, warn};
+use log::{debug, error, info, warn};
 
 use super::io;
 use crate::config::Config;
 use crate::discovery::TokenSource;
 use crate::lease::{holder_id, Lease, LeaseState};
-use crate::poller::{Poller, ScrapeResult};
+use crate::poller::{response_within_cap, Poller, ScrapeError, ScrapeResult};
 use crate::ports::SharedStore;
 use crate::snapshot::{self, SNAPSHOT_VERSION_KEY};
+use crate::telemetry::{self, LogLimiter};
 
 pub(crate) struct PollerRole {
     cfg: Rc<Config>,
@@ -28,12 +29,24 @@ pub(crate) struct PollerRole {
     discovery_call: Option<u32>,
     /// A result arrived since the last publish.
     dirty: bool,
+    /// Failure counters (`inference_picker_scrape_failures_total`, `…discovery_failures_total`).
+    metrics: io::Metrics,
+    /// One error line per cause every `telemetry::ERROR_LOG_EVERY_MS`.
+    errors: LogLimiter,
 }
 
 impl PollerRole {
     pub fn new(cfg: Rc<Config>) -> Self {
         let core = Poller::new(&cfg);
-        let mut p = PollerRole { cfg, core, calls: HashMap::new(), discovery_call: None, dirty: false };
+        let mut p = PollerRole {
+            cfg,
+            core,
+            calls: HashMap::new(),
+            discovery_call: None,
+            dirty: false,
+            metrics: io::Metrics::default(),
+            errors: LogLimiter::new(telemetry::ERROR_LOG_EVERY_MS),
+        };
         p.continue_versions();
         p
     }
@@ -63,8 +76,13 @@ impl PollerRole {
                 match io::dispatch(&k.api_cluster, &headers, k.timeout_ms) {
                     Ok(t) => self.discovery_call = Some(t),
                     Err(e) => {
-                        warn!("inference-picker-poller: cannot list pods through {}: {e}", k.api_cluster);
-                        let _ = self.core.on_discovery(k, None, b"");
+                        let msg = format!(
+                            "cannot list pods through cluster {:?}: Envoy refused the call ({e}); is the \
+                             cluster defined in Envoy's configuration?",
+                            k.api_cluster
+                        );
+                        self.discovery_failure("dispatch", &msg, now);
+                        self.core.discovery_failed();
                     }
                 }
             }
@@ -72,6 +90,11 @@ impl PollerRole {
         let Some(due) = self.core.start_round_if_due(now) else {
             return;
         };
+        let lost = self.core.take_lost();
+        if lost > 0 {
+            self.metrics.add(telemetry::name(telemetry::SCRAPE_FAILURES, &[("reason", "lost")]), lost);
+            self.scrape_error(&ScrapeError::Lost, &format!("{lost} scrapes"), now);
+        }
         if self.dirty && !self.calls.is_empty() {
             // The previous round is not finished one interval later: publish what we have.
             self.publish(now);
@@ -83,7 +106,10 @@ impl PollerRole {
                     self.calls.insert(token, address);
                 }
                 Err(e) => {
-                    warn!("inference-picker-poller: cannot scrape {address}: {e}");
+                    let err = ScrapeError::Dispatch(e);
+                    self.metrics
+                        .count(telemetry::name(telemetry::SCRAPE_FAILURES, &[("reason", err.reason())]));
+                    self.scrape_error(&err, &format!("{address} through cluster {:?}", p.cluster), now);
                     self.core.dispatch_failed(&address);
                     self.dirty = true;
                 }
@@ -101,12 +127,23 @@ impl PollerRole {
             let Some(k) = self.cfg.discovery.as_ref().map(|d| &d.kubernetes) else {
                 return;
             };
+            if !response_within_cap(body_size, self.cfg.poller.max_response_bytes) {
+                let msg = format!(
+                    "pod list of {body_size} bytes is over poller.max_response_bytes ({}); not read, \
+                     keeping the previous endpoints",
+                    self.cfg.poller.max_response_bytes
+                );
+                self.discovery_failure("too_large", &msg, now);
+                self.core.discovery_failed();
+                return;
+            }
             let status = if num_headers == 0 { None } else { io::call_response_status() };
             let body = io::call_response_body(body_size);
             match self.core.on_discovery(k, status, &body) {
                 Ok(n) => debug!("inference-picker-poller: discovery: {n} endpoints"),
                 Err(e) => {
-                    warn!("inference-picker-poller: pod list unusable, keeping the previous endpoints: {e}")
+                    let msg = format!("pod list unusable, keeping the previous endpoints: {e}");
+                    self.discovery_failure(e.reason(), &msg, now);
                 }
             }
             return;
@@ -114,20 +151,47 @@ impl PollerRole {
         let Some(address) = self.calls.remove(&token) else {
             return;
         };
-        // A failed call (reset, connect failure, timeout) arrives with no headers.
+        // A failed call (reset, connect failure, timeout) arrives with no headers. A body over the
+        // cap is never copied into the VM.
         let body;
         let result = if num_headers == 0 {
             ScrapeResult::Failed
+        } else if !response_within_cap(body_size, self.cfg.poller.max_response_bytes) {
+            ScrapeResult::TooLarge { size: body_size }
         } else {
             body = io::call_response_body(body_size);
             ScrapeResult::Response { status: io::call_response_status().unwrap_or(0), body: &body }
         };
         if let Err(e) = self.core.on_result(&address, now, result) {
-            debug!("inference-picker-poller: scrape of {address} failed: {e:?}");
+            self.metrics.count(telemetry::name(telemetry::SCRAPE_FAILURES, &[("reason", e.reason())]));
+            self.scrape_error(&e, &address, now);
         }
         self.dirty = true;
         if self.calls.is_empty() && self.core.round_complete() {
             self.publish(now);
+        }
+    }
+
+    /// Logs a scrape failure at error level, at most once per reason every
+    /// `telemetry::ERROR_LOG_EVERY_MS` (the metric counts every one).
+    fn scrape_error(&mut self, e: &ScrapeError, what: &str, now: u64) {
+        if let Some(suppressed) = self.errors.allow(e.reason(), now) {
+            error!(
+                "inference-picker-poller: scrape of {what} failed: {e} \
+                 (reason={}; {suppressed} more such failures since the last line)",
+                e.reason()
+            );
+        }
+    }
+
+    /// Counts a pod-list failure and logs it (rate-limited per reason).
+    fn discovery_failure(&mut self, reason: &'static str, msg: &str, now: u64) {
+        self.metrics.count(telemetry::name(telemetry::DISCOVERY_FAILURES, &[("reason", reason)]));
+        let cause = format!("discovery:{reason}");
+        if let Some(suppressed) = self.errors.allow(&cause, now) {
+            error!(
+                "inference-picker-poller: {msg} (reason={reason}; {suppressed} more such failures since the last line)"
+            );
         }
     }
 

@@ -34,9 +34,14 @@
 //! checkpoint) and no extra read. A write that keeps losing races is dropped: the table is a
 //! hint, and the next turn writes again.
 //!
-//! **Failure behaviour.** The first write of a never-written shard has no CAS token (0 means "don't
-//! compare"), so two workers' very first writes to one shard can race and one is lost — at most
-//! once per shard per process. A store error on read counts as a miss; on write the update is
+//! **First writes.** A never-written shard has no CAS token, and a write with cas 0 is blind, so
+//! two workers' very first writes to one shard could race and one be lost. A shard read as absent
+//! is therefore first created empty with `crate::ports::CREATE_CAS` (Envoy accepts any cas on an
+//! absent key and rejects a non-matching one on an existing key, so a racing creator's data is
+//! never overwritten), then re-read and updated with CAS like any other write
+//! (`two_first_writers_of_a_shard_both_land`).
+//!
+//! **Failure behaviour.** A store error on read counts as a miss; on write the update is
 //! skipped. A value whose length is not a multiple of 12 is read as empty and replaced on the
 //! next write. Neither can make the scheduler fail a request.
 
@@ -229,6 +234,14 @@ impl SharedPrefix {
                     Err(_) => return false,
                 },
             };
+            if cas == 0 {
+                // Never written (a real token is never 0): create it empty with the creation CAS,
+                // which fails if a racing worker created it first, then update with CAS.
+                match store.set(k, b"", crate::ports::CREATE_CAS) {
+                    Ok(()) | Err(StoreError::CasMismatch) => continue,
+                    Err(_) => return false,
+                }
+            }
             match store.set(k, &upsert(&value, updates, self.entries), cas) {
                 Ok(()) => return true,
                 Err(StoreError::CasMismatch) => continue,
@@ -327,6 +340,22 @@ mod tests {
             }
             self.inner.set(key, value, cas)
         }
+    }
+
+    #[test]
+    fn two_first_writers_of_a_shard_both_land() {
+        // Worker A looked the shard up (absent); worker B then writes it first. A's write must
+        // not erase B's record.
+        let t = SharedPrefix::new(1, 16);
+        let s = MemStore::new();
+        let hashes: Vec<u64> = (1..=4).collect();
+        let mut a_lookup = t.lookup(&s, &hashes);
+        let mut b_lookup = t.lookup(&s, &[10, 20, 30, 40]);
+        assert_eq!(t.record(&s, &[10, 20, 30, 40], 0xB, &mut b_lookup), 1);
+        assert_eq!(t.record(&s, &hashes, 0xA, &mut a_lookup), 1);
+        let (v, _) = s.get(&t.keys()[0]).unwrap().unwrap();
+        assert_eq!(find(&v, 40), Some(0xB));
+        assert_eq!(find(&v, 4), Some(0xA));
     }
 
     #[test]

@@ -322,3 +322,76 @@ def static_cluster(name: str, host: str, port: int) -> dict:
         "load_assignment": {"cluster_name": name, "endpoints": [{"lb_endpoints": [
             {"endpoint": {"address": {"socket_address": {"address": host, "port_value": port}}}}]}]},
     }
+
+
+def rss_kib(pid: int) -> int:
+    """Resident set size of a process, from /proc/<pid>/status (VmRSS, in KiB)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise AssertionError(f"no VmRSS for pid {pid}")
+
+
+class LdsEnvoy(Envoy):
+    """Envoy whose listener comes from an LDS file (a path config source) instead of
+    static_resources, so that a test can replace the listener, and with it the filter's VM,
+    while requests are in flight: `replace_listener(mutate)` applies `mutate` to the listener
+    dict and moves the new file into place (Envoy watches the file). The old listener drains for
+    `drain_s` seconds (`--drain-time-s`), then Envoy closes its connections."""
+
+    def __init__(self, config: dict, concurrency: int = 1, drain_s: int = 1):
+        self.port = free_port()
+        self.admin_port = free_port()
+        self.tmp = tempfile.TemporaryDirectory(prefix="picker-envoy-lds-")
+        self.lds_path = Path(self.tmp.name) / "lds.yaml"
+        self._version = 0
+        doc = render(yaml.safe_load(ENVOY_YAML.read_text()), config, self.port, self.admin_port)
+        self.listener = doc["static_resources"].pop("listeners")[0]
+        doc["dynamic_resources"] = {"lds_config": {"resource_api_version": "V3",
+                                                   "path_config_source": {"path": str(self.lds_path)}}}
+        doc["node"] = {"id": "picker-test", "cluster": "picker-test"}
+        self._write_listener()
+        path = Path(self.tmp.name) / "envoy.yaml"
+        path.write_text(yaml.safe_dump(doc))
+        self.log_path = Path(self.tmp.name) / "envoy.log"
+        self.proc = subprocess.Popen(
+            [str(ENVOY), "-c", str(path), "--concurrency", str(concurrency), "--use-dynamic-base-id",
+             "-l", "info", "--log-path", str(self.log_path), "--disable-hot-restart",
+             "--drain-time-s", str(drain_s), "--drain-strategy", "immediate"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        _live.append(self.proc)
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.admin = f"http://127.0.0.1:{self.admin_port}"
+        try:
+            wait_until(lambda: self.proc.poll() is not None or self._ready(), 30, "envoy ready")
+            if self.proc.poll() is not None:
+                raise RuntimeError("envoy exited:\n" + self.log())
+        except AssertionError:
+            self.stop()
+            raise
+
+    def _ready(self) -> bool:
+        try:
+            return requests.get(self.admin + "/ready", timeout=1).status_code == 200
+        except requests.RequestException:
+            return False
+
+    def _write_listener(self) -> None:
+        self._version += 1
+        resource = dict(self.listener)
+        resource["@type"] = "type.googleapis.com/envoy.config.listener.v3.Listener"
+        tmp = self.lds_path.with_suffix(".tmp")
+        tmp.write_text(yaml.safe_dump({"version_info": str(self._version), "resources": [resource]}))
+        tmp.rename(self.lds_path)
+
+    def replace_listener(self, mutate) -> None:
+        mutate(self.listener)
+        self._write_listener()
+
+    def lds_updates(self) -> int:
+        """Listener updates Envoy accepted (`listener_manager.lds.update_success`)."""
+        for line in requests.get(self.admin + "/stats", timeout=5).text.splitlines():
+            if line.startswith("listener_manager.lds.update_success:"):
+                return int(line.split(":")[1])
+        return 0

@@ -102,6 +102,7 @@ def tiers_pool():
         priority={"tier": {"header": "x-llm-tier", "trusted": True, "values": TIERS}},
         saturation={"max_inflight_per_endpoint": 2},
         flow_control={"enabled": True, "max_wait_ms": 30000, "max_queue": 64},
+        filter={"endpoint_metrics": True},  # the tests read the per-endpoint in-flight gauge
     )
     envoy = Envoy(cfg, concurrency=4, front_filters=[TIER_FILTER])
     try:
@@ -193,6 +194,7 @@ def strict_pool():
         priority={"tier": {"header": "x-llm-tier", "trusted": False, "values": TIERS}},
         saturation={"max_inflight_per_endpoint": 2},
         flow_control={"enabled": True, "max_wait_ms": 1500, "max_queue": 2, "retry_after_s": 3},
+        filter={"endpoint_metrics": True},  # the tests read the per-endpoint in-flight gauge
     )
     envoy = Envoy(cfg, concurrency=4)
     try:
@@ -292,6 +294,7 @@ def test_tenants_take_turns_within_a_priority():
         priority={"trust_fairness_header": True},
         saturation={"max_inflight_per_endpoint": 2},
         flow_control={"enabled": True, "max_wait_ms": 30000},
+        filter={"endpoint_metrics": True},  # the tests read the per-endpoint in-flight gauge
     )
     envoy = Envoy(cfg, concurrency=1, front_filters=[front])
     try:
@@ -328,7 +331,7 @@ def test_flow_control_steps_aside_when_every_endpoint_is_stale():
         [endpoint(sim)],
         saturation={"max_inflight_per_endpoint": 2},
         flow_control={"enabled": True, "max_wait_ms": 30000},
-        filter={"failure_mode": "FailOpen"},
+        filter={"failure_mode": "FailOpen", "endpoint_metrics": True},
     )
     cfg["poller"]["metrics_path"] = "/no-metrics-here"
     envoy = Envoy(cfg, concurrency=4)
@@ -364,6 +367,7 @@ def test_a_higher_priority_arrival_evicts_the_newest_lower_one():
                   "tier": {"header": "x-llm-tier", "trusted": False, "values": TIERS}},
         saturation={"max_inflight_per_endpoint": 2},
         flow_control={"enabled": True, "max_wait_ms": 1500, "max_queue": 2},
+        filter={"endpoint_metrics": True},  # the tests read the per-endpoint in-flight gauge
     )
     envoy = Envoy(cfg, concurrency=1)
     try:

@@ -14,8 +14,9 @@ POLL_S = 0.2
 @pytest.fixture(scope="module")
 def pool():
     sims = [Sim("sim-a"), Sim("sim-b"), Sim("sim-c", models=(LLAMA, QWEN))]
+    # Per-endpoint metric names are opt-in (unbounded while pods churn); this pool is fixed.
     cfg = picker_config([endpoint(sims[0], LLAMA), endpoint(sims[1], LLAMA), endpoint(sims[2], LLAMA, QWEN)],
-                        filter={"expose_served_endpoint": True})  # opt-in since issue 9
+                        filter={"endpoint_metrics": True, "expose_served_endpoint": True})  # opt-ins since issue 9
     envoy = Envoy(cfg)
     try:
         envoy.wait_routable(LLAMA)

@@ -91,6 +91,9 @@ impl RunConfig {
 
 struct Replica {
     store: MemStore,
+    /// The replica's in-flight counts (one table per replica: its workers share one count, as
+    /// the module's VMs do through their summed records).
+    inflight: std::cell::RefCell<inflight::InflightTable>,
     poller: Poller,
     next_poll: f64,
     /// Scrapes in flight: delivered at `.0`, (server index, rendered text) each.
@@ -170,6 +173,7 @@ pub fn run(trace: &Trace, policy: Policy, rc: &RunConfig) -> Result<RunResult, S
     let replicas: Vec<Replica> = (0..rc.replicas)
         .map(|_| Replica {
             store: MemStore::new(),
+            inflight: std::cell::RefCell::new(inflight::InflightTable::new(1)),
             poller: Poller::new(&cfg),
             next_poll: rng.next_f64() * rc.poll_ms as f64,
             pending: None,
@@ -351,8 +355,8 @@ impl Sim<'_> {
     /// Flow control's view of capacity for worker `wi`.
     fn capacity(&mut self, wi: usize, now_ms: u64) -> Result<Capacity, String> {
         let snap = self.snapshot(wi)?;
-        let store = &self.replicas[self.workers[wi].replica].store;
-        let counts = inflight::read(store).unwrap_or_default();
+        let rep = &self.replicas[self.workers[wi].replica];
+        let counts = rep.inflight.borrow_mut().read(&rep.store, now_ms).unwrap_or_default();
         let eps: Vec<&EndpointStatus> = snap.endpoints.iter().collect();
         let report = saturated(&self.sat, &eps, &|a| counts.get(a), now_ms);
         Ok(Capacity::new(snap.version, &report))
@@ -440,7 +444,7 @@ impl Sim<'_> {
         let snap = if self.policy.uses_scheduler() { Some(self.snapshot(wi)?) } else { None };
         let w = &mut self.workers[wi];
         let rep = &mut self.replicas[w.replica];
-        let counts = inflight::read(&rep.store).unwrap_or_default();
+        let counts = rep.inflight.borrow_mut().read(&rep.store, now_ms).unwrap_or_default();
         let chosen: Result<usize, String> = match self.policy {
             Policy::Ours
             | Policy::OursNoFlow
@@ -510,7 +514,7 @@ impl Sim<'_> {
         };
         match self.servers[si].submit(sim) {
             Ok(()) => {
-                let _ = inflight::adjust(&rep.store, &self.addresses[si], 1);
+                let _ = rep.inflight.borrow_mut().adjust(&rep.store, &self.addresses[si], 1, now_ms);
                 self.out.routed(idx, si);
             }
             Err(e) => self.reject(idx, format!("server_{}", submit_error_code(&e))),
@@ -570,17 +574,27 @@ fn handle_events(
                     let ttft = l.first.unwrap_or(t_ms) - l.arrival;
                     out.finished(id as usize, ttft, t_ms - l.arrival, t_ms, output_tokens, cached_tokens);
                     if let Some(r) = replicas.get(l.replica) {
-                        let _ = inflight::adjust(&r.store, &addresses[si], -1);
+                        let _ = r.inflight.borrow_mut().adjust(
+                            &r.store,
+                            &addresses[si],
+                            -1,
+                            EPOCH_MS + t_ms as u64,
+                        );
                     }
                 }
             }
-            Event::Rejected { id, .. } => {
+            Event::Rejected { id, t_ms, .. } => {
                 if let Some(l) = live.get_mut(id as usize) {
                     if !l.done {
                         l.done = true;
                         out.reject(id as usize, "server_rejected".into());
                         if let Some(r) = replicas.get(l.replica) {
-                            let _ = inflight::adjust(&r.store, &addresses[si], -1);
+                            let _ = r.inflight.borrow_mut().adjust(
+                                &r.store,
+                                &addresses[si],
+                                -1,
+                                EPOCH_MS + t_ms as u64,
+                            );
                         }
                     }
                 }
