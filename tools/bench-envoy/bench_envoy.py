@@ -118,11 +118,28 @@ def wrk_script(template: str, new_prompt: bool) -> str:
 
 
 def parse_wrk(stdout: str) -> dict:
-    """The BENCH_RESULT line the Lua `done` prints, as ints."""
+    """The BENCH_RESULT line the Lua `done` prints, as ints, plus `statuses`: the answers other
+    than 200 by status, "503:12,429:3" ("" when there were none)."""
+    result, statuses = None, ""
     for line in stdout.splitlines():
         if line.startswith("BENCH_RESULT "):
-            return {k: int(v) for k, v in (kv.split("=", 1) for kv in line.split()[1:])}
-    raise RuntimeError("wrk printed no BENCH_RESULT line:\n" + stdout[-2000:])
+            result = {k: int(v) for k, v in (kv.split("=", 1) for kv in line.split()[1:])}
+        elif line.startswith("BENCH_STATUSES"):
+            statuses = line[len("BENCH_STATUSES"):].strip()
+    if result is None:
+        raise RuntimeError("wrk printed no BENCH_RESULT line:\n" + stdout[-2000:])
+    result["statuses"] = statuses
+    return result
+
+
+def merge_statuses(parts: list[str]) -> str:
+    """Sums "503:12,429:3"-style counts."""
+    total: dict[int, int] = {}
+    for part in parts:
+        for item in filter(None, part.split(",")):
+            status, _, n = item.partition(":")
+            total[int(status)] = total.get(int(status), 0) + int(n)
+    return ",".join(f"{s}:{n}" for s, n in sorted(total.items()))
 
 
 def stat_cpu_ticks(stat_text: str) -> int:
@@ -409,7 +426,7 @@ def measure(front: Envoy, wrk: str, script: Path, seconds: float, connections: i
         "p50_ms": r["p50_us"] / 1000, "p99_ms": r["p99_us"] / 1000,
         "cpu_us_per_req": (t1 - t0) * tick_us / n,
         "worker_us_per_req": (w1 - w0) * tick_us / n if tid else float("nan"),
-        "errors": errors, "non_2xx": r["errors_status"], "loadavg": la0,
+        "errors": errors, "non_2xx": r["errors_status"], "statuses": r["statuses"], "loadavg": la0,
     }
 
 
@@ -557,13 +574,16 @@ def render_report(results: list[dict], idle: list[dict], env: dict) -> tuple[str
           "worker = the same for its worker thread only (excludes the main thread, where the module's "
           "poller runs).", "",
           "## Per request", "",
-          "| endpoints | body | front | prompt | req/s | p50 ms | p99 ms | CPU µs/req | worker µs/req | errors |",
+          "| endpoints | body | front | prompt | req/s | p50 ms | p99 ms | CPU µs/req | worker µs/req | errors (status:count) |",
           "|---:|---:|---|---|---:|---:|---:|---:|---:|---:|"]
     combos = sorted({(r["endpoints"], r["body"]) for r in results})
     for n, b in combos:
         for v, p in (("plain", "-"), ("pass", "-"), ("module", "hit"), ("module", "new")):
             sel = dict(endpoints=n, body=b, variant=v, prompt=p)
-            errs = sum(r["errors"] for r in results if all(r[k] == x for k, x in sel.items()))
+            runs = [r for r in results if all(r[k] == x for k, x in sel.items())]
+            errs = sum(r["errors"] for r in runs)
+            by_status = merge_statuses([r.get("statuses", "") for r in runs])
+            errs = f"{errs} ({by_status})" if by_status else str(errs)
             md.append(f"| {n} | {b} | {v} | {p} | {fmt(med('rps', **sel), 0)} | {fmt(med('p50_ms', **sel), 2)} | "
                       f"{fmt(med('p99_ms', **sel), 2)} | {fmt(med('cpu_us_per_req', **sel))} | "
                       f"{fmt(med('worker_us_per_req', **sel))} | {errs} |")

@@ -63,7 +63,9 @@ def test_stat_cpu_ticks_handles_a_command_name_with_spaces_and_parens():
 def test_parse_wrk_reads_the_result_line():
     out = "Running 1s test\nBENCH_RESULT requests=10 duration_us=1000000 p50_us=5 p99_us=9 errors_status=1\n"
     r = be.parse_wrk(out)
-    assert r["requests"] == 10 and r["p99_us"] == 9 and r["errors_status"] == 1
+    assert r["requests"] == 10 and r["p99_us"] == 9 and r["errors_status"] == 1 and r["statuses"] == ""
+    assert be.parse_wrk(out + "BENCH_STATUSES 503:1\n")["statuses"] == "503:1"
+    assert be.merge_statuses(["503:1,429:2", "", "503:4"]) == "429:2,503:5"
     with pytest.raises(RuntimeError):
         be.parse_wrk("no line")
 

@@ -13,10 +13,12 @@ local counter = 0
 local fixed_request = nil
 local headers = { ["content-type"] = "application/json" }
 
+local threads = {}
+
 function setup(thread)
   -- Each wrk thread has its own Lua state; give each a distinct id so unique prompts stay unique.
-  thread:set("tid", tostring(setup_count or 0))
-  setup_count = (setup_count or 0) + 1
+  thread:set("tid", tostring(#threads))
+  table.insert(threads, thread)
 end
 
 function init(args)
@@ -38,10 +40,33 @@ function request()
   return wrk.format("POST", "/v1/chat/completions", headers, body)
 end
 
+-- Count answers other than 200 by status (wrk itself only counts them), so a report can say
+-- whether the module shed (429) or found no fresh endpoint (503).
+other_statuses = {}
+
+function response(status, headers, body)
+  if status ~= 200 then
+    other_statuses[status] = (other_statuses[status] or 0) + 1
+  end
+end
+
 function done(summary, latency, requests)
+  local statuses = {}
+  for _, thread in ipairs(threads) do
+    local counts = thread:get("other_statuses") or {}
+    for status, n in pairs(counts) do
+      statuses[status] = (statuses[status] or 0) + n
+    end
+  end
+  local parts = {}
+  for status, n in pairs(statuses) do
+    table.insert(parts, string.format("%d:%d", status, n))
+  end
+  table.sort(parts)
   io.write(string.format(
     "BENCH_RESULT requests=%d duration_us=%d p50_us=%d p99_us=%d errors_status=%d errors_connect=%d errors_read=%d errors_write=%d errors_timeout=%d\n",
     summary.requests, summary.duration, latency:percentile(50), latency:percentile(99),
     summary.errors.status, summary.errors.connect, summary.errors.read, summary.errors.write,
     summary.errors.timeout))
+  io.write("BENCH_STATUSES " .. table.concat(parts, ",") .. "\n")
 end
