@@ -446,7 +446,12 @@ def main() -> int:
     ap.add_argument("--reps", type=int, help="repetitions; the median is reported (default 3)")
     ap.add_argument("--idle-seconds", type=float, help="length of one idle window (default 10)")
     ap.add_argument("--connections", type=int, default=8, help="wrk connections (default 8)")
+    ap.add_argument("--combine", nargs="+", metavar="RESULTS_JSON",
+                    help="measure nothing: write one report from the results.json of several runs "
+                         "(medians over all their repetitions)")
     args = ap.parse_args()
+    if args.combine:
+        return combine(args.combine, Path(args.out))
 
     q = args.quick
     endpoints = [int(x) for x in (args.endpoints or ("8" if q else "8,128,1024")).split(",")]
@@ -540,19 +545,40 @@ def main() -> int:
         _stop_all()
     finished = dt.datetime.now(dt.timezone.utc)
 
-    report, lines = render_report(results, idle, dict(
+    env = dict(
         started=started.strftime("%Y-%m-%d %H:%M UTC"), minutes=(finished - started).total_seconds() / 60,
         load_start=load_start, load_end=loadavg(), quick=q, seconds=seconds, reps=reps,
         idle_seconds=idle_seconds, connections=args.connections,
         envoy=subprocess.run([args.envoy, "--version"], capture_output=True, text=True, timeout=30).stdout.strip().split()[-1],
         wasm_bytes=Path(args.wasm).stat().st_size, pass_bytes=Path(args.passthrough).stat().st_size,
-        metrics_bytes=metrics_file.stat().st_size, nproc=os.cpu_count()))
-    (out / "report.md").write_text(report + "\n```\n" + "\n".join(lines) + "\n```\n")
-    (out / "results.json").write_text(json.dumps({"runs": results, "idle": idle}, indent=1))
+        metrics_bytes=metrics_file.stat().st_size, nproc=os.cpu_count())
     shutil.rmtree(work, ignore_errors=True)
+    write_outputs(out, results, idle, env)
+    return 0
+
+
+def write_outputs(out: Path, results: list[dict], idle: list[dict], env: dict) -> None:
+    report, lines = render_report(results, idle, env)
+    (out / "report.md").write_text(report + "\n```\n" + "\n".join(lines) + "\n```\n")
+    (out / "results.json").write_text(json.dumps({"env": env, "runs": results, "idle": idle}, indent=1))
     print(report)
     for line in lines:
         print(line)
+
+
+def combine(paths: list[str], out: Path) -> int:
+    """One report over several runs' results.json: every repetition of every run counts once."""
+    docs = [json.loads(Path(p).read_text()) for p in paths]
+    results = [dict(r, run=i) for i, d in enumerate(docs) for r in d["runs"]]
+    idle = [dict(x, run=i) for i, d in enumerate(docs) for x in d["idle"]]
+    envs = [d["env"] for d in docs]
+    env = dict(envs[0])
+    env.update(
+        started=f"{len(docs)} runs from {envs[0]['started']}", minutes=sum(e["minutes"] for e in envs),
+        load_start=" / ".join(e["load_start"] for e in envs), load_end=" / ".join(e["load_end"] for e in envs),
+        reps=sum(e["reps"] for e in envs), quick=any(e["quick"] for e in envs))
+    out.mkdir(parents=True, exist_ok=True)
+    write_outputs(out, results, idle, env)
     return 0
 
 

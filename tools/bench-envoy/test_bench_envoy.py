@@ -144,3 +144,26 @@ def test_quick_run_writes_the_report_and_the_lines(tmp_path):
     assert "## Per request" in report and "## The poller at idle" in report
     runs = json.loads((tmp_path / "results.json").read_text())["runs"]
     assert {(r["variant"], r["prompt"]) for r in runs} == {("plain", "-"), ("pass", "-"), ("module", "hit"), ("module", "new")}
+
+
+def test_combine_takes_the_median_over_every_run(tmp_path, capsys):
+    env = dict(started="s", minutes=1.0, load_start="1 1 1", load_end="2 2 2", quick=False, seconds=8,
+               reps=1, idle_seconds=10, connections=8, envoy="1.40.0", wasm_bytes=1, pass_bytes=1,
+               metrics_bytes=1, nproc=2)
+
+    def run(cpu_module: float, path: Path) -> str:
+        rows = [dict(endpoints=8, body=1024, variant=v, prompt=p, rps=1.0, p50_ms=1.0, p99_ms=1.0,
+                     cpu_us_per_req=c, worker_us_per_req=c, errors=0, statuses="")
+                for v, p, c in (("plain", "-", 100.0), ("pass", "-", 120.0),
+                                ("module", "hit", cpu_module), ("module", "new", cpu_module))]
+        idle = [dict(endpoints=8, plain_ms_per_s=1.0, module_ms_per_s=5.0, scrapes_per_s=40.0)]
+        path.write_text(json.dumps({"env": env, "runs": rows, "idle": idle}))
+        return str(path)
+
+    paths = [run(c, tmp_path / f"r{c}.json") for c in (150.0, 160.0, 200.0)]
+    assert be.combine(paths, tmp_path / "out") == 0
+    lines = [l for l in capsys.readouterr().out.splitlines() if l.startswith(("ENVOY_COST", "POLLER_COST"))]
+    # Module medians 160 -> 160 - 120 = 40 over pass, 60 over plain; poller (5 - 1) / 40 s = 100 us.
+    assert "ENVOY_COST endpoints=8 body=1024 module_vs_pass_us=40.0 module_vs_plain_us=60.0 prompt=hit" in lines[0]
+    assert lines[-1].startswith("POLLER_COST endpoints=8 idle_cpu_ms_per_s=5.00 per_scrape_us=100.0 ")
+    assert "Medians of 3 interleaved repetitions" in (tmp_path / "out" / "report.md").read_text()
