@@ -8,10 +8,11 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 ENVOY := $(VENV)/bin/envoy
 WASM := target/wasm32-wasip1/release/inference_picker.wasm
+PASS_WASM := target/wasm32-wasip1/release/passthrough_wasm.wasm
 SIM := target/tools/model-server-sim
 ENVOY_VERSION := 1.40.0
 
-.PHONY: all toolchain run test wasm sim venv fmt-check clippy unit validate deploy-check e2e bench bench-check bench-routing schema oci clean
+.PHONY: all toolchain run test wasm sim venv fmt-check clippy unit validate deploy-check e2e bench bench-check bench-routing schema oci clean passthrough-wasm wrk bench-envoy bench-envoy-check
 
 all: wasm
 
@@ -88,7 +89,36 @@ bench-routing: venv
 	cargo run --profile tools -p replay-bench -- --out target/routing-report $(if $(TRACE),--trace $(TRACE)) $(BENCH_ARGS)
 	$(PY) tools/replay-bench/plot.py target/routing-report
 
-test: fmt-check clippy unit bench-check wasm validate deploy-check e2e
+## passthrough-wasm: the baseline filter of bench-envoy (tools/passthrough-wasm): buffers and reads
+## the body, sets one header.
+passthrough-wasm: toolchain
+	cargo build -p passthrough-wasm --target wasm32-wasip1 --release
+
+## wrk: the load generator of bench-envoy, from the distribution's packages (apt-get, as root).
+wrk:
+	@command -v wrk >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "installing wrk with apt-get"; \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq wrk >/dev/null 2>&1 || \
+	    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq wrk >/dev/null; }; \
+	  else echo "bench-envoy needs wrk: run 'sudo apt-get install wrk' (Debian, Ubuntu) and retry"; exit 1; fi; }
+
+## bench-envoy: what the module costs inside Envoy (tools/bench-envoy/README.md): plain Envoy, the
+## pass-through wasm filter and the module side by side, one worker each, in front of fast fake pods;
+## 8/128/1024 endpoints, 1 KiB/32 KiB bodies, prefix hit/new prompt; and the poller's idle CPU.
+## Writes target/envoy-bench/report.md and prints ENVOY_COST and POLLER_COST lines (~15 min).
+## BENCH_QUICK=1: a smoke run (~20 s). BENCH_ARGS passes more flags (see --help).
+bench-envoy: wasm passthrough-wasm venv wrk
+	$(PY) tools/bench-envoy/bench_envoy.py --envoy $(ENVOY) --wasm $(WASM) --passthrough $(PASS_WASM) \
+	  --wrk "$$(command -v wrk)" --out target/envoy-bench $(BENCH_ARGS)
+
+## bench-envoy-check: the tool's unit tests and one BENCH_QUICK smoke run (no speed is asserted).
+## Without wrk (and no root to install it) the smoke run is skipped, and says so.
+bench-envoy-check: wasm passthrough-wasm venv
+	@$(MAKE) --no-print-directory wrk || echo "bench-envoy-check: wrk unavailable, the smoke run will be skipped"
+	PICKER_ENVOY=$(ENVOY) $(VENV)/bin/pytest -q tools/bench-envoy
+
+test: fmt-check clippy unit bench-check wasm validate deploy-check e2e bench-envoy-check
 	@echo "make test: all checks passed"
 
 clean:

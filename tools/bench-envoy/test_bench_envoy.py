@@ -1,0 +1,171 @@
+"""Tests of `make bench-envoy` (tools/bench-envoy/bench_envoy.py): its pure helpers, and one smoke
+run (BENCH_QUICK) that checks only that the report and the result lines are produced; nothing
+here asserts a speed. Run by `make bench-envoy-check` (part of `make test`)."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_envoy as be  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("size", [1024, 32768, 4000])
+def test_chat_body_has_the_exact_size_and_one_mark(size):
+    body = be.chat_body_template(size)
+    assert len(body.encode()) == size
+    assert body.count(be.MARK) == 1
+    doc = json.loads(body)
+    assert doc["model"] == be.LLAMA
+    # The mark opens the last message, so a unique value there changes every prefix block.
+    assert doc["messages"][-1]["content"].startswith(be.MARK)
+
+
+def test_chat_body_smaller_than_possible_is_refused():
+    with pytest.raises(ValueError):
+        be.chat_body_template(50)
+
+
+def test_wrk_script_sets_the_mode_and_keeps_the_body_whole():
+    body = be.chat_body_template(1024)
+    hit, new = be.wrk_script(body, False), be.wrk_script(body, True)
+    assert "NEW_PROMPT = false" in hit and "NEW_PROMPT = true" in new
+    assert "[==[" + body + "]==]" in hit
+    # The per-request value that replaces the mark has the mark's width (3 + 13 digits).
+    assert len(be.MARK) == 16 and re.fullmatch(r"[A-Za-z]+", be.MARK)
+    assert '"%03d%013d"' in new
+
+
+def test_pod_addresses_are_distinct_loopback_and_avoid_0_1_255():
+    addrs = be.pod_addresses(1024)
+    assert len(set(addrs)) == 1024
+    for a in addrs:
+        octets = [int(x) for x in a.split(".")]
+        assert octets[0] == 127 and octets[3] not in (0, 1, 255)
+
+
+def test_stat_cpu_ticks_handles_a_command_name_with_spaces_and_parens():
+    # Fields 14 and 15 (utime, stime) are 7 and 5; the name holds ") (" to catch a naive split.
+    line = "1234 (envoy (x) y) S 1 2 3 4 5 6 7 8 9 10 7 5 0 0 20 0 9 0 100 200 300"
+    assert be.stat_cpu_ticks(line) == 12
+
+
+def test_parse_wrk_reads_the_result_line():
+    out = "Running 1s test\nBENCH_RESULT requests=10 duration_us=1000000 p50_us=5 p99_us=9 errors_status=1\n"
+    r = be.parse_wrk(out)
+    assert r["requests"] == 10 and r["p99_us"] == 9 and r["errors_status"] == 1 and r["statuses"] == ""
+    assert be.parse_wrk(out + "BENCH_STATUSES 503:1\n")["statuses"] == "503:1"
+    assert be.merge_statuses(["503:1,429:2", "", "503:4"]) == "429:2,503:5"
+    with pytest.raises(RuntimeError):
+        be.parse_wrk("no line")
+
+
+def test_healthy_metrics_zeroes_only_the_waiting_series():
+    text = be.METRICS_FIXTURE.read_text()
+    out = be.healthy_metrics(text)
+    waiting = re.findall(r"^vllm:num_requests_waiting\{[^}]*\} (\S+)$", out, flags=re.M)
+    assert waiting and all(v == "0.0" for v in waiting)
+    assert re.findall(r"^vllm:num_requests_waiting\{[^}]*\} (\S+)$", text, flags=re.M) != waiting
+    # Everything else is unchanged.
+    strip = lambda t: [l for l in t.splitlines() if not l.startswith("vllm:num_requests_waiting{")]
+    assert strip(out) == strip(text)
+
+
+def test_front_did_its_job():
+    pods = {"127.88.0.2:9000"}
+    assert be.front_did_its_job("pass", {"x-bench-body-bytes": "1024"}, 1024, pods)
+    assert not be.front_did_its_job("pass", {"x-bench-body-bytes": "512"}, 1024, pods)
+    assert be.front_did_its_job("module", {"x-bench-destination": "127.88.0.2:9000,127.88.0.3:9000"}, 1024, pods)
+    assert not be.front_did_its_job("module", {"x-bench-destination": "10.0.0.1:1"}, 1024, pods)
+    assert be.front_did_its_job("plain", {}, 1024, pods)
+    assert not be.front_did_its_job("plain", {"x-bench-body-bytes": "1024"}, 1024, pods)
+
+
+def test_front_configs_share_the_listener_and_differ_only_in_filters():
+    base = yaml.safe_load((REPO / "envoy/envoy.yaml").read_text())
+    addrs = be.pod_addresses(3)
+    docs = {v: be.front_config(v, base, addrs, 9000, 8000, 8001, Path("/m.wasm"), Path("/p.wasm"))
+            for v in be.VARIANTS}
+    hcm = {v: d["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+           for v, d in docs.items()}
+    names = {v: [f["name"] for f in h["http_filters"]] for v, h in hcm.items()}
+    assert names["plain"] == ["envoy.filters.http.router"]
+    assert names["pass"] == ["envoy.filters.http.wasm", "envoy.filters.http.router"]
+    assert names["module"] == ["envoy.filters.http.wasm", "envoy.filters.http.router"]
+    assert "bootstrap_extensions" not in docs["plain"] and "bootstrap_extensions" in docs["module"]
+    pool = docs["plain"]["static_resources"]["clusters"][0]
+    assert pool["lb_policy"] == "ROUND_ROBIN" and len(pool["load_assignment"]["endpoints"][0]["lb_endpoints"]) == 3
+    # The module runs with the shipped defaults: only version, endpoints and models are set.
+    cfg = json.loads(hcm["module"]["http_filters"][0]["typed_config"]["config"]["configuration"]["value"])
+    assert set(cfg) == {"version", "endpoints", "models"}
+    assert [e["address"] for e in cfg["endpoints"]] == [f"{a}:9000" for a in addrs]
+    boot = docs["module"]["bootstrap_extensions"][0]["typed_config"]["config"]
+    assert json.loads(boot["configuration"]["value"]) == cfg
+    assert boot["vm_config"]["code"]["local"]["filename"] == "/m.wasm"
+    # The base file is not modified in place.
+    assert "bench_pool" not in json.dumps(base)
+
+
+def test_quick_run_writes_the_report_and_the_lines(tmp_path):
+    """BENCH_QUICK smoke run against real Envoys and wrk. Needs what `make bench-envoy-check`
+    builds; fails without it, so a missing piece is seen. Skipped (visibly) only without wrk,
+    which the Makefile installs when it runs as root."""
+    envoy = Path(os.environ.get("PICKER_ENVOY", REPO / ".venv/bin/envoy"))
+    wasm = REPO / "target/wasm32-wasip1/release/inference_picker.wasm"
+    passthrough = REPO / "target/wasm32-wasip1/release/passthrough_wasm.wasm"
+    for p in (envoy, wasm, passthrough):
+        assert p.is_file(), f"{p} missing: run `make bench-envoy-check`"
+    if not shutil.which("wrk"):
+        pytest.skip("wrk missing: `sudo apt-get install wrk` (make wrk installs it as root)")
+    out = subprocess.run(
+        [sys.executable, str(Path(be.__file__)), "--envoy", str(envoy), "--wasm", str(wasm),
+         "--passthrough", str(passthrough), "--out", str(tmp_path)],
+        env={**os.environ, "BENCH_QUICK": "1"}, capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    num = r"-?\d+\.\d"
+    cost = [l for l in lines if l.startswith("ENVOY_COST ")]
+    assert len(cost) == 2, out.stdout[-3000:]
+    for l in cost:
+        assert re.match(rf"ENVOY_COST endpoints=8 body=1024 module_vs_pass_us={num}+ module_vs_plain_us={num}+ "
+                        r"prompt=(hit|new) ", l), l
+    poller = [l for l in lines if l.startswith("POLLER_COST ")]
+    assert len(poller) == 1 and re.match(rf"POLLER_COST endpoints=8 idle_cpu_ms_per_s={num}+ per_scrape_us={num}+ ",
+                                         poller[0]), poller
+    report = (tmp_path / "report.md").read_text()
+    assert "## Per request" in report and "## The poller at idle" in report
+    runs = json.loads((tmp_path / "results.json").read_text())["runs"]
+    assert {(r["variant"], r["prompt"]) for r in runs} == {("plain", "-"), ("pass", "-"), ("module", "hit"), ("module", "new")}
+
+
+def test_combine_takes_the_median_over_every_run(tmp_path, capsys):
+    env = dict(started="s", minutes=1.0, load_start="1 1 1", load_end="2 2 2", quick=False, seconds=8,
+               reps=1, idle_seconds=10, connections=8, envoy="1.40.0", wasm_bytes=1, pass_bytes=1,
+               metrics_bytes=1, nproc=2)
+
+    def run(cpu_module: float, path: Path) -> str:
+        rows = [dict(endpoints=8, body=1024, variant=v, prompt=p, rps=1.0, p50_ms=1.0, p99_ms=1.0,
+                     cpu_us_per_req=c, worker_us_per_req=c, errors=0, statuses="")
+                for v, p, c in (("plain", "-", 100.0), ("pass", "-", 120.0),
+                                ("module", "hit", cpu_module), ("module", "new", cpu_module))]
+        idle = [dict(endpoints=8, plain_ms_per_s=1.0, module_ms_per_s=5.0, scrapes_per_s=40.0)]
+        path.write_text(json.dumps({"env": env, "runs": rows, "idle": idle}))
+        return str(path)
+
+    paths = [run(c, tmp_path / f"r{c}.json") for c in (150.0, 160.0, 200.0)]
+    assert be.combine(paths, tmp_path / "out") == 0
+    lines = [l for l in capsys.readouterr().out.splitlines() if l.startswith(("ENVOY_COST", "POLLER_COST"))]
+    # Module medians 160 -> 160 - 120 = 40 over pass, 60 over plain; poller (5 - 1) / 40 s = 100 us.
+    assert "ENVOY_COST endpoints=8 body=1024 module_vs_pass_us=40.0 module_vs_plain_us=60.0 prompt=hit" in lines[0]
+    assert lines[-1].startswith("POLLER_COST endpoints=8 idle_cpu_ms_per_s=5.00 per_scrape_us=100.0 ")
+    assert "Medians of 3 interleaved repetitions" in (tmp_path / "out" / "report.md").read_text()
