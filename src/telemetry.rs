@@ -46,6 +46,10 @@ pub const HEALTH_RESULTS: &str = "inference_picker_health_results_total";
 /// Requests held because the proxy had no metrics yet (just started), by how they left:
 /// `held` (on arrival), `released` (metrics arrived), `expired` (the wait ran out).
 pub const STARTUP_REQUESTS: &str = "inference_picker_startup_requests_total";
+/// Gauge: the linear memory of every filter VM of this Envoy, summed, in bytes. Wasm memory
+/// only grows, so this is each VM's high-water mark: it shows what the module keeps, apart from
+/// Envoy's own buffers.
+pub const VM_MEMORY: &str = "inference_picker_vm_memory_bytes";
 /// Poller scrapes that failed, by `reason`: `dispatch` (Envoy refused to start the call: the
 /// cluster is unknown, BadArgument), `transport` (reset, connect failure, timeout), `status`
 /// (not 200), `not_utf8`, `metrics` (no routing metric found), `too_large` (over

@@ -540,9 +540,38 @@ pub struct Metrics {
     ids: hashbrown::HashMap<String, u32>,
     /// The name limit was hit and logged.
     full_logged: bool,
+    /// This VM's linear memory last added to the memory gauge, in bytes.
+    memory_reported: u64,
+}
+
+/// This VM's linear memory in bytes (wasm memory only grows; it is never given back).
+fn vm_memory_bytes() -> u64 {
+    #[cfg(target_arch = "wasm32")]
+    {
+        (core::arch::wasm32::memory_size(0) as u64) * 65_536
+    }
+    #[cfg(not(target_arch = "wasm32"))]
+    {
+        0
+    }
 }
 
 impl Metrics {
+    /// Keeps `inference_picker_vm_memory_bytes` equal to the sum of every filter VM's linear
+    /// memory: each VM adds the growth since its last report (a gauge set by several VMs would
+    /// only show the last writer's value).
+    pub fn report_vm_memory(&mut self) {
+        let now = vm_memory_bytes();
+        let delta = now.saturating_sub(self.memory_reported);
+        if delta > 0 {
+            self.memory_reported = now;
+            self.gauge_add(
+                crate::telemetry::name(crate::telemetry::VM_MEMORY, &[]),
+                i64::try_from(delta).unwrap_or(i64::MAX),
+            );
+        }
+    }
+
     fn id(&mut self, kind: MetricType, name: String) -> Option<u32> {
         if let Some(id) = self.ids.get(&name) {
             return Some(*id);

@@ -119,6 +119,7 @@ impl Worker {
         }
         let updates = self.gate.borrow_mut().take_metrics();
         let mut metrics = self.metrics.borrow_mut();
+        metrics.report_vm_memory();
         for u in updates {
             match u {
                 MetricUpdate::Count { name, delta } => metrics.add(name, delta),

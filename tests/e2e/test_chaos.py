@@ -43,7 +43,7 @@ def test_pod_killed_under_concurrent_burst_costs_no_request():
     """SIGKILL one of three pods while 240 requests (24 at a time) are in flight: requests on the
     dead pod (in flight, or picked before the next poll noticed) are retried on a fallback."""
     sims = [Sim(f"burst-{i}", extra=["--delay-per-token-ms", "10"]) for i in range(3)]
-    envoy = Envoy(picker_config([endpoint(s) for s in sims]), concurrency=2)
+    envoy = Envoy(picker_config([endpoint(s) for s in sims], filter={"expose_served_endpoint": True}), concurrency=2)
     total, killed_after = 240, 60
     done = []
     lock = threading.Lock()
@@ -93,7 +93,7 @@ def test_pod_failing_fast_is_retried_on_a_fallback(mode):
     resets): the in-flight scorer keeps picking it, and every such try is retried elsewhere."""
     sims = [Sim(f"fast-{i}") for i in range(3)]
     bad = sims[0]
-    envoy = Envoy(picker_config([endpoint(s) for s in sims]), concurrency=2)
+    envoy = Envoy(picker_config([endpoint(s) for s in sims], filter={"expose_served_endpoint": True}), concurrency=2)
     try:
         envoy.wait_routable()
         bad.chaos(**mode)

@@ -125,19 +125,32 @@ def test_rss_stays_bounded_across_rounds_of_large_held_bodies():
         envoy.wait_routable()
         # Warm-up: one large request alone, so the baseline includes one request's transient cost.
         assert post(envoy.url, ALIAS, big, 1) == 200
-        base = rss_kib(envoy.proc.pid)
+        # The module's own memory, apart from Envoy's buffers: every filter VM's linear memory
+        # (a high-water mark, wasm memory never shrinks), flushed on the root's 50 ms tick.
+        vm_mem = lambda: envoy.metric("inference_picker_vm_memory_bytes")  # noqa: E731
+        wait_until(vm_mem, 5, "the VM memory gauge")
+        base, m0 = rss_kib(envoy.proc.pid), vm_mem()
         round_of_held_bodies()
-        r1 = rss_kib(envoy.proc.pid)
+        time.sleep(0.2)
+        r1, m1 = rss_kib(envoy.proc.pid), vm_mem()
         round_of_held_bodies()
-        r2 = rss_kib(envoy.proc.pid)
+        time.sleep(0.2)
+        r2, m2 = rss_kib(envoy.proc.pid), vm_mem()
+        print(f"VM linear memory bytes: baseline {m0:.0f}, after round 1 {m1:.0f}, after round 2 {m2:.0f}")
+        # The module keeps 64 KiB per held request: a round may grow the VMs by a few transient
+        # parses, and a second round must reuse the first one's memory. Before the fix each held
+        # request kept 8 MiB (HELD x 8 MiB = 96 MiB per round, in the VM).
+        assert m1 - m0 <= 4 * BIG, (m0, m1, m2)
+        assert m2 - m1 <= BIG, (m0, m1, m2)
         # Measured (KiB): this build 145308 / 163344 / 168584; before the fix (main at 9092174,
         # stale_after_ms raised so that it gets this far) 144520 / 258372 / 328520.
         print(f"VmRSS KiB: baseline {base}, after round 1 {r1}, after round 2 {r2}")
         # Envoy itself buffers each held body (HELD x 4 MiB = 48 MiB while held); the module may add
         # little beyond that. Before the fix the module added HELD x 8 MiB = 96 MiB more.
         assert r1 - base <= HELD * BIG // 1024 + 32 * 1024, (base, r1, r2)
-        # Envoy's own allocator may still grow a little between rounds (measured +14 MiB here).
-        assert r2 <= r1 + 24 * 1024, (base, r1, r2)
+        # Envoy's own allocator (the router buffers each body for retries) may still grow between
+        # rounds (measured +14 to +41 MiB here); the module's part is the exact check above.
+        assert r2 <= r1 + 64 * 1024, (base, r1, r2)
         # Default metrics carry no endpoint address (bounded names): only the opt-in gauge
         # and requests counter would, and this config opts in, so check the reason-tagged ones.
         text = envoy.stats_prometheus()
