@@ -388,10 +388,13 @@ impl Filter {
                         e.reason.as_str(),
                         e.nth
                     );
-                    metrics.count(telemetry::name(
-                        telemetry::HEALTH_EJECTIONS,
-                        &[("endpoint", addr), ("reason", e.reason.as_str())],
-                    ));
+                    // The endpoint tag only with filter.endpoint_metrics: names stay bounded.
+                    let reason = ("reason", e.reason.as_str());
+                    let tags = match telemetry::endpoint_tag(self.worker.cfg.filter.endpoint_metrics, addr) {
+                        Some(ep) => vec![ep, reason],
+                        None => vec![reason],
+                    };
+                    metrics.count(telemetry::name(telemetry::HEALTH_EJECTIONS, &tags));
                 }
                 Ok(None) => {}
                 Err(e) => warn!("inference-picker: recording passive health for {addr} failed: {e:?}"),

@@ -52,7 +52,8 @@ def stop_all(envoy, sims):
 def run_black_hole(mode):
     sims = [Sim(f"hole-{i}") for i in range(3)]
     bad = sims[0]
-    envoy = Envoy(picker_config([endpoint(s) for s in sims]), concurrency=2)
+    # Ejections by endpoint: the endpoint tag is opt-in (bounded metric names by default).
+    envoy = Envoy(picker_config([endpoint(s) for s in sims], filter={"endpoint_metrics": True}), concurrency=2)
     try:
         envoy.wait_routable()
         bad.chaos(**mode)
@@ -88,7 +89,8 @@ def test_an_ejected_pod_that_heals_gets_traffic_again():
     success ends probation and it serves like the others."""
     sims = [Sim(f"heal-{i}") for i in range(3)]
     bad = sims[0]
-    cfg = picker_config([endpoint(s) for s in sims], health={"base_ejection_ms": 1000})
+    cfg = picker_config([endpoint(s) for s in sims], health={"base_ejection_ms": 1000},
+                        filter={"endpoint_metrics": True})
     envoy = Envoy(cfg, concurrency=2)
     try:
         envoy.wait_routable()
