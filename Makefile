@@ -11,7 +11,7 @@ WASM := target/wasm32-wasip1/release/inference_picker.wasm
 SIM := target/tools/model-server-sim
 ENVOY_VERSION := 1.40.0
 
-.PHONY: all toolchain run test wasm sim venv fmt-check clippy unit validate deploy-check e2e bench bench-check bench-routing schema oci clean
+.PHONY: all toolchain run test wasm sim venv fmt-check clippy unit validate deploy-check e2e bench bench-check bench-routing schema oci fuzz clean
 
 all: wasm
 
@@ -87,6 +87,13 @@ bench:
 bench-routing: venv
 	cargo run --profile tools -p replay-bench -- --out target/routing-report $(if $(TRACE),--trace $(TRACE)) $(BENCH_ARGS)
 	$(PY) tools/replay-bench/plot.py target/routing-report
+
+## fuzz: every cargo-fuzz target in fuzz/ for FUZZ_SECONDS each (default 60), one at a time;
+## FUZZ_TARGETS="body config" picks some. Needs a nightly toolchain (installs cargo-fuzz if
+## missing). Crash inputs go to fuzz/regressions/<target>/, which `make unit` replays on stable;
+## executions and crashes per target go to target/fuzz-report.md.
+fuzz:
+	FUZZ_SECONDS=$(or $(FUZZ_SECONDS),60) fuzz/run.sh
 
 test: fmt-check clippy unit bench-check wasm validate deploy-check e2e
 	@echo "make test: all checks passed"

@@ -17,6 +17,8 @@ pub mod config;
 pub mod discovery;
 pub mod errors;
 pub mod flow;
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod inflight;
 pub mod lease;
 pub mod metrics;
