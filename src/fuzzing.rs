@@ -289,7 +289,7 @@ pub fn prefix_shard(data: &[u8]) {
     }
     // The same value as a stored shard: a lookup over hashes that include what it holds, then
     // the write that follows a pick.
-    let table = SharedPrefix::new(1, 8);
+    let table = SharedPrefix::new(1, 8); // one shard of 8 records
     let store = MemStore::new();
     store.set(&table.keys()[0], data, 0).unwrap();
     let mut hashes: Vec<u64> = (0..16u64).collect();
@@ -298,6 +298,10 @@ pub fn prefix_shard(data: &[u8]) {
     }
     let mut lookup = table.lookup(&store, &hashes);
     table.record(&store, &hashes, 9, &mut lookup);
-    let after = table.lookup(&store, &hashes);
-    assert_eq!(after.matched(9), 16, "a recorded chain is found in full");
+    // Reads do not refresh a record, so the write may push out an older checkpoint that was
+    // already ours; with room for every checkpoint (3) nothing is pushed out.
+    if whole && stored.len() + 3 <= 8 {
+        let after = table.lookup(&store, &hashes);
+        assert_eq!(after.matched(9), 16, "a recorded chain is found in full");
+    }
 }

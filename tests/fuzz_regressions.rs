@@ -15,7 +15,8 @@ fn root() -> PathBuf {
 
 fn files(dir: &Path) -> Vec<PathBuf> {
     let Ok(entries) = fs::read_dir(dir) else { return Vec::new() };
-    let mut out: Vec<PathBuf> = entries.filter_map(|e| e.ok().map(|e| e.path())).filter(|p| p.is_file()).collect();
+    let mut out: Vec<PathBuf> =
+        entries.filter_map(|e| e.ok().map(|e| e.path())).filter(|p| p.is_file()).collect();
     out.sort();
     out
 }
@@ -71,6 +72,9 @@ fn every_fuzz_target_has_an_entry() {
     assert_eq!(on_disk, table);
     for name in &on_disk {
         let src = fs::read_to_string(root().join(format!("fuzz/fuzz_targets/{name}.rs"))).unwrap();
-        assert!(src.contains(&format!("inference_picker::fuzzing::{name}(")), "{name}.rs calls another entry");
+        assert!(
+            src.contains(&format!("inference_picker::fuzzing::{name}(")),
+            "{name}.rs calls another entry"
+        );
     }
 }
