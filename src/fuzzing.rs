@@ -41,8 +41,11 @@ use crate::scheduler::session::{parse_session_token, resolve_token, scores, sess
 use crate::scheduler::Candidate;
 use crate::snapshot::{Snapshot, SnapshotCache, SNAPSHOT_KEY, SNAPSHOT_VERSION_KEY};
 
+/// A fuzz target's entry: the raw input in, a panic on any defect.
+pub type Entry = fn(&[u8]);
+
 /// Every target: (name, entry). The names are the files in `fuzz/fuzz_targets/`.
-pub const TARGETS: &[(&str, fn(&[u8]))] = &[
+pub const TARGETS: &[(&str, Entry)] = &[
     ("body", body),
     ("metrics", metrics),
     ("config", config),
@@ -56,7 +59,7 @@ pub const TARGETS: &[(&str, fn(&[u8]))] = &[
 ];
 
 /// The entry of target `name`, if it exists.
-pub fn target(name: &str) -> Option<fn(&[u8])> {
+pub fn target(name: &str) -> Option<Entry> {
     TARGETS.iter().find(|(n, _)| *n == name).map(|(_, f)| *f)
 }
 

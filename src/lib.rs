@@ -17,6 +17,7 @@ pub mod config;
 pub mod discovery;
 pub mod errors;
 pub mod flow;
+#[cfg(not(target_family = "wasm"))]
 #[doc(hidden)]
 pub mod fuzzing;
 pub mod inflight;
