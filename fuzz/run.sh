@@ -82,7 +82,7 @@ for t in $TARGETS; do
     [ -f "$src" ] || continue
     mkdir -p "fuzz/regressions/$t"
     cp "$src" "fuzz/regressions/$t/" && kept+=("fuzz/regressions/$t/$(basename "$src")")
-  done < <(grep -o 'Test unit written to [^ ]*' "$log" | awk '{print $5}')
+  done < <(grep -o 'Test unit written to [^ ]*' "$log" | awk '{print $5}' | grep -E '/(crash|timeout|oom|leak)-')
   crashes=${#kept[@]}
   if [ "$rc" -ne 0 ] && [ "$crashes" -eq 0 ]; then
     crashes="failed (exit $rc, see $log)"
