@@ -12,7 +12,7 @@ PASS_WASM := target/wasm32-wasip1/release/passthrough_wasm.wasm
 SIM := target/tools/model-server-sim
 ENVOY_VERSION := 1.40.0
 
-.PHONY: all toolchain run test wasm sim venv fmt-check clippy unit validate deploy-check e2e bench bench-check bench-routing schema oci clean passthrough-wasm wrk bench-envoy bench-envoy-check
+.PHONY: all toolchain run test wasm sim venv fmt-check clippy unit validate deploy-check e2e bench bench-check bench-routing schema oci fuzz clean passthrough-wasm wrk bench-envoy bench-envoy-check
 
 all: wasm
 
@@ -88,6 +88,14 @@ bench:
 bench-routing: venv
 	cargo run --profile tools -p replay-bench -- --out target/routing-report $(if $(TRACE),--trace $(TRACE)) $(BENCH_ARGS)
 	$(PY) tools/replay-bench/plot.py target/routing-report
+
+## fuzz: every cargo-fuzz target in fuzz/ for FUZZ_SECONDS each (default 60), one at a time;
+## FUZZ_TARGETS="body config" picks some. Needs a nightly toolchain (installs cargo-fuzz if
+## missing). Crash inputs go to fuzz/regressions/<target>/, which `make unit` replays on stable;
+## executions and crashes per target go to target/fuzz-report.md.
+fuzz:
+	FUZZ_SECONDS=$(or $(FUZZ_SECONDS),60) fuzz/run.sh
+
 
 ## passthrough-wasm: the baseline filter of bench-envoy (tools/passthrough-wasm): buffers and reads
 ## the body, sets one header.

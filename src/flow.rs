@@ -613,8 +613,10 @@ impl FlowQueue {
         let mut plan_on = |rec: &mut Record| -> (Plan, bool) {
             rec.prune(now_ms, ttl, me);
             global = rec.global_waiting(me, &local);
-            let ahead: u32 = global.iter().filter(|(p, _)| *p >= t.priority).map(|(_, c)| *c).sum();
-            let total: u32 = global.iter().map(|(_, c)| *c).sum();
+            // Saturating: the counts come from other workers' records, which may hold anything.
+            let ahead =
+                global.iter().filter(|(p, _)| *p >= t.priority).fold(0u32, |a, (_, c)| a.saturating_add(*c));
+            let total = global.iter().fold(0u32, |a, (_, c)| a.saturating_add(*c));
             if !cap.saturated && ahead == 0 {
                 if total == 0 {
                     // Nobody waits: the ledger is not in use, nothing to write.

@@ -17,6 +17,9 @@ pub mod config;
 pub mod discovery;
 pub mod errors;
 pub mod flow;
+#[cfg(not(target_family = "wasm"))]
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod health;
 pub mod inflight;
 pub mod lease;
