@@ -153,7 +153,7 @@ pub fn default_suite(data: &Path, scale: f64) -> Result<Vec<Workload>, String> {
         servers: 8,
         server: base.clone(),
         strategies: with_tiers(),
-        loads: vec![2.0, 3.0, 4.0, cap, 1.5 * cap],
+        loads: vec![3.0, 4.0, cap, 1.5 * cap],
         topology: (1, 1),
         extras: vec![],
         llm_d_check: false,
@@ -171,7 +171,7 @@ pub fn default_suite(data: &Path, scale: f64) -> Result<Vec<Workload>, String> {
         servers: 4,
         server: base.clone(),
         strategies: CORE.to_vec(),
-        loads: vec![8.0, 12.0, 16.0, 20.0],
+        loads: vec![12.0, 16.0, 20.0],
         topology: (1, 1),
         extras: vec![],
         llm_d_check: false,
@@ -609,13 +609,15 @@ pub fn execute(
 pub fn reference_load(w: &WorkloadResult) -> Result<f64, String> {
     w.loads()
         .into_iter()
-        .filter(|&l| w.best_baseline(l).is_some_and(|b| b.ttft_p90_strict_s.median < SATURATED_P90_S))
-        .next_back()
+        .rfind(|&l| w.best_baseline(l).is_some_and(|b| b.ttft_p90_strict_s.median < SATURATED_P90_S))
         .ok_or_else(|| format!("{}: no load of the sweep has a baseline with TTFT p90 under 5 s", w.key))
 }
 
-/// Every value of the SUMMARY line, by name, in order.
-pub fn summary_values(w: &WorkloadResult) -> Result<(f64, Vec<(&'static str, f64)>), String> {
+/// The SUMMARY's values, by name, in order.
+pub type SummaryValues = Vec<(&'static str, f64)>;
+
+/// The reference load and every value of the SUMMARY line.
+pub fn summary_values(w: &WorkloadResult) -> Result<(f64, SummaryValues), String> {
     let load = reference_load(w)?;
     let need = |s: &str, l: f64, rw: (usize, usize)| {
         w.point(s, l, rw)
