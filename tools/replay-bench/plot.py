@@ -3,10 +3,11 @@
 
 Usage: plot.py REPORT_DIR   (reads REPORT_DIR/results.json, writes REPORT_DIR/ttft_p90_vs_load.png)
 
-Only the 1 replica x 1 worker runs are drawn; workloads run at a single load are drawn as bars.
-The value drawn is the strict TTFT p90 (rejected requests count as infinitely late), so shedding
-never looks like speed; a run that rejected more than 10 % of its requests has no finite p90 and
-is drawn as an open marker on the panel's top edge.
+Only the 1 replica x 1 worker points are drawn; workloads run at a single load are drawn as bars.
+The value drawn is the median over the seeds of the strict TTFT p90 (rejected requests count as
+infinitely late), so shedding never looks like speed, with the seeds' min-max as an error bar; a
+point that rejected more than 10 % of its requests has no finite p90 and is drawn as an open
+marker on the panel's top edge.
 """
 
 import json
@@ -20,7 +21,11 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 STYLE = {
     "ours": dict(color="#d62728", linewidth=2.5, marker="o"),
-    "ours-noflow": dict(color="#ff9896", linewidth=2, marker="o", linestyle="--"),
+    "ours+flow": dict(color="#ff9896", linewidth=2, marker="o", linestyle="--"),
+    "ours-tiers": dict(color="#e377c2", linewidth=1.5, marker="o", linestyle=":"),
+    "dynamo": dict(color="#ff7f0e", marker="P"),
+    "dynamo-no-kv-events": dict(color="#ffbb78", marker="P", linestyle="--"),
+    "oracle": dict(color="#000000", marker=".", linestyle=":"),
     "gie-1-1-1": dict(color="#aec7e8", marker="s", linestyle=":"),
     "gie-default": dict(color="#1f77b4", marker="s"),
     "gie-default+lora": dict(color="#17becf", marker="s", linestyle="--"),
@@ -40,21 +45,28 @@ def main() -> int:
     rows = (n + cols - 1) // cols
     fig, axes = plt.subplots(rows, cols, figsize=(7 * cols, 4.5 * rows), squeeze=False)
     for ax, w in zip([a for row in axes for a in row], workloads):
-        runs = [r for r in w["runs"] if r["replicas"] == 1 and r["workers"] == 1]
+        runs = [r for r in w["points"] if r["replicas"] == 1 and r["workers"] == 1]
         strategies = list(dict.fromkeys(r["strategy"] for r in runs))
         loads = sorted({r["load"] for r in runs})
-        def strict(r):
-            v = r.get("ttft_p90_strict_s")
+
+        def strict(r, k="median"):
+            v = r["ttft_p90_strict_s"].get(k)
             return None if v is None else max(v, 1e-3)
 
         finite = [strict(r) for r in runs if strict(r) is not None]
         top = max(finite) * 2 if finite else 1.0
         if len(loads) > 1:
             for s in strategies:
-                pts = sorted((r["load"], strict(r)) for r in runs if r["strategy"] == s)
+                pts = sorted(((r["load"], strict(r), strict(r, "min"), strict(r, "max"))
+                              for r in runs if r["strategy"] == s), key=lambda p: p[0])
                 style = STYLE.get(s, {})
                 ok = [p for p in pts if p[1] is not None]
                 ax.plot([p[0] for p in ok], [p[1] for p in ok], label=s, **style)
+                bars = [p for p in ok if p[2] is not None and p[3] is not None]
+                if bars:
+                    ax.errorbar([p[0] for p in bars], [p[1] for p in bars],
+                                yerr=[[p[1] - p[2] for p in bars], [p[3] - p[1] for p in bars]],
+                                fmt="none", ecolor=style.get("color", "#333333"), alpha=0.5)
                 inf = [p[0] for p in pts if p[1] is None]
                 if inf:
                     ax.plot(inf, [top] * len(inf), linestyle="none", marker="o", markerfacecolor="none",

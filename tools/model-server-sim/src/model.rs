@@ -641,6 +641,28 @@ impl Server {
         self.inflight.is_none() && self.waiting.is_empty() && self.running.iter().all(|s| s.done)
     }
 
+    /// Prompt tokens of a request (as it would be submitted: `block_hashes`, `prompt_tokens`,
+    /// `adapter`) that this server's KV cache holds right now, in whole hash units: the view a
+    /// router gets from the engine's KV events (block stored / removed). Changes nothing.
+    pub fn cached_prefix_tokens(
+        &self,
+        block_hashes: &[u64],
+        prompt_tokens: u32,
+        adapter: Option<&str>,
+    ) -> u64 {
+        let full_units = (u64::from(prompt_tokens.max(1)) / self.hash_tokens) as usize;
+        let salt = adapter.map(adapter_salt);
+        let keys: Vec<u64> = block_hashes
+            .iter()
+            .take(full_units)
+            .map(|&h| match salt {
+                Some(s) => splitmix64(h ^ s),
+                None => h,
+            })
+            .collect();
+        self.kv.lookup_prefix(&keys) as u64 * self.hash_tokens
+    }
+
     /// The current state and counters.
     pub fn metrics_snapshot(&self) -> MetricsSnapshot {
         let waiting_adapters: BTreeSet<&str> = self

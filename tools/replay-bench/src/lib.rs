@@ -9,10 +9,12 @@
 //! - [`trace`]: Mooncake / Azure loaders, the llm-d shared-prefix generator, LoRA and tier mixes;
 //! - [`text`]: pseudo-text, chat bodies and server-side block hashes;
 //! - [`strategy`]: the strategies and their configurations; [`sglang`]: SGLang's cache-aware
-//!   policy;
+//!   policy; [`dynamo`]: Dynamo's KV router; [`oracle`]: the perfect-information picker;
 //! - [`replay`]: the event loop; [`stats`]: measurements; [`suite`]: the default benchmark set
 //!   and the report.
 
+pub mod dynamo;
+pub mod oracle;
 pub mod replay;
 pub mod report;
 pub mod sglang;

@@ -31,7 +31,8 @@ struct Args {
     #[arg(long, value_delimiter = ',')]
     strategies: Vec<String>,
     /// Comma-separated load factors (arrival-rate multipliers); default: each workload's own
-    /// list, or 1,2,4 with --trace.
+    /// list, or with --trace a sweep chosen from the trace's arrival rate and the pool's
+    /// estimated capacity (0.3× to 1.25× of saturation).
     #[arg(long, value_delimiter = ',')]
     loads: Vec<f64>,
     /// Servers, with --trace (default 8).
@@ -48,9 +49,10 @@ struct Args {
     /// Server speed factor, overriding the workload's.
     #[arg(long)]
     speed: Option<f64>,
-    /// Metrics poll interval, ms.
-    #[arg(long, default_value_t = 200)]
-    poll_ms: u64,
+    /// Metrics refresh interval of a strategy, `name=ms`, comma-separated (default: as each
+    /// project ships it: GIE 50 ms, ours 200 ms), e.g. `--refresh gie-default=200,ours=100`.
+    #[arg(long, value_delimiter = ',')]
+    refresh: Vec<String>,
     /// Delay between a scrape and the snapshot being visible to workers, ms.
     #[arg(long, default_value_t = 20)]
     metrics_delay_ms: u64,
@@ -66,13 +68,17 @@ struct Args {
     /// Parallel runs.
     #[arg(long, default_value_t = 2)]
     jobs: usize,
+    /// First seed; each point runs `--seeds` consecutive seeds from it.
     #[arg(long, default_value_t = 1)]
     seed: u64,
-    /// JSON object replacing `ours`' (and `ours-noflow`'s) `scheduler` configuration section,
+    /// Seeds per point (median and min–max are reported; at least 3 for a verdict).
+    #[arg(long, default_value_t = suite::DEFAULT_SEEDS)]
+    seeds: u64,
+    /// JSON object replacing the `scheduler` configuration section of ours and its variants,
     /// to measure a proposed default, e.g. '{"weights":{"inflight":3}}'.
     #[arg(long)]
     ours_scheduler: Option<String>,
-    /// JSON object of top-level configuration sections replacing `ours`' (and `ours-noflow`'s),
+    /// JSON object of top-level configuration sections replacing those of ours and its variants,
     /// e.g. '{"saturation":{"kv_threshold":1.5}}'.
     #[arg(long)]
     ours_config: Option<String>,
@@ -94,8 +100,7 @@ fn real_main() -> Result<(), String> {
     let started = std::time::Instant::now();
     let mut workloads: Vec<Workload> = match &args.trace {
         Some(path) => {
-            let loads = if args.loads.is_empty() { vec![1.0, 2.0, 4.0] } else { args.loads.clone() };
-            vec![suite::file_workload(path, args.servers, loads)?]
+            vec![suite::file_workload(path, args.servers, args.loads.clone())?]
         }
         None => {
             let data = args.data.clone().unwrap_or_else(suite::data_dir);
@@ -142,20 +147,31 @@ fn real_main() -> Result<(), String> {
         overrides.insert("scheduler".into(), v);
     }
     let ours_overrides = (!overrides.is_empty()).then_some(serde_json::Value::Object(overrides));
+    let mut refresh = std::collections::BTreeMap::new();
+    for item in &args.refresh {
+        let (name, ms) =
+            item.split_once('=').ok_or_else(|| format!("--refresh {item:?}: expected name=ms"))?;
+        let ms: u64 = ms.parse().map_err(|e| format!("--refresh {item:?}: {e}"))?;
+        refresh.insert(Policy::parse(name)?, ms);
+    }
+    if args.seeds == 0 {
+        return Err("--seeds must be at least 1".into());
+    }
     let common = Common {
-        poll_ms: args.poll_ms,
+        refresh,
         metrics_delay_ms: args.metrics_delay_ms,
-        seed: args.seed,
+        seeds: (args.seed..args.seed + args.seeds).collect(),
         ours_overrides,
     };
-    let total: usize = workloads.iter().map(|w| w.strategies.len() * w.loads.len() + w.extras.len()).sum();
-    eprintln!("replay-bench: {total} runs on {} threads", args.jobs);
+    let tasks = suite::main_tasks(&workloads, &common);
+    eprintln!("replay-bench: {} runs on {} threads", tasks.len(), args.jobs);
     let progress = |r: &RunResult| {
         eprintln!(
-            "  {:<14} {:<17} load {:<5} {}x{}  TTFT p90 {:>8.2} s  hit {:>5.1} %  ({:.1} s)",
+            "  {:<14} {:<20} load {:<5} seed {} {}x{}  TTFT p90 {:>8.2} s  hit {:>5.1} %  ({:.1} s)",
             r.trace,
             r.strategy,
             suite::fmt_load(r.load),
+            r.seed,
             r.replicas,
             r.workers,
             r.ttft_p90_s,
@@ -163,7 +179,12 @@ fn real_main() -> Result<(), String> {
             r.wall_s
         );
     };
-    let results = suite::execute(&workloads, &common, args.jobs, &progress)?;
+    let mut results = suite::empty_results(&workloads);
+    suite::execute(&workloads, &mut results, &tasks, &common, args.jobs, &progress)?;
+    // Second phase: ours at 4 × 4 at each workload's reference load.
+    let scale_out = suite::scale_out_tasks(&results, &workloads, &common);
+    eprintln!("replay-bench: {} scale-out runs", scale_out.len());
+    suite::execute(&workloads, &mut results, &scale_out, &common, args.jobs, &progress)?;
     let wall = started.elapsed().as_secs_f64();
     let cmd: Vec<String> = std::env::args().collect();
     let report =
@@ -185,8 +206,15 @@ fn real_main() -> Result<(), String> {
         }
     }
     println!("\nwrote {} and {} ({wall:.0} s)", md.display(), json.display());
+    let mut failed = Vec::new();
     for w in &results {
-        println!("{}", suite::summary_line(w));
+        match suite::summary_line(w) {
+            Ok(line) => println!("{line}"),
+            Err(e) => failed.push(e),
+        }
+    }
+    if !failed.is_empty() {
+        return Err(format!("no SUMMARY for: {}", failed.join("; ")));
     }
     Ok(())
 }

@@ -31,13 +31,15 @@ use inference_picker::flow::{Action, Admission, Capacity, FlowQueue, Ticket};
 use inference_picker::inflight;
 use inference_picker::poller::{Poller, ScrapeResult};
 use inference_picker::ports::{MemStore, Rng, SplitMix64};
-use inference_picker::priority::{resolve_priority, Criticality, OBJECTIVE_HEADER};
+use inference_picker::priority::{resolve_priority, Criticality};
 use inference_picker::request::{on_body, BodyInputs, RequestHead};
 use inference_picker::saturation::{saturated, SaturationParams};
 use inference_picker::scheduler::Scheduler;
 use inference_picker::snapshot::{publish, EndpointStatus, Snapshot, SnapshotCache};
 use model_server_sim::{Engine, Event, RenderInfo, Server, ServerConfig, SimRequest};
 
+use crate::dynamo::{self, KvRouter};
+use crate::oracle;
 use crate::sglang::CacheAware;
 use crate::stats::{Outcome, RunResult};
 use crate::strategy::{self, Policy, MODEL};
@@ -99,14 +101,13 @@ struct Replica {
     /// Scrapes in flight: delivered at `.0`, (server index, rendered text) each.
     pending: Option<(f64, Vec<(usize, String)>)>,
     sglang: Option<CacheAware>,
+    dynamo: Option<KvRouter>,
 }
 
 struct Worker {
     replica: usize,
     sched: Option<Scheduler>,
     cache: SnapshotCache,
-    /// GIE's view of the current snapshot (cache_config_info removed), by version.
-    view: Option<(u64, Rc<Snapshot>)>,
     rng: SplitMix64,
     rr_next: usize,
     /// Flow control (`ours` only): this worker's queue and the requests it holds (id → index).
@@ -120,6 +121,7 @@ struct Worker {
 struct Live {
     arrival: f64,
     replica: usize,
+    server: usize,
     first: Option<f64>,
     done: bool,
 }
@@ -170,7 +172,9 @@ pub fn run(trace: &Trace, policy: Policy, rc: &RunConfig) -> Result<RunResult, S
     };
     let sat = cfg.saturation.params(cfg.poller.stale_after_ms);
     let mut rng = SplitMix64::new(rc.seed ^ 0x5eed);
-    let replicas: Vec<Replica> = (0..rc.replicas)
+    // A central picker (GIE's EPP, the oracle) is one state for the whole topology.
+    let (n_replicas, n_workers) = if policy.central() { (1, 1) } else { (rc.replicas, rc.workers) };
+    let replicas: Vec<Replica> = (0..n_replicas)
         .map(|_| Replica {
             store: MemStore::new(),
             inflight: std::cell::RefCell::new(inflight::InflightTable::new(1)),
@@ -178,16 +182,17 @@ pub fn run(trace: &Trace, policy: Policy, rc: &RunConfig) -> Result<RunResult, S
             next_poll: rng.next_f64() * rc.poll_ms as f64,
             pending: None,
             sglang: (policy == Policy::Sglang).then(|| CacheAware::new(n)),
+            dynamo: matches!(policy, Policy::Dynamo | Policy::DynamoNoEvents)
+                .then(|| KvRouter::new(n, policy == Policy::Dynamo, trace.tokens_per_hash)),
         })
         .collect();
-    let workers: Vec<Worker> = (0..rc.replicas * rc.workers)
+    let workers: Vec<Worker> = (0..n_replicas * n_workers)
         .map(|i| {
             let mut wrng = SplitMix64::new(rc.seed.wrapping_mul(1_000_003).wrapping_add(i as u64));
             Worker {
-                replica: i / rc.workers,
+                replica: i / n_workers,
                 sched: policy.uses_scheduler().then(|| Scheduler::new(&cfg)),
                 cache: SnapshotCache::new(),
-                view: None,
                 rr_next: wrng.below(n),
                 next_tick: wrng.next_f64() * rc.poll_ms as f64,
                 rng: wrng,
@@ -285,7 +290,9 @@ impl Sim<'_> {
             while let Some(ta) = arrival(next_req).filter(|&a| a <= t) {
                 let idx = next_req;
                 next_req += 1;
-                let wi = rng.below(self.workers.len());
+                // Each request to a random worker (one worker for a central picker; the draw is
+                // kept so that every strategy sees the same random sequence).
+                let wi = rng.below(rc.replicas * rc.workers) % self.workers.len();
                 self.live[idx].arrival = ta;
                 self.live[idx].replica = self.workers[wi].replica;
                 self.arrive(wi, idx, ta)?;
@@ -298,7 +305,7 @@ impl Sim<'_> {
         let mut events = std::mem::take(&mut self.events);
         events.clear();
         self.servers[si].advance_into(t, &mut events);
-        handle_events(&events, si, &mut self.live, &self.replicas, &self.addresses, &mut self.out);
+        handle_events(&events, si, &mut self.live, &mut self.replicas, &self.addresses, &mut self.out);
         self.events = events;
     }
 
@@ -344,12 +351,11 @@ impl Sim<'_> {
         Ok(())
     }
 
-    /// The snapshot worker `wi` sees now (GIE's view for GIE policies).
+    /// The snapshot worker `wi` sees now.
     fn snapshot(&mut self, wi: usize) -> Result<Rc<Snapshot>, String> {
         let w = &mut self.workers[wi];
         let store = &self.replicas[w.replica].store;
-        let snap = w.cache.refresh(store).map_err(|e| format!("snapshot: {e:?}"))?;
-        Ok(if self.policy.hides_cache_info() { gie_view(&mut w.view, snap) } else { snap })
+        w.cache.refresh(store).map_err(|e| format!("snapshot: {e:?}"))
     }
 
     /// Flow control's view of capacity for worker `wi`.
@@ -368,14 +374,13 @@ impl Sim<'_> {
             return self.dispatch(wi, idx, t);
         }
         let req = &self.trace.requests[idx];
-        // The tier label travels as `x-gateway-inference-objective`, trusted by the config.
-        let tier = self.trace.has_tiers().then(|| req.tier.as_str().to_string());
-        let decision = resolve_priority(&self.cfg.priority, Criticality::Standard, &|h| {
-            if h == OBJECTIVE_HEADER {
-                tier.clone()
-            } else {
-                None
-            }
+        // The tier label travels in the header the configuration names (an InferenceObjective
+        // for `ours+flow`, the example's `x-llm-tier` for `ours-tiers`); the shipped default
+        // trusts neither, so for `ours` it changes nothing.
+        let tier = self.trace.has_tiers().then(|| strategy::tier_header(self.policy, req.tier.as_str()));
+        let decision = resolve_priority(&self.cfg.priority, Criticality::Standard, &|h| match &tier {
+            Some((name, v)) if *name == h => Some(v.clone()),
+            _ => None,
         });
         let cap = self.capacity(wi, now_ms)?;
         let w = &mut self.workers[wi];
@@ -441,13 +446,22 @@ impl Sim<'_> {
         let msgs = text::messages(trace, idx, req);
         let model = req.adapter.map_or_else(|| MODEL.to_string(), strategy::adapter_name);
         let now_ms = EPOCH_MS + t as u64;
+        let sim = SimRequest {
+            id: idx as u64,
+            prompt_tokens: req.prompt_tokens,
+            block_hashes: text::server_hashes(&msgs, trace.tokens_per_hash),
+            output_tokens: req.output_tokens,
+            adapter: req.adapter.map(strategy::adapter_name),
+            arrival_ms: t,
+        };
         let snap = if self.policy.uses_scheduler() { Some(self.snapshot(wi)?) } else { None };
         let w = &mut self.workers[wi];
         let rep = &mut self.replicas[w.replica];
         let counts = rep.inflight.borrow_mut().read(&rep.store, now_ms).unwrap_or_default();
         let chosen: Result<usize, String> = match self.policy {
             Policy::Ours
-            | Policy::OursNoFlow
+            | Policy::OursFlow
+            | Policy::OursTiers
             | Policy::GieDefault
             | Policy::GieDefaultLora
             | Policy::Gie111
@@ -496,6 +510,30 @@ impl Sim<'_> {
                 Ok(i)
             }
             Policy::Random => Ok(w.rng.below(n)),
+            Policy::Dynamo | Policy::DynamoNoEvents => match rep.dynamo.as_mut() {
+                Some(d) => {
+                    let cached: Vec<u64> = if d.uses_events() {
+                        self.servers
+                            .iter()
+                            .map(|s| {
+                                s.cached_prefix_tokens(
+                                    &sim.block_hashes,
+                                    sim.prompt_tokens,
+                                    sim.adapter.as_deref(),
+                                )
+                            })
+                            .collect()
+                    } else {
+                        Vec::new()
+                    };
+                    let full = (sim.prompt_tokens / trace.tokens_per_hash.max(1)) as usize;
+                    let units = &sim.block_hashes[..full.min(sim.block_hashes.len())];
+                    let r = dynamo::Request { id: sim.id, prompt_tokens: sim.prompt_tokens, units };
+                    Ok(d.select(&r, &cached, t, &mut w.rng))
+                }
+                None => Err("no dynamo state".into()),
+            },
+            Policy::Oracle => Ok(oracle::pick(&self.servers, &sim, t, &mut w.rng)),
         };
         let si = match chosen {
             Ok(si) => si,
@@ -504,20 +542,18 @@ impl Sim<'_> {
                 return Ok(());
             }
         };
-        let sim = SimRequest {
-            id: idx as u64,
-            prompt_tokens: req.prompt_tokens,
-            block_hashes: text::server_hashes(&msgs, trace.tokens_per_hash),
-            output_tokens: req.output_tokens,
-            adapter: req.adapter.map(strategy::adapter_name),
-            arrival_ms: t,
-        };
+        self.live[idx].server = si;
         match self.servers[si].submit(sim) {
             Ok(()) => {
                 let _ = rep.inflight.borrow_mut().adjust(&rep.store, &self.addresses[si], 1, now_ms);
                 self.out.routed(idx, si);
             }
-            Err(e) => self.reject(idx, format!("server_{}", submit_error_code(&e))),
+            Err(e) => {
+                if let Some(d) = self.replicas[self.live[idx].replica].dynamo.as_mut() {
+                    d.finished(idx as u64);
+                }
+                self.reject(idx, format!("server_{}", submit_error_code(&e)))
+            }
         }
         Ok(())
     }
@@ -531,30 +567,11 @@ fn submit_error_code(e: &model_server_sim::SubmitError) -> &'static str {
     }
 }
 
-/// The snapshot without `cache_config_info` (GIE sizes its prefix index by configuration).
-fn gie_view(view: &mut Option<(u64, Rc<Snapshot>)>, snap: Rc<Snapshot>) -> Rc<Snapshot> {
-    if let Some((v, s)) = view {
-        if *v == snap.version {
-            return s.clone();
-        }
-    }
-    let mut s = (*snap).clone();
-    for e in &mut s.endpoints {
-        if let Some(m) = e.metrics.as_mut() {
-            m.num_gpu_blocks = None;
-            m.block_size = None;
-        }
-    }
-    let s = Rc::new(s);
-    *view = Some((snap.version, s.clone()));
-    s
-}
-
 fn handle_events(
     events: &[Event],
     si: usize,
     live: &mut [Live],
-    replicas: &[Replica],
+    replicas: &mut [Replica],
     addresses: &[String],
     out: &mut Outcome,
 ) {
@@ -563,6 +580,9 @@ fn handle_events(
             Event::FirstToken { id, t_ms } => {
                 if let Some(l) = live.get_mut(id as usize) {
                     l.first = Some(t_ms);
+                    if let Some(d) = replicas.get_mut(l.replica).and_then(|r| r.dynamo.as_mut()) {
+                        d.first_token(id);
+                    }
                 }
             }
             Event::Finished { id, t_ms, output_tokens, cached_tokens, preemptions: _ } => {
@@ -573,13 +593,11 @@ fn handle_events(
                     l.done = true;
                     let ttft = l.first.unwrap_or(t_ms) - l.arrival;
                     out.finished(id as usize, ttft, t_ms - l.arrival, t_ms, output_tokens, cached_tokens);
-                    if let Some(r) = replicas.get(l.replica) {
-                        let _ = r.inflight.borrow_mut().adjust(
-                            &r.store,
-                            &addresses[si],
-                            -1,
-                            EPOCH_MS + t_ms as u64,
-                        );
+                    if let Some(r) = replicas.get_mut(l.replica) {
+                        let _ = r.inflight.borrow_mut().adjust(&r.store, &addresses[si], -1, EPOCH_MS + t_ms as u64);
+                        if let Some(d) = r.dynamo.as_mut() {
+                            d.finished(id);
+                        }
                     }
                 }
             }
@@ -588,13 +606,11 @@ fn handle_events(
                     if !l.done {
                         l.done = true;
                         out.reject(id as usize, "server_rejected".into());
-                        if let Some(r) = replicas.get(l.replica) {
-                            let _ = r.inflight.borrow_mut().adjust(
-                                &r.store,
-                                &addresses[si],
-                                -1,
-                                EPOCH_MS + t_ms as u64,
-                            );
+                        if let Some(r) = replicas.get_mut(l.replica) {
+                            let _ = r.inflight.borrow_mut().adjust(&r.store, &addresses[si], -1, EPOCH_MS + t_ms as u64);
+                            if let Some(d) = r.dynamo.as_mut() {
+                                d.finished(id);
+                            }
                         }
                     }
                 }

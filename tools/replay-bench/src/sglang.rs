@@ -1,5 +1,6 @@
-//! Baseline: SGLang router's cache-aware policy (sgl-router `policies/cache_aware.rs`), with the
-//! defaults of its launcher: `cache_threshold` 0.3, `balance_abs_threshold` 64,
+//! Baseline: SGLang's current cache-aware policy, following sgl-project/sglang
+//! `sgl-model-gateway/src/policies/cache_aware.rs` (commit 053b63ff, the model gateway that
+//! replaced sgl-router), with the defaults of its launcher: `cache_threshold` 0.3, `balance_abs_threshold` 64,
 //! `balance_rel_threshold` 1.5, eviction every 120 s down to `max_tree_size` 2^26 characters
 //! per worker.
 //!
@@ -8,8 +9,9 @@
 //!    least-loaded worker (and still record the prompt in its tree).
 //! 2. Otherwise find the worker whose tree holds the longest prefix of the prompt text;
 //!    `match_rate = matched chars ÷ prompt chars`. If `match_rate > 0.3` route there, else to the
-//!    worker with the smallest tree (most free cache, as SGLang reasons). Record the prompt in the
-//!    chosen worker's tree.
+//!    least-loaded worker (`min_by_key(load)`: the first of the least loaded). Record the prompt
+//!    in the chosen worker's tree. (The older sgl-router sent a low match to the worker with the
+//!    smallest tree; the gateway's own tests call that a flaw, and it no longer does.)
 //!
 //! **Approximation.** SGLang keeps one character-level radix tree with a tenant set per node.
 //! Here each worker's tree is a set of chained 64-character block hashes (the same
@@ -17,9 +19,9 @@
 //! 64-character blocks: at most 63 characters short of SGLang's, which moves `match_rate` by
 //! under 1 % for the prompts replayed here (≥ 4 KiB). Eviction removes the least recently used
 //! blocks of a worker over its size limit (SGLang removes least recently used leaves, which are
-//! also the deepest blocks of the oldest prompts). Ties (several workers holding the longest
-//! match, or the same smallest size) are broken at random; SGLang takes whichever its hash map
-//! yields first.
+//! also the deepest blocks of the oldest prompts). Ties among several workers holding the longest
+//! match are broken at random (SGLang's tree returns whichever tenant it meets first); ties in
+//! load go to the first worker, as `min_by_key` does.
 //!
 //! **State.** One policy instance per router process: all of its threads share the tree and the
 //! load counts, so in an R×W topology each replica has one instance (its load counts are the
@@ -52,7 +54,7 @@ impl Tenant {
 pub enum Decision {
     Imbalanced,
     CacheHit,
-    SmallestTree,
+    LeastLoaded,
 }
 
 #[derive(Debug, Clone)]
@@ -104,9 +106,8 @@ impl CacheAware {
             if rate > CACHE_THRESHOLD && !holders.is_empty() {
                 (holders[rng.below(holders.len())], Decision::CacheHit)
             } else {
-                let smallest = self.tenants.iter().take(n).map(Tenant::chars).min().unwrap_or(0);
-                let ties: Vec<usize> = (0..n).filter(|&i| self.tenants[i].chars() == smallest).collect();
-                (ties.get(rng.below(ties.len())).copied().unwrap_or(0), Decision::SmallestTree)
+                let i = (0..n).find(|&i| loads.get(i).copied() == Some(min)).unwrap_or(0);
+                (i, Decision::LeastLoaded)
             }
         };
         self.insert(pick, &hashes, now_ms);
@@ -181,10 +182,10 @@ mod tests {
     fn follows_prefix_when_balanced_and_least_load_when_not() {
         let mut p = CacheAware::new(3);
         let mut rng = SplitMix64::new(1);
-        // Empty trees: all sizes 0, so "smallest tree" picks one of the three.
+        // Empty trees: no match, so the first least-loaded worker (all at 0: worker 0).
         let a = format!("{}{}", text('a', 640), text('x', 64));
         let (w0, why) = p.select(&a, &[0, 0, 0], 0.0, &mut rng);
-        assert_eq!(why, Decision::SmallestTree);
+        assert_eq!((w0, why), (0, Decision::LeastLoaded));
         // Same 640-char prefix + a different 64-char tail: matched 10 blocks of 704 chars =
         // 0.91 > 0.3 → the same worker.
         let b = format!("{}{}", text('a', 640), text('y', 64));
@@ -204,15 +205,18 @@ mod tests {
     }
 
     #[test]
-    fn low_match_goes_to_smallest_tree() {
+    fn low_match_goes_to_least_loaded() {
         let mut p = CacheAware::new(2);
         let mut rng = SplitMix64::new(2);
         let (w0, _) = p.select(&text('a', 6400), &[0, 0], 0.0, &mut rng);
-        // Shares 64 of 6400 chars (1 % ≤ 0.3): the other, empty, worker.
+        assert_eq!(w0, 0);
+        // Shares 64 of 6400 chars (1 % ≤ 0.3): the least-loaded worker, here worker 0 (load 1
+        // against 2), even though its tree is the bigger one (the old rule would pick worker 1).
         let other = format!("{}{}", text('a', 64), text('b', 6336));
-        let (w1, why) = p.select(&other, &[0, 0], 1.0, &mut rng);
-        assert_eq!((why, w1 != w0), (Decision::SmallestTree, true));
-        assert_eq!(p.sizes()[w0], 6400);
+        let (w1, why) = p.select(&other, &[1, 2], 1.0, &mut rng);
+        assert_eq!((why, w1), (Decision::LeastLoaded, 0));
+        // 100 blocks, plus 99 of the second prompt (its first block is the first prompt's).
+        assert_eq!(p.sizes()[w0], 199 * 64);
     }
 
     #[test]
@@ -228,6 +232,6 @@ mod tests {
         assert_eq!(why, Decision::CacheHit);
         assert_eq!(p.sizes(), vec![640]);
         let (_, why) = p.select(&text('a', 640), &[0], EVICTION_INTERVAL_MS + 1.0, &mut rng);
-        assert_eq!(why, Decision::SmallestTree);
+        assert_eq!(why, Decision::LeastLoaded);
     }
 }

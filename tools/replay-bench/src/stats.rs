@@ -43,6 +43,7 @@ pub struct RunResult {
     pub trace: String,
     pub strategy: String,
     pub load: f64,
+    pub seed: u64,
     pub servers: usize,
     pub replicas: usize,
     pub workers: usize,
@@ -64,6 +65,8 @@ pub struct RunResult {
     pub ttft_p90_strict_s: f64,
     pub e2e_p90_s: f64,
     pub output_tokens_per_s: f64,
+    /// Completed requests per second over the replay's span (first arrival to last finish).
+    pub goodput_rps: f64,
     pub hit_rate: f64,
     pub hit_rate_vllm_counters: f64,
     pub tiers: Vec<TierStat>,
@@ -79,6 +82,7 @@ pub struct Outcome {
     trace: String,
     strategy: String,
     load: f64,
+    seed: u64,
     servers: usize,
     replicas: usize,
     workers: usize,
@@ -110,6 +114,7 @@ impl Outcome {
             trace: trace.name.clone(),
             strategy: policy.name().to_string(),
             load: rc.load,
+            seed: rc.seed,
             servers: rc.servers,
             replicas: rc.replicas,
             workers: rc.workers,
@@ -200,6 +205,7 @@ impl Outcome {
             trace: self.trace,
             strategy: self.strategy,
             load: self.load,
+            seed: self.seed,
             servers: self.servers,
             replicas: self.replicas,
             workers: self.workers,
@@ -220,6 +226,7 @@ impl Outcome {
             },
             e2e_p90_s: percentile(&e2e, 90.0),
             output_tokens_per_s: if span_s > 0.0 { self.output_tokens as f64 / span_s } else { 0.0 },
+            goodput_rps: if span_s > 0.0 { finished as f64 / span_s } else { 0.0 },
             hit_rate: if self.prompt_finished == 0 {
                 0.0
             } else {
@@ -306,6 +313,71 @@ pub fn hit_rate_bound_lru(trace: &Trace, capacity_tokens: u64) -> f64 {
     }
 }
 
+/// Like [`hit_rate_bound_lru`], but the one cache evicts optimally (Belady: the unit whose next
+/// use is furthest in the future, or never): the most any eviction policy could keep of the
+/// trace's reuse in the pool's total capacity. Eviction is decided per hash unit, while a hit
+/// needs every earlier unit of the prompt too, so this is Belady's algorithm on units rather than
+/// a proven optimum of the prefix hit rate; it is what "capacity, not LRU" allows.
+pub fn hit_rate_bound_opt(trace: &Trace, capacity_tokens: u64) -> f64 {
+    type Key = (u64, Option<u16>);
+    let tph = trace.tokens_per_hash.max(1);
+    let cap_units = (capacity_tokens / u64::from(tph)).max(1) as usize;
+    // Every request's keys, in order, then each access's next use (position in the access list).
+    let mut reqs: Vec<(Vec<Key>, usize, u32)> = Vec::with_capacity(trace.requests.len());
+    for (i, r) in trace.requests.iter().enumerate() {
+        let msgs = crate::text::messages(trace, i, r);
+        let hashes = crate::text::server_hashes(&msgs, tph);
+        let full = (r.prompt_tokens / tph) as usize;
+        let cap = ((r.prompt_tokens.max(1) - 1) / tph) as usize;
+        let keys: Vec<Key> = hashes[..hashes.len().min(full)].iter().map(|&h| (h, r.adapter)).collect();
+        reqs.push((keys, cap, r.prompt_tokens));
+    }
+    let total_accesses: usize = reqs.iter().map(|r| r.0.len()).sum();
+    let mut next_use = vec![usize::MAX; total_accesses];
+    let mut last_seen: hashbrown::HashMap<Key, usize> = hashbrown::HashMap::new();
+    let mut pos = total_accesses;
+    for (keys, _, _) in reqs.iter().rev() {
+        for k in keys.iter().rev() {
+            pos -= 1;
+            if let Some(&n) = last_seen.get(k) {
+                next_use[pos] = n;
+            }
+            last_seen.insert(*k, pos);
+        }
+    }
+    drop(last_seen);
+    // The cache: key → its next use; a max-heap of (next use, key) with lazy deletion.
+    let mut cache: hashbrown::HashMap<Key, usize> = hashbrown::HashMap::new();
+    let mut heap: std::collections::BinaryHeap<(usize, Key)> = std::collections::BinaryHeap::new();
+    let (mut hits, mut total) = (0u64, 0u64);
+    let mut pos = 0usize;
+    for (keys, cap, prompt) in &reqs {
+        let m = keys.iter().take_while(|k| cache.contains_key(*k)).count();
+        hits += (m.min(*cap) as u64) * u64::from(tph);
+        total += u64::from(*prompt);
+        for k in keys {
+            let nu = next_use[pos];
+            pos += 1;
+            cache.insert(*k, nu);
+            heap.push((nu, *k));
+        }
+        while cache.len() > cap_units {
+            let Some((nu, k)) = heap.pop() else { break };
+            if cache.get(&k) == Some(&nu) {
+                cache.remove(&k);
+            }
+        }
+        if heap.len() > 4 * cache.len() + 1024 {
+            heap = cache.iter().map(|(k, nu)| (*nu, *k)).collect();
+        }
+    }
+    if total == 0 {
+        0.0
+    } else {
+        hits as f64 / total as f64
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -343,5 +415,9 @@ mod tests {
         assert!((hit_rate_bound_lru(&t, 2048) - 1024.0 / 3300.0).abs() < 1e-12);
         // One unit: request 1's first unit is evicted by its second, so request 2 hits nothing.
         assert_eq!(hit_rate_bound_lru(&t, 512), 0.0);
+        // Belady with one unit keeps unit 1 (used again next) and drops 2 and 3: request 2 hits
+        // its first unit (512 tokens), where LRU hit nothing.
+        assert!((hit_rate_bound_opt(&t, 512) - 512.0 / 3300.0).abs() < 1e-12);
+        assert!((hit_rate_bound_opt(&t, 2048) - 1024.0 / 3300.0).abs() < 1e-12);
     }
 }

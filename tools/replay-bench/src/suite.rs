@@ -5,44 +5,71 @@
 //! built from; `--trace FILE` replaces it with one workload built the same way from any
 //! Mooncake-JSONL or Azure-CSV file.
 
+use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 
-use model_server_sim::ServerConfig;
+use model_server_sim::{ServerConfig, StepCost};
+use serde::Serialize;
 
 use crate::replay::{run, RunConfig};
-use crate::stats::{hit_rate_bound, hit_rate_bound_lru, RunResult};
+use crate::stats::{hit_rate_bound, hit_rate_bound_lru, hit_rate_bound_opt, RunResult};
 use crate::strategy::Policy;
 use crate::trace::{self, SharedPrefixShape, Trace};
 
-/// The strategies every trace is run with.
-pub const CORE: [Policy; 7] = [
+/// The strategies every trace is run with: ours (shipped default) and its flow-control variant,
+/// every shipped baseline, Dynamo both ways and the perfect-information picker.
+pub const CORE: [Policy; 10] = [
     Policy::Ours,
-    Policy::OursNoFlow,
+    Policy::OursFlow,
     Policy::GieDefault,
     Policy::Sglang,
     Policy::LeastRequest,
     Policy::RoundRobin,
     Policy::Random,
+    Policy::Dynamo,
+    Policy::DynamoNoEvents,
+    Policy::Oracle,
 ];
+
+/// Seeds per point (the issue's minimum).
+pub const DEFAULT_SEEDS: u64 = 3;
+
+/// A best baseline whose TTFT p90 is at or above this is saturated (the reference load is the
+/// highest load below it).
+pub const SATURATED_P90_S: f64 = 5.0;
 
 /// Settings common to every run of the set.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Common {
-    pub poll_ms: u64,
+    /// Metrics refresh interval per strategy, ms, overriding `Policy::default_refresh_ms`.
+    pub refresh: BTreeMap<Policy, u64>,
     pub metrics_delay_ms: u64,
-    pub seed: u64,
-    /// Replaces `ours`' scheduler section (a proposal under test).
+    /// Seeds of every point (each run's seed; the report gives median and min–max).
+    pub seeds: Vec<u64>,
+    /// Replaces `ours`' configuration sections (a proposal under test).
     pub ours_overrides: Option<serde_json::Value>,
 }
 
 impl Default for Common {
     fn default() -> Self {
-        // 200 ms: our poller's default interval (`poller.interval_ms`). 20 ms: a scrape's round
-        // trip plus the wait for the round to complete and the snapshot to be published.
-        Common { poll_ms: 200, metrics_delay_ms: 20, seed: 1, ours_overrides: None }
+        // 20 ms: a scrape's round trip plus the wait for the round to complete and the snapshot
+        // to be published.
+        Common {
+            refresh: BTreeMap::new(),
+            metrics_delay_ms: 20,
+            seeds: (1..=DEFAULT_SEEDS).collect(),
+            ours_overrides: None,
+        }
+    }
+}
+
+impl Common {
+    /// The refresh interval `p` runs with.
+    pub fn refresh_ms(&self, p: Policy) -> u64 {
+        self.refresh.get(&p).copied().unwrap_or_else(|| p.default_refresh_ms())
     }
 }
 
@@ -119,25 +146,16 @@ pub fn default_suite(data: &Path, scale: f64) -> Result<Vec<Workload>, String> {
         key: "mooncake".into(),
         about: "Mooncake conversation trace (12,031 requests, 1 h, ~12k-token prompts with shared \
                 512-token blocks), 8 servers. Every request also carries an SLA tier label \
-                (20 % premium, 50 % standard, 30 % sheddable): the last-but-one column gives the \
-                TTFT p90 per tier (labels only, no priority handling on main)."
+                (20 % premium, 50 % standard, 30 % sheddable), read only by `ours+flow` and \
+                `ours-tiers` (the shipped default trusts no tier header)."
             .into(),
         trace: mooncake,
         servers: 8,
         server: base.clone(),
-        strategies: CORE.to_vec(),
-        loads: vec![3.0, 4.0, cap, 5.0, 1.5 * cap],
+        strategies: with_tiers(),
+        loads: vec![3.0, 4.0, cap, 1.5 * cap],
         topology: (1, 1),
-        extras: vec![
-            // The unloaded reference of the tier target (load 1 replays a whole hour of virtual
-            // time, mostly polls, so only ours runs it).
-            Extra { policy: Policy::Ours, load: 1.0, replicas: 1, workers: 1 },
-            Extra { policy: Policy::Ours, load: 4.0, replicas: 4, workers: 4 },
-            Extra { policy: Policy::Ours, load: 3.0, replicas: 4, workers: 4 },
-            Extra { policy: Policy::OursNoFlow, load: 4.0, replicas: 4, workers: 4 },
-            Extra { policy: Policy::GieDefault, load: 4.0, replicas: 4, workers: 4 },
-            Extra { policy: Policy::Sglang, load: 4.0, replicas: 4, workers: 4 },
-        ],
+        extras: vec![],
         llm_d_check: false,
     });
 
@@ -163,8 +181,8 @@ pub fn default_suite(data: &Path, scale: f64) -> Result<Vec<Workload>, String> {
     let mut sp = trace::shared_prefix("shared-prefix", &shape, 7);
     shrink(&mut sp, scale);
     let mut strategies = CORE.to_vec();
-    strategies.insert(2, Policy::Gie111);
-    strategies.insert(3, Policy::LoadOnly);
+    strategies.insert(3, Policy::Gie111);
+    strategies.insert(4, Policy::LoadOnly);
     let about = |speed: f64| {
         format!(
             "Synthetic shared-prefix workload in the shape of llm-d's published run: {} groups × {} \
@@ -187,7 +205,7 @@ pub fn default_suite(data: &Path, scale: f64) -> Result<Vec<Workload>, String> {
         trace: sp.clone(),
         servers: 8,
         server: ServerConfig { num_gpu_blocks: LLM_D_KV_BLOCKS, ..base.clone() },
-        strategies,
+        strategies: strategies.clone(),
         loads: vec![1.0],
         topology: (1, 1),
         extras: vec![],
@@ -202,14 +220,7 @@ pub fn default_suite(data: &Path, scale: f64) -> Result<Vec<Workload>, String> {
         trace: sp,
         servers: 8,
         server: ServerConfig { num_gpu_blocks: LLM_D_KV_BLOCKS, speed: 0.5, ..base.clone() },
-        strategies: vec![
-            Policy::Ours,
-            Policy::OursNoFlow,
-            Policy::GieDefault,
-            Policy::Gie111,
-            Policy::LoadOnly,
-            Policy::Random,
-        ],
+        strategies: strategies.clone(),
         loads: vec![1.0],
         topology: (1, 1),
         extras: vec![],
@@ -227,22 +238,24 @@ pub fn default_suite(data: &Path, scale: f64) -> Result<Vec<Workload>, String> {
         trace: lora,
         servers: 4,
         server: ServerConfig { max_lora: 4, enable_lora: true, ..base },
-        strategies: vec![
-            Policy::Ours,
-            Policy::OursNoFlow,
-            Policy::GieDefault,
-            Policy::GieDefaultLora,
-            Policy::Sglang,
-            Policy::LeastRequest,
-            Policy::RoundRobin,
-            Policy::Random,
-        ],
+        strategies: {
+            let mut v = CORE.to_vec();
+            v.insert(3, Policy::GieDefaultLora);
+            v
+        },
         loads: vec![4.0, 8.0],
         topology: (1, 1),
         extras: vec![],
         llm_d_check: false,
     });
     Ok(out)
+}
+
+/// CORE plus the tier example (for traces with tier labels).
+fn with_tiers() -> Vec<Policy> {
+    let mut v = CORE.to_vec();
+    v.insert(2, Policy::OursTiers);
+    v
 }
 
 fn shrink(t: &mut Trace, scale: f64) {
@@ -252,22 +265,76 @@ fn shrink(t: &mut Trace, scale: f64) {
     }
 }
 
-/// A workload for any trace file: the core strategies (or `strategies`), the given loads.
+/// The pool's estimated capacity, in requests per second, for `trace`'s mix: each request costs
+/// a server its prefill (`b` per uncached prompt token, with the pooled-LRU hit rate as the cached
+/// share, plus `a` per 8,192-token chunk) and its decode (per output token, `a` shared by the
+/// batch and `c` per context token), the batch being as many requests as the KV cache holds (at
+/// most `max_batch`). A first-order estimate: it places the sweep, it does not replace it.
+pub fn estimated_capacity_rps(trace: &Trace, servers: usize, server: &ServerConfig) -> f64 {
+    let n = trace.requests.len().max(1) as f64;
+    let prompt = trace.requests.iter().map(|r| f64::from(r.prompt_tokens)).sum::<f64>() / n;
+    let output = trace.requests.iter().map(|r| f64::from(r.output_tokens)).sum::<f64>() / n;
+    let kv_tokens = (server.num_gpu_blocks * u64::from(server.block_size)) as f64;
+    let hit = hit_rate_bound_lru(trace, servers as u64 * kv_tokens as u64);
+    let StepCost { a_ms, b_ms_per_prefill_token: b, c_ms_per_context_token: c } = server.cost;
+    let batch = (kv_tokens / (prompt + output / 2.0).max(1.0)).clamp(1.0, f64::from(server.max_batch));
+    let chunks = (prompt / f64::from(server.max_batched_tokens.max(1))).ceil();
+    let prefill_ms = b * prompt * (1.0 - hit) + a_ms * chunks;
+    let decode_ms = output * (a_ms / batch + c * (prompt + output / 2.0));
+    let per_request_ms = (prefill_ms + decode_ms) / server.speed.max(1e-9);
+    servers as f64 * 1000.0 / per_request_ms.max(1e-9)
+}
+
+/// The load sweep for a trace: from light load to past saturation, as multiples of the load at
+/// which the trace's arrival rate reaches the pool's estimated capacity (0.3, 0.6, 0.8, 1.0 and
+/// 1.25 of it), two significant digits.
+pub fn auto_loads(trace: &Trace, servers: usize, server: &ServerConfig) -> Vec<f64> {
+    let rate = trace.requests.len() as f64 / trace.span_s().max(1e-3);
+    let sat = estimated_capacity_rps(trace, servers, server) / rate.max(1e-9);
+    let mut v: Vec<f64> = [0.3, 0.6, 0.8, 1.0, 1.25].iter().map(|f| two_digits(f * sat)).collect();
+    v.dedup();
+    v
+}
+
+fn two_digits(x: f64) -> f64 {
+    if !(x.is_finite() && x > 0.0) {
+        return 1.0;
+    }
+    let mag = 10f64.powf(x.log10().floor() - 1.0);
+    (x / mag).round() * mag
+}
+
+/// A workload for any trace file: the core strategies (plus the tier example when the trace has
+/// tier labels), `loads` or else [`auto_loads`].
 pub fn file_workload(path: &Path, servers: usize, loads: Vec<f64>) -> Result<Workload, String> {
     let t = trace::load(path)?;
+    let server = ServerConfig::default();
+    let (loads, how) = if loads.is_empty() {
+        let cap = estimated_capacity_rps(&t, servers, &server);
+        (
+            auto_loads(&t, servers, &server),
+            format!(
+                "loads chosen from the trace's arrival rate ({:.2} requests/s) and the pool's \
+                 estimated capacity ({cap:.1} requests/s)",
+                t.requests.len() as f64 / t.span_s().max(1e-3)
+            ),
+        )
+    } else {
+        (loads, "loads given on the command line".to_string())
+    };
     Ok(Workload {
         key: t.name.clone(),
         about: format!(
-            "{} ({} requests) from {}, {} servers.",
+            "{} ({} requests) from {}, {} servers; {how}.",
             t.name,
             t.requests.len(),
             path.display(),
             servers
         ),
+        strategies: if t.has_tiers() { with_tiers() } else { CORE.to_vec() },
         trace: t,
         servers,
-        server: ServerConfig::default(),
-        strategies: CORE.to_vec(),
+        server,
         loads,
         topology: (1, 1),
         extras: vec![],
@@ -275,126 +342,346 @@ pub fn file_workload(path: &Path, servers: usize, loads: Vec<f64>) -> Result<Wor
     })
 }
 
+/// Median and range of one measure over a point's seeds.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct Range {
+    pub median: f64,
+    pub min: f64,
+    pub max: f64,
+}
+
+impl Range {
+    /// Median (the lower middle value for an even count), min and max; infinities allowed.
+    pub fn of(values: &[f64]) -> Range {
+        let mut v: Vec<f64> = values.to_vec();
+        v.sort_by(f64::total_cmp);
+        if v.is_empty() {
+            return Range { median: f64::NAN, min: f64::NAN, max: f64::NAN };
+        }
+        Range { median: v[(v.len() - 1) / 2], min: v[0], max: v[v.len() - 1] }
+    }
+
+    /// Whether the two ranges share a value.
+    pub fn overlaps(&self, o: &Range) -> bool {
+        self.min <= o.max && o.min <= self.max
+    }
+}
+
+/// One (strategy, load, topology) point over its seeds.
+#[derive(Debug, Clone, Serialize)]
+pub struct Point {
+    pub strategy: String,
+    pub load: f64,
+    pub replicas: usize,
+    pub workers: usize,
+    pub seeds: usize,
+    pub ttft_p50_s: Range,
+    pub ttft_p90_s: Range,
+    pub ttft_p99_s: Range,
+    /// TTFT p90 with rejected requests counted as infinitely late (∞ when > 10 % rejected).
+    pub ttft_p90_strict_s: Range,
+    pub rejected_pct: Range,
+    pub goodput_rps: Range,
+    pub hit_rate: Range,
+    pub e2e_p90_s: Range,
+    /// Median TTFT p90 per tier label (premium, standard, sheddable), when the trace has them.
+    pub tier_p90_s: Vec<(String, f64, usize)>,
+}
+
+impl Point {
+    fn of(runs: &[&RunResult]) -> Option<Point> {
+        let r0 = runs.first()?;
+        let f = |g: &dyn Fn(&RunResult) -> f64| Range::of(&runs.iter().map(|r| g(r)).collect::<Vec<_>>());
+        let tier_p90_s = r0
+            .tiers
+            .iter()
+            .enumerate()
+            .map(|(i, t)| {
+                let p = Range::of(
+                    &runs.iter().filter_map(|r| r.tiers.get(i).map(|t| t.ttft_p90_s)).collect::<Vec<_>>(),
+                );
+                let rej: usize = runs.iter().filter_map(|r| r.tiers.get(i).map(|t| t.rejected)).sum();
+                (t.tier.clone(), p.median, rej / runs.len())
+            })
+            .collect();
+        Some(Point {
+            strategy: r0.strategy.clone(),
+            load: r0.load,
+            replicas: r0.replicas,
+            workers: r0.workers,
+            seeds: runs.len(),
+            ttft_p50_s: f(&|r| r.ttft_p50_s),
+            ttft_p90_s: f(&|r| r.ttft_p90_s),
+            ttft_p99_s: f(&|r| r.ttft_p99_s),
+            ttft_p90_strict_s: f(&|r| r.ttft_p90_strict_s),
+            rejected_pct: f(&|r| 100.0 * r.rejected as f64 / r.requests.max(1) as f64),
+            goodput_rps: f(&|r| r.goodput_rps),
+            hit_rate: f(&|r| r.hit_rate),
+            e2e_p90_s: f(&|r| r.e2e_p90_s),
+            tier_p90_s,
+        })
+    }
+}
+
 /// Results of one workload, with its bounds.
-#[derive(Debug, Clone, serde::Serialize)]
+#[derive(Debug, Clone, Serialize)]
 pub struct WorkloadResult {
     pub key: String,
     pub about: String,
     pub requests: usize,
     pub servers: usize,
+    /// One server with an unlimited cache.
     pub hit_rate_bound: f64,
+    /// One LRU cache the size of the pool's KV.
     pub hit_rate_bound_pooled: f64,
+    /// One cache the size of the pool's KV with Belady eviction.
+    pub hit_rate_bound_pooled_opt: f64,
+    /// Every run (each seed).
     pub runs: Vec<RunResult>,
+    /// Runs grouped by (strategy, load, topology), in run order.
+    pub points: Vec<Point>,
 }
 
-/// (workload index, task index, result).
-type Finished = (usize, usize, Result<RunResult, String>);
+impl WorkloadResult {
+    fn regroup(&mut self) {
+        let mut keys: Vec<(String, u64, usize, usize)> = Vec::new();
+        for r in &self.runs {
+            let k = (r.strategy.clone(), r.load.to_bits(), r.replicas, r.workers);
+            if !keys.contains(&k) {
+                keys.push(k);
+            }
+        }
+        self.points = keys
+            .iter()
+            .filter_map(|(s, l, rr, w)| {
+                let rs: Vec<&RunResult> = self
+                    .runs
+                    .iter()
+                    .filter(|r| {
+                        &r.strategy == s && r.load.to_bits() == *l && r.replicas == *rr && r.workers == *w
+                    })
+                    .collect();
+                Point::of(&rs)
+            })
+            .collect();
+    }
 
-/// Runs every workload's runs on `jobs` threads; `progress` gets one line per finished run.
+    pub fn point(&self, strategy: &str, load: f64, rw: (usize, usize)) -> Option<&Point> {
+        self.points.iter().find(|p| p.strategy == strategy && p.load == load && (p.replicas, p.workers) == rw)
+    }
+
+    /// Loads of the 1 × 1 runs, ascending.
+    pub fn loads(&self) -> Vec<f64> {
+        let mut loads: Vec<f64> =
+            self.points.iter().filter(|p| (p.replicas, p.workers) == (1, 1)).map(|p| p.load).collect();
+        loads.sort_by(f64::total_cmp);
+        loads.dedup();
+        loads
+    }
+
+    /// The baseline with the lowest median strict TTFT p90 at `load` (1 × 1).
+    pub fn best_baseline(&self, load: f64) -> Option<&Point> {
+        self.points
+            .iter()
+            .filter(|p| p.load == load && (p.replicas, p.workers) == (1, 1))
+            .filter(|p| Policy::parse(&p.strategy).is_ok_and(Policy::is_baseline))
+            .min_by(|a, b| a.ttft_p90_strict_s.median.total_cmp(&b.ttft_p90_strict_s.median))
+    }
+}
+
+/// One run to do.
+#[derive(Debug, Clone, Copy)]
+pub struct Task {
+    pub workload: usize,
+    pub policy: Policy,
+    pub load: f64,
+    pub replicas: usize,
+    pub workers: usize,
+    pub seed: u64,
+}
+
+/// Every seed of every main and extra run of the workloads.
+pub fn main_tasks(workloads: &[Workload], common: &Common) -> Vec<Task> {
+    let mut v = Vec::new();
+    for (wi, w) in workloads.iter().enumerate() {
+        for (p, l, r, k) in w.runs() {
+            for &seed in &common.seeds {
+                v.push(Task { workload: wi, policy: p, load: l, replicas: r, workers: k, seed });
+            }
+        }
+    }
+    v
+}
+
+/// `ours` at 4 replicas × 4 workers at each workload's reference load (the SUMMARY's 4×4
+/// figures), for workloads that ran ours.
+pub fn scale_out_tasks(results: &[WorkloadResult], workloads: &[Workload], common: &Common) -> Vec<Task> {
+    let mut v = Vec::new();
+    for (wi, (r, w)) in results.iter().zip(workloads).enumerate() {
+        if !w.strategies.contains(&Policy::Ours) {
+            continue;
+        }
+        let Ok(load) = reference_load(r) else { continue };
+        if r.point("ours", load, (4, 4)).is_some() {
+            continue;
+        }
+        for &seed in &common.seeds {
+            v.push(Task { workload: wi, policy: Policy::Ours, load, replicas: 4, workers: 4, seed });
+        }
+    }
+    v
+}
+
+/// The workloads' results before any run (bounds computed).
+pub fn empty_results(workloads: &[Workload]) -> Vec<WorkloadResult> {
+    workloads
+        .iter()
+        .map(|w| {
+            let pool_tokens = w.servers as u64 * w.server.num_gpu_blocks * u64::from(w.server.block_size);
+            WorkloadResult {
+                key: w.key.clone(),
+                about: w.about.clone(),
+                requests: w.trace.requests.len(),
+                servers: w.servers,
+                hit_rate_bound: hit_rate_bound(&w.trace),
+                hit_rate_bound_pooled: hit_rate_bound_lru(&w.trace, pool_tokens),
+                hit_rate_bound_pooled_opt: hit_rate_bound_opt(&w.trace, pool_tokens),
+                runs: Vec::new(),
+                points: Vec::new(),
+            }
+        })
+        .collect()
+}
+
+/// Runs `tasks` on `jobs` threads into `results`; `progress` gets one line per finished run.
 pub fn execute(
     workloads: &[Workload],
+    results: &mut [WorkloadResult],
+    tasks: &[Task],
     common: &Common,
     jobs: usize,
     progress: &(dyn Fn(&RunResult) + Sync),
-) -> Result<Vec<WorkloadResult>, String> {
-    let tasks: Vec<(usize, Policy, f64, usize, usize)> = workloads
-        .iter()
-        .enumerate()
-        .flat_map(|(wi, w)| w.runs().into_iter().map(move |(p, l, r, k)| (wi, p, l, r, k)))
-        .collect();
+) -> Result<(), String> {
     let next = AtomicUsize::new(0);
-    let results: Mutex<Vec<Finished>> = Mutex::new(Vec::new());
+    let done: Mutex<Vec<(usize, Result<RunResult, String>)>> = Mutex::new(Vec::new());
     std::thread::scope(|s| {
         for _ in 0..jobs.max(1) {
             s.spawn(|| loop {
                 let i = next.fetch_add(1, Ordering::SeqCst);
-                let Some(&(wi, p, load, replicas, workers)) = tasks.get(i) else { break };
-                let w = &workloads[wi];
+                let Some(t) = tasks.get(i) else { break };
+                let w = &workloads[t.workload];
                 let rc = RunConfig {
                     servers: w.servers,
                     server: w.server.clone(),
-                    replicas,
-                    workers,
-                    poll_ms: common.poll_ms,
+                    replicas: t.replicas,
+                    workers: t.workers,
+                    poll_ms: common.refresh_ms(t.policy),
                     metrics_delay_ms: common.metrics_delay_ms,
-                    load,
-                    seed: common.seed,
+                    load: t.load,
+                    seed: t.seed,
                     ours_overrides: common.ours_overrides.clone(),
                 };
-                let r = run(&w.trace, p, &rc);
+                let r = run(&w.trace, t.policy, &rc);
                 if let Ok(r) = &r {
                     progress(r);
                 }
-                if let Ok(mut v) = results.lock() {
-                    v.push((wi, i, r));
+                if let Ok(mut v) = done.lock() {
+                    v.push((i, r));
                 }
             });
         }
     });
-    let mut all = results.into_inner().map_err(|_| "a run panicked".to_string())?;
-    all.sort_by_key(|(wi, i, _)| (*wi, *i));
-    let mut out: Vec<WorkloadResult> = workloads
-        .iter()
-        .map(|w| WorkloadResult {
-            key: w.key.clone(),
-            about: w.about.clone(),
-            requests: w.trace.requests.len(),
-            servers: w.servers,
-            hit_rate_bound: hit_rate_bound(&w.trace),
-            hit_rate_bound_pooled: hit_rate_bound_lru(
-                &w.trace,
-                w.servers as u64 * w.server.num_gpu_blocks * u64::from(w.server.block_size),
-            ),
-            runs: Vec::new(),
-        })
-        .collect();
-    for (wi, _, r) in all {
+    let mut all = done.into_inner().map_err(|_| "a run panicked".to_string())?;
+    all.sort_by_key(|(i, _)| *i);
+    for (i, r) in all {
+        let wi = tasks[i].workload;
         let r = r.map_err(|e| format!("{}: {e}", workloads[wi].key))?;
-        out[wi].runs.push(r);
+        results[wi].runs.push(r);
     }
-    Ok(out)
+    for r in results.iter_mut() {
+        r.regroup();
+    }
+    Ok(())
 }
 
-fn find<'a>(runs: &'a [RunResult], strategy: &str, load: f64, rw: (usize, usize)) -> Option<&'a RunResult> {
-    runs.iter().find(|r| r.strategy == strategy && r.load == load && (r.replicas, r.workers) == rw)
+/// The load the SUMMARY compares at: the highest load of the sweep at which the best baseline's
+/// TTFT p90 (median over seeds, rejected = ∞) is still under 5 s. An error if there is none.
+pub fn reference_load(w: &WorkloadResult) -> Result<f64, String> {
+    w.loads()
+        .into_iter()
+        .rfind(|&l| w.best_baseline(l).is_some_and(|b| b.ttft_p90_strict_s.median < SATURATED_P90_S))
+        .ok_or_else(|| format!("{}: no load of the sweep has a baseline with TTFT p90 under 5 s", w.key))
 }
 
-/// The load the SUMMARY compares at: the lowest load where round-robin's TTFT p90 is at least
-/// 5 s (the issue's definition), else the highest load run.
-pub fn reference_load(w: &WorkloadResult) -> Option<f64> {
-    let mut loads: Vec<f64> =
-        w.runs.iter().filter(|r| (r.replicas, r.workers) == (1, 1)).map(|r| r.load).collect();
-    loads.sort_by(f64::total_cmp);
-    loads.dedup();
-    loads
-        .iter()
-        .copied()
-        .find(|&l| find(&w.runs, "round-robin", l, (1, 1)).is_some_and(|r| r.ttft_p90_s >= 5.0))
-        .or(loads.last().copied())
-}
+/// The SUMMARY's values, by name, in order.
+pub type SummaryValues = Vec<(&'static str, f64)>;
 
-/// `SUMMARY <trace> ttft_p90_vs_round_robin=<x> ttft_p90_vs_gie_default=<y> hit_rate_vs_bound=<z>`.
-pub fn summary_line(w: &WorkloadResult) -> String {
-    let load = reference_load(w).unwrap_or(1.0);
-    let ours = find(&w.runs, "ours", load, (1, 1));
-    let ratio = |other: &str| match (ours, find(&w.runs, other, load, (1, 1))) {
-        (Some(o), Some(b)) if o.ttft_p90_strict_s.is_finite() && o.ttft_p90_strict_s > 0.0 => {
-            format!("{:.2}", b.ttft_p90_strict_s / o.ttft_p90_strict_s)
+/// The reference load and every value of the SUMMARY line.
+pub fn summary_values(w: &WorkloadResult) -> Result<(f64, SummaryValues), String> {
+    let load = reference_load(w)?;
+    let need = |s: &str, l: f64, rw: (usize, usize)| {
+        w.point(s, l, rw)
+            .ok_or_else(|| format!("{}: no {s} run at load {} {}x{}", w.key, fmt_load(l), rw.0, rw.1))
+    };
+    let ours = need("ours", load, (1, 1))?;
+    let o = ours.ttft_p90_strict_s.median;
+    let ratio = |b: f64, what: &str| -> Result<f64, String> {
+        let x = b / o;
+        if x.is_finite() {
+            Ok(x)
+        } else {
+            Err(format!("{}: {what} ratio is not a number ({} / {})", w.key, fmt_secs(b), fmt_secs(o)))
         }
-        _ => "n/a".into(),
     };
-    let hit = match ours {
-        Some(o) if w.hit_rate_bound > 0.0 => format!("{:.2}", o.hit_rate / w.hit_rate_bound),
-        _ => "n/a".into(),
-    };
-    format!(
-        "SUMMARY {} ttft_p90_vs_round_robin={} ttft_p90_vs_gie_default={} hit_rate_vs_bound={} (load {}, 1x1)",
-        w.key,
-        ratio("round-robin"),
-        ratio("gie-default"),
-        hit,
-        fmt_load(load)
-    )
+    let best = w.best_baseline(load).ok_or_else(|| format!("{}: no baseline at load {load}", w.key))?;
+    let mut worst = f64::INFINITY;
+    for l in w.loads().into_iter().filter(|&l| l <= load) {
+        let (Some(ol), Some(bl)) = (w.point("ours", l, (1, 1)), w.best_baseline(l)) else { continue };
+        worst = worst.min(bl.ttft_p90_strict_s.median / ol.ttft_p90_strict_s.median);
+    }
+    if !worst.is_finite() {
+        return Err(format!("{}: worst_vs_best_baseline is not a number", w.key));
+    }
+    let four = need("ours", load, (4, 4))?;
+    let hit = ours.hit_rate.median;
+    let vals = vec![
+        (
+            "ttft_p90_vs_round_robin",
+            ratio(need("round-robin", load, (1, 1))?.ttft_p90_strict_s.median, "round-robin")?,
+        ),
+        (
+            "ttft_p90_vs_gie_default",
+            ratio(need("gie-default", load, (1, 1))?.ttft_p90_strict_s.median, "gie-default")?,
+        ),
+        ("ttft_p90_vs_best_baseline", ratio(best.ttft_p90_strict_s.median, "best baseline")?),
+        ("worst_vs_best_baseline", worst),
+        ("hit_rate_vs_pooled_lru", hit / w.hit_rate_bound_pooled.max(1e-12)),
+        ("hit_rate_vs_pooled_opt", hit / w.hit_rate_bound_pooled_opt.max(1e-12)),
+        ("rejected_pct", ours.rejected_pct.median),
+        ("replicas_4x4_vs_1x1", o / four.ttft_p90_strict_s.median),
+        ("hit_rate_4x4_vs_1x1", four.hit_rate.median / hit.max(1e-12)),
+        ("ttft_p90_vs_dynamo", ratio(need("dynamo", load, (1, 1))?.ttft_p90_strict_s.median, "dynamo")?),
+        ("ttft_p90_vs_oracle", ratio(need("oracle", load, (1, 1))?.ttft_p90_strict_s.median, "oracle")?),
+    ];
+    for (k, v) in &vals {
+        if !v.is_finite() {
+            return Err(format!("{}: {k} is not a number", w.key));
+        }
+    }
+    Ok((load, vals))
+}
+
+/// `SUMMARY <trace> ref_load=<L> ttft_p90_vs_round_robin=<x> … seeds=<n>` (issue #11 + #16), or
+/// an error naming what is missing (the benchmark then fails; it never prints `n/a`).
+pub fn summary_line(w: &WorkloadResult) -> Result<String, String> {
+    let seeds = w.points.iter().map(|p| p.seeds).min().unwrap_or(0);
+    let (load, vals) = summary_values(w)?;
+    let mut s = format!("SUMMARY {} ref_load={}", w.key, fmt_load(load));
+    for (k, v) in vals {
+        let _ = write!(s, " {k}={v:.2}");
+    }
+    let _ = write!(s, " seeds={seeds}");
+    Ok(s)
 }
 
 /// Seconds with 2 decimals, `∞` for infinity.
@@ -414,111 +701,96 @@ pub fn fmt_load(l: f64) -> String {
     }
 }
 
-/// The markdown table of one workload (also printed).
-pub fn table(w: &WorkloadResult) -> String {
-    let tiers = w.runs.iter().any(|r| !r.tiers.is_empty());
-    let strict = w.runs.iter().any(|r| r.rejected > 0);
-    let mut s = String::new();
-    let _ = write!(s, "| strategy | load | R×W | TTFT mean | p50 | p90 | p99 |");
-    if strict {
-        s.push_str(" p90, rejected = ∞ |");
+/// `median [min–max]` in seconds (just the median when all seeds agree to 2 decimals).
+fn fmt_range(r: &Range, unit: &dyn Fn(f64) -> String) -> String {
+    let (a, b, c) = (unit(r.median), unit(r.min), unit(r.max));
+    if b == c {
+        a
+    } else {
+        format!("{a} [{b}–{c}]")
     }
-    s.push_str(" E2E p90 | out tok/s | hit rate | bound | pooled bound |");
+}
+
+/// The markdown table of one workload (also printed): per strategy and load, median over the
+/// seeds with [min–max].
+pub fn table(w: &WorkloadResult) -> String {
+    let tiers = w.points.iter().any(|p| !p.tier_p90_s.is_empty());
+    let mut s = String::new();
+    s.push_str(
+        "| strategy | load | R×W | TTFT p50 (s) | p90 (s) | p99 (s) | p90, rejected = ∞ (s) | rejected % | goodput (req/s) | hit rate % | vs pooled LRU / OPT |",
+    );
     if tiers {
         s.push_str(" TTFT p90 premium / standard / sheddable |");
     }
-    s.push_str(" rejected |\n|---|---:|---|---:|---:|---:|---:|");
-    if strict {
-        s.push_str("---:|");
-    }
-    s.push_str("---:|---:|---:|---:|---:|");
+    s.push_str("\n|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|");
     if tiers {
         s.push_str("---|");
     }
-    s.push_str("---:|\n");
-    for r in &w.runs {
+    s.push('\n');
+    let secs = |x: f64| fmt_secs(x);
+    let pct = |x: f64| format!("{x:.1}");
+    let rps = |x: f64| format!("{x:.2}");
+    let hit = |x: f64| format!("{:.1}", 100.0 * x);
+    for p in &w.points {
         let _ = write!(
             s,
-            "| {} | {} | {}×{} | {:.2} | {:.2} | {:.2} | {:.2} |",
-            r.strategy,
-            fmt_load(r.load),
-            r.replicas,
-            r.workers,
-            r.ttft_mean_s,
-            r.ttft_p50_s,
-            r.ttft_p90_s,
-            r.ttft_p99_s,
-        );
-        if strict {
-            let _ = write!(s, " {} |", fmt_secs(r.ttft_p90_strict_s));
-        }
-        let _ = write!(
-            s,
-            " {:.1} | {:.0} | {:.1} % | {:.1} % | {:.1} % |",
-            r.e2e_p90_s,
-            r.output_tokens_per_s,
-            100.0 * r.hit_rate,
-            100.0 * w.hit_rate_bound,
-            100.0 * w.hit_rate_bound_pooled,
+            "| {} | {} | {}×{} | {} | {} | {} | {} | {} | {} | {} | {:.2} / {:.2} |",
+            p.strategy,
+            fmt_load(p.load),
+            p.replicas,
+            p.workers,
+            fmt_range(&p.ttft_p50_s, &secs),
+            fmt_range(&p.ttft_p90_s, &secs),
+            fmt_range(&p.ttft_p99_s, &secs),
+            fmt_range(&p.ttft_p90_strict_s, &secs),
+            fmt_range(&p.rejected_pct, &pct),
+            fmt_range(&p.goodput_rps, &rps),
+            fmt_range(&p.hit_rate, &hit),
+            p.hit_rate.median / w.hit_rate_bound_pooled.max(1e-12),
+            p.hit_rate.median / w.hit_rate_bound_pooled_opt.max(1e-12),
         );
         if tiers {
-            let t: Vec<String> = r
-                .tiers
+            let t: Vec<String> = p
+                .tier_p90_s
                 .iter()
-                .map(|t| {
-                    if t.rejected > 0 {
-                        format!("{:.2} ({} rej.)", t.ttft_p90_s, t.rejected)
-                    } else {
-                        format!("{:.2}", t.ttft_p90_s)
-                    }
-                })
+                .map(|(_, x, rej)| if *rej > 0 { format!("{x:.2} ({rej} rej.)") } else { format!("{x:.2}") })
                 .collect();
             let _ = write!(s, " {} |", t.join(" / "));
         }
-        let rej = if r.rejected == 0 {
-            "0".to_string()
-        } else {
-            let why: Vec<String> = r.rejections.iter().map(|(k, v)| format!("{k} {v}")).collect();
-            format!("{} ({})", r.rejected, why.join(", "))
-        };
-        let _ = writeln!(s, " {rej} |");
+        s.push('\n');
     }
     s
 }
 
-/// For each load (1 × 1 runs): ours against the best other strategy, by TTFT p90 with rejected
-/// requests counted as infinitely late (so that shedding never counts as speed).
+/// For each load (1 × 1): ours against the best baseline, by TTFT p90 with rejected requests
+/// counted as infinitely late, median and range over the seeds; "tie" when the ranges overlap.
 pub fn versus_best(w: &WorkloadResult) -> String {
-    let mut loads: Vec<f64> =
-        w.runs.iter().filter(|r| (r.replicas, r.workers) == (1, 1)).map(|r| r.load).collect();
-    loads.sort_by(f64::total_cmp);
-    loads.dedup();
     let mut s = String::new();
-    for l in loads {
-        let Some(ours) = find(&w.runs, "ours", l, (1, 1)) else { continue };
-        let best = w
-            .runs
-            .iter()
-            .filter(|r| r.strategy != "ours" && r.load == l && (r.replicas, r.workers) == (1, 1))
-            .min_by(|a, b| a.ttft_p90_strict_s.total_cmp(&b.ttft_p90_strict_s));
-        if let Some(b) = best {
-            let (o, x) = (ours.ttft_p90_strict_s, b.ttft_p90_strict_s);
-            let verdict = if o <= x {
-                format!("ours best ({:.2}× better)", x / o.max(1e-9))
-            } else if o.is_finite() {
-                format!("ours {:.2}× worse", o / x.max(1e-9))
-            } else {
-                format!("ours worse (rejected {} of {})", ours.rejected, ours.requests)
-            };
-            let _ = writeln!(
-                s,
-                "- load {}: ours {} s, best other {} {} s → {verdict}",
-                fmt_load(l),
-                fmt_secs(o),
-                b.strategy,
-                fmt_secs(x),
-            );
-        }
+    for l in w.loads() {
+        let (Some(ours), Some(b)) = (w.point("ours", l, (1, 1)), w.best_baseline(l)) else { continue };
+        let (o, x) = (&ours.ttft_p90_strict_s, &b.ttft_p90_strict_s);
+        let verdict = if o.overlaps(x) {
+            "tie (ranges overlap)".to_string()
+        } else if o.max < x.min {
+            format!("ours better ({:.2}×)", x.median / o.median.max(1e-9))
+        } else if o.median.is_finite() {
+            format!("ours worse ({:.2}×)", o.median / x.median.max(1e-9))
+        } else {
+            format!("ours worse (rejected {:.1} %)", ours.rejected_pct.median)
+        };
+        let sat = if x.median >= SATURATED_P90_S { " (saturated)" } else { "" };
+        let _ = writeln!(
+            s,
+            "- load {}{sat}: ours {} s [{}–{}], best baseline {} {} s [{}–{}] → {verdict}",
+            fmt_load(l),
+            fmt_secs(o.median),
+            fmt_secs(o.min),
+            fmt_secs(o.max),
+            b.strategy,
+            fmt_secs(x.median),
+            fmt_secs(x.min),
+            fmt_secs(x.max),
+        );
     }
     s
 }
@@ -535,8 +807,8 @@ pub const LLM_D_PUBLISHED: [(&str, f64); 4] = [
 /// worse (TTFT p90) than the worst of the prefix-aware strategies (ours, gie-default). Returns
 /// (passed, explanation).
 pub fn llm_d_order_check(w: &WorkloadResult) -> (bool, String) {
-    let load = w.runs.first().map_or(1.0, |r| r.load);
-    let p90 = |s: &str| find(&w.runs, s, load, (1, 1)).map(|r| r.ttft_p90_s);
+    let load = w.loads().first().copied().unwrap_or(1.0);
+    let p90 = |s: &str| w.point(s, load, (1, 1)).map(|p| p.ttft_p90_s.median);
     let (Some(ours), Some(gie), Some(random), Some(load_only)) =
         (p90("ours"), p90("gie-default"), p90("random"), p90("load-only"))
     else {

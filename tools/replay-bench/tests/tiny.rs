@@ -82,7 +82,7 @@ fn every_strategy_conserves_requests_on_real_mooncake_rows() {
     // 150 requests of the first ~45 s at 20× load: ~2 s of arrivals on 3 small servers.
     let cfg = rc(3, 12_000, 20.0);
     let bound = hit_rate_bound(&t);
-    for p in CORE {
+    for p in CORE.into_iter().chain([Policy::OursTiers]) {
         let r = run(&t, p, &cfg).unwrap();
         conserved(&r);
         assert!(r.hit_rate <= bound + 1e-9, "{}", p.name());
@@ -99,7 +99,33 @@ fn every_strategy_conserves_requests_on_real_mooncake_rows() {
     let mut c4 = cfg.clone();
     c4.replicas = 2;
     c4.workers = 2;
-    conserved(&run(&t, Policy::Ours, &c4).unwrap());
+    for p in [Policy::Ours, Policy::Sglang, Policy::Dynamo] {
+        conserved(&run(&t, p, &c4).unwrap());
+    }
+    // GIE's EPP is one central process: the topology changes nothing in its routing.
+    let (g1, g4) = (run(&t, Policy::GieDefault, &cfg).unwrap(), run(&t, Policy::GieDefault, &c4).unwrap());
+    assert_eq!(g1.per_server, g4.per_server);
+    assert_eq!(g1.ttft_p90_s, g4.ttft_p90_s);
+}
+
+#[test]
+fn dynamo_with_events_and_the_oracle_find_the_cached_prefixes() {
+    let t = shared_prefix();
+    let cfg = rc(4, 2000, 1.0);
+    let random = run(&t, Policy::Random, &cfg).unwrap();
+    for p in [Policy::Dynamo, Policy::DynamoNoEvents, Policy::Oracle] {
+        let r = run(&t, p, &cfg).unwrap();
+        conserved(&r);
+        assert_eq!(r.rejected, 0, "{r:?}");
+        assert!(r.hit_rate > random.hit_rate + 0.1, "{} {} random {}", p.name(), r.hit_rate, random.hit_rate);
+        assert!(
+            r.ttft_p90_s < random.ttft_p90_s,
+            "{} {} random {}",
+            p.name(),
+            r.ttft_p90_s,
+            random.ttft_p90_s
+        );
+    }
 }
 
 #[test]
@@ -117,19 +143,76 @@ fn an_impossible_request_is_rejected_not_lost() {
 #[test]
 fn the_report_has_the_summary_line() {
     let t = shared_prefix();
-    let mut w =
-        suite::file_workload(&suite::data_dir().join("mooncake_conversation_trace.jsonl.gz"), 2, vec![1.0])
-            .unwrap();
+    let mut w = suite::file_workload(
+        &suite::data_dir().join("mooncake_conversation_trace.jsonl.gz"),
+        2,
+        vec![0.5, 1.0],
+    )
+    .unwrap();
     w.trace = t;
     w.trace.truncate(60);
     w.key = "tiny".into();
-    w.strategies = vec![Policy::Ours, Policy::GieDefault, Policy::RoundRobin];
-    let res = suite::execute(&[w.clone()], &suite::Common::default(), 2, &|_| {}).unwrap();
-    let line = suite::summary_line(&res[0]);
-    assert!(line.starts_with("SUMMARY tiny ttft_p90_vs_round_robin="), "{line}");
-    assert!(line.contains("ttft_p90_vs_gie_default=") && line.contains("hit_rate_vs_bound="), "{line}");
-    let md = replay_bench::report::markdown(&res, &[w], &suite::Common::default(), "test", 0.0, 1.0);
+    w.strategies = vec![Policy::Ours, Policy::GieDefault, Policy::RoundRobin, Policy::Dynamo, Policy::Oracle];
+    let common = suite::Common { seeds: vec![1, 2, 3], ..Default::default() };
+    let ws = [w.clone()];
+    let mut res = suite::empty_results(&ws);
+    suite::execute(&ws, &mut res, &suite::main_tasks(&ws, &common), &common, 2, &|_| {}).unwrap();
+    // Without the 4×4 runs there is no SUMMARY, and the bench says why instead of printing n/a.
+    let err = suite::summary_line(&res[0]).unwrap_err();
+    assert!(err.contains("4x4"), "{err}");
+    let scale = suite::scale_out_tasks(&res, &ws, &common);
+    assert_eq!(scale.len(), 3);
+    suite::execute(&ws, &mut res, &scale, &common, 2, &|_| {}).unwrap();
+    let line = suite::summary_line(&res[0]).unwrap();
+    let fields: Vec<&str> = line.split_whitespace().collect();
+    assert_eq!(&fields[..3], &["SUMMARY", "tiny", "ref_load=1"], "{line}");
+    let names: Vec<&str> = fields[3..].iter().map(|f| f.split('=').next().unwrap()).collect();
+    assert_eq!(
+        names,
+        [
+            "ttft_p90_vs_round_robin",
+            "ttft_p90_vs_gie_default",
+            "ttft_p90_vs_best_baseline",
+            "worst_vs_best_baseline",
+            "hit_rate_vs_pooled_lru",
+            "hit_rate_vs_pooled_opt",
+            "rejected_pct",
+            "replicas_4x4_vs_1x1",
+            "hit_rate_4x4_vs_1x1",
+            "ttft_p90_vs_dynamo",
+            "ttft_p90_vs_oracle",
+            "seeds",
+        ]
+    );
+    for f in &fields[3..] {
+        let v = f.split('=').nth(1).unwrap();
+        assert!(v.parse::<f64>().is_ok_and(f64::is_finite), "{f} in {line}");
+    }
+    assert!(line.ends_with("seeds=3"), "{line}");
+    // Each point has its 3 seeds; the pooled OPT bound is at least the pooled LRU one.
+    assert!(res[0].points.iter().all(|p| p.seeds == 3));
+    assert!(res[0].hit_rate_bound_pooled_opt >= res[0].hit_rate_bound_pooled - 1e-12);
+    let md = replay_bench::report::markdown(&res, &ws, &common, "test", 0.0, 1.0);
     assert!(md.contains("| ours | 1 | 1×1 |"), "{md}");
+    assert!(md.contains("| ours | 1 | 4×4 |"), "{md}");
+}
+
+#[test]
+fn a_trace_gets_a_sweep_from_light_load_to_past_saturation() {
+    // The first 1,500 Mooncake requests (about 7 minutes): same mix, so the same estimate of
+    // where 8 servers saturate, at a fraction of the cost of the whole trace in a debug build.
+    let mut t = trace::load(&suite::data_dir().join("mooncake_conversation_trace.jsonl.gz")).unwrap();
+    t.truncate(1500);
+    let server = ServerConfig::default();
+    let loads = suite::auto_loads(&t, 8, &server);
+    assert_eq!(loads.len(), 5, "{loads:?}");
+    assert!(loads.windows(2).all(|x| x[0] < x[1]), "{loads:?}");
+    // The fourth load is the estimated saturation: arrival rate × load = estimated capacity.
+    let rate = t.requests.len() as f64 / t.span_s();
+    let cap = suite::estimated_capacity_rps(&t, 8, &server);
+    assert!((loads[3] * rate / cap - 1.0).abs() < 0.06, "{loads:?} rate {rate} cap {cap}");
+    // Light load first, past saturation last.
+    assert!(loads[0] < 0.35 * loads[3] && loads[4] > 1.2 * loads[3], "{loads:?}");
 }
 
 #[test]
@@ -147,7 +230,7 @@ fn flow_control_protects_premium_under_overload() {
     let mut t = trace::shared_prefix("tiny-overload", &shape, 9);
     trace::assign_tiers(&mut t, 0.3, 0.4, 2);
     let cfg = rc(1, 20_000, 1.0);
-    let ours = run(&t, Policy::Ours, &cfg).unwrap();
+    let ours = run(&t, Policy::OursFlow, &cfg).unwrap();
     conserved(&ours);
     let tier = |name: &str| ours.tiers.iter().find(|x| x.tier == name).unwrap().clone();
     let (p, sh) = (tier("premium"), tier("sheddable"));
