@@ -11,7 +11,7 @@ WASM := target/wasm32-wasip1/release/inference_picker.wasm
 SIM := target/tools/model-server-sim
 ENVOY_VERSION := 1.40.0
 
-.PHONY: all toolchain run test wasm sim venv fmt-check clippy unit validate deploy-check e2e bench bench-check bench-routing schema oci clean
+.PHONY: all toolchain run test wasm sim venv fmt-check clippy unit validate deploy-check e2e bench bench-check bench-routing schema oci clean compose-test
 
 all: wasm
 
@@ -90,6 +90,14 @@ bench-routing: venv
 
 test: fmt-check clippy unit bench-check wasm validate deploy-check e2e
 	@echo "make test: all checks passed"
+
+## compose-test: envoy/docker-compose.yaml run for real with Podman, images built FROM scratch
+## (no registry), then everything removed. Needs podman, runc and podman-compose (it says how to
+## install them when absent). See tools/compose-test/compose_test.py and README "Deploying with Docker".
+compose-test: venv
+	@$(PY) tools/compose-test/compose_test.py --check-tools
+	@$(MAKE) --no-print-directory wasm sim
+	@$(PY) tools/compose-test/compose_test.py
 
 clean:
 	cargo clean

@@ -18,7 +18,8 @@ What it does, in order (every wait bounded in time, every step says what failed)
 5. Brings everything down and removes what it made: containers, the images, any network, the build
    directory. It then checks that none of them is left, and fails if one is.
 
-Run with the venv's Python from the repo root; `make compose-test` does the building first.
+Run with the venv's Python; `make compose-test` checks the tools (`--check-tools`), builds the
+.wasm and the simulator, then runs this.
 """
 from __future__ import annotations
 
@@ -96,6 +97,8 @@ def preflight() -> tuple[str, str]:
         print("compose-test: cannot run, missing: " + ", ".join(missing), file=sys.stderr)
         print(INSTALL_HINT, file=sys.stderr)
         sys.exit(2)
+    if sys.argv[1:] == ["--check-tools"]:
+        return podman, compose
     for path, how in ((WASM, "make wasm"), (SIM_BIN, "make sim")):
         if not path.is_file():
             print(f"compose-test: {path.relative_to(REPO)} is missing; run `{how}`", file=sys.stderr)
@@ -349,6 +352,8 @@ def teardown(podman: str, compose: str, project: str, tag: str, images: list[str
 
 def main() -> int:
     podman, compose = preflight()
+    if sys.argv[1:] == ["--check-tools"]:
+        return 0
     enter_private_netns()
     import requests  # the venv's; imported late so a missing tool is reported first
 
