@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -114,6 +115,11 @@ def enter_private_netns() -> None:
     namespace, not the machine's."""
     if os.geteuid() != 0:
         log("not root: running in the machine's network; ports 8080, 8001-8003 and 9901 must be free")
+        busy = [p for p in (8080, 9901, *SIMS.values()) if port_in_use(p)]
+        if busy:
+            print(f"compose-test: ports {busy} on 127.0.0.1 are in use (make run?); stop what holds them,"
+                  " or run as root (the test then uses a private network namespace)", file=sys.stderr)
+            sys.exit(2)
         return
     if os.environ.get(NETNS_ENV) == "1":
         run(["ip", "link", "set", "lo", "up"], timeout=10)
@@ -121,6 +127,12 @@ def enter_private_netns() -> None:
     env = dict(os.environ, **{NETNS_ENV: "1"})
     cmd = ["unshare", "--net", "--fork", "--kill-child", sys.executable, *sys.argv]
     os.execvpe("unshare", cmd, env)
+
+
+def port_in_use(port: int) -> bool:
+    with socket.socket() as sock:
+        sock.settimeout(1)
+        return sock.connect_ex(("127.0.0.1", port)) == 0
 
 
 def ldd_libs(binary: Path) -> list[Path]:
@@ -195,6 +207,26 @@ def build_images(podman: str, workdir: Path, tag: str, env: dict) -> list[str]:
     return images
 
 
+def check_mount_sources(compose: str, podman: str, project: str, env: dict) -> None:
+    """Every bind-mount source of the merged compose file must exist before `up`: podman-compose,
+    like Docker, would create a missing one as an empty directory (in the user's tree), and the
+    failure would only show later, as Envoy failing to read a directory."""
+    import yaml
+
+    merged = yaml.safe_load(run(compose_cmd(compose, podman, project) + ["config"], env=env).stdout)
+    bad = []
+    for name, svc in (merged.get("services") or {}).items():
+        for vol in svc.get("volumes") or []:
+            src = vol.get("source") if isinstance(vol, dict) else str(vol).split(":", 1)[0]
+            if not src or not (src.startswith(".") or src.startswith("/")):
+                continue  # a named volume
+            path = (COMPOSE.parent / src).resolve()
+            if not path.exists():
+                bad.append(f"service {name}: volume source {src} ({path}) does not exist")
+    if bad:
+        raise Failure("; ".join(bad) + " (podman-compose would create it as an empty directory)")
+
+
 def compose_cmd(compose: str, podman: str, project: str) -> list[str]:
     return [compose, "--podman-path", podman, "-p", project, "-f", str(COMPOSE), "-f", str(OVERRIDE)]
 
@@ -204,6 +236,11 @@ def wait_ready(requests, podman: str, project: str, env: dict) -> None:
     pending = {"envoy admin /ready": ADMIN + "/ready", **{n: f"http://127.0.0.1:{p}/health" for n, p in SIMS.items()}}
     last = {}
     while pending and time.monotonic() < deadline:
+        # A container that exited will not answer: stop waiting and show why.
+        states = run([podman, "ps", "-a", "--filter", f"label=io.podman.compose.project={project}",
+                      "--format", "{{.Names}} {{.Status}}"], env=env, check=False, timeout=30).stdout
+        if any(line.split()[1:2] == ["Exited"] for line in states.splitlines()):
+            break
         for name, url in list(pending.items()):
             try:
                 r = requests.get(url, timeout=2)
@@ -215,14 +252,16 @@ def wait_ready(requests, podman: str, project: str, env: dict) -> None:
         if pending:
             time.sleep(0.5)
     if pending:
+        time.sleep(1)  # let a restarting container's log show its last start
         states = run([podman, "ps", "-a", "--filter", f"label=io.podman.compose.project={project}",
                       "--format", "{{.Names}} {{.Status}}"], env=env, check=False).stdout
         logs = ""
         for line in states.splitlines():
             cname = line.split()[0]
-            cp = run([podman, "logs", "--tail", "30", cname], env=env, check=False, timeout=30)
-            logs += f"\n--- logs of {cname} ---\n{cp.stdout[-2500:]}{cp.stderr[-2500:]}"
-        raise Failure(f"not ready after {READY_TIMEOUT}s: " + ", ".join(f"{n} ({last.get(n, 'no answer')})" for n in pending)
+            cp = run([podman, "logs", "--tail", "12", cname], env=env, check=False, timeout=30)
+            tail = (cp.stdout + cp.stderr).splitlines()[-12:]
+            logs += f"\n--- last log lines of {cname} ---\n" + "\n".join(l[:400] for l in tail)
+        raise Failure(f"not ready (a container exited, or {READY_TIMEOUT}s passed): " + ", ".join(f"{n} ({last.get(n, 'no answer')})" for n in pending)
                       + f"\ncontainers:\n{states}{logs}")
 
 
@@ -268,19 +307,36 @@ def check_requests(requests) -> list[str]:
     # The served header is opt-in (filter.expose_served_endpoint) and envoy.yaml leaves it off.
     if "x-gateway-destination-endpoint-served" in r.headers:
         raise Failure("x-gateway-destination-endpoint-served present although envoy.yaml does not enable it")
-    # The session token names the pod that served: sent back, that pod serves again.
-    token = r.headers.get("x-session-token")
-    if not token:
-        raise Failure(f"no x-session-token on a routed response; headers: {dict(r.headers)}")
-    again = set()
-    for _ in range(5):
-        r2 = requests.post(chat, json=body, headers={"x-session-token": token}, timeout=15)
-        if r2.status_code != 200:
-            raise Failure(f"request with the session token: HTTP {r2.status_code} {r2.text[:300]}")
-        again.add(r2.headers.get("x-sim-server"))
-    if again != {served}:
-        raise Failure(f"session token from {served} sent back 5 times, served by {sorted(map(str, again))}")
-    done.append(f"session token: present, sent back 5 times -> {served} each time; served header absent (opt-in)")
+
+    # The session token names the pod that served. Collect the tokens of two different pods
+    # (distinct prompts, so prefix affinity does not keep one pod), then send the SAME body with
+    # each token: each must bring back its own pod, which neither prefix affinity nor load
+    # scoring could do for one body.
+    tokens: dict[str, str] = {}
+    for i in range(20):
+        probe = {**body, "messages": [{"role": "user", "content": f"compose test prompt {i} {uuid.uuid4().hex}"}]}
+        rp = requests.post(chat, json=probe, timeout=15)
+        if rp.status_code != 200:
+            raise Failure(f"chat completion {i}: HTTP {rp.status_code} {rp.text[:300]}")
+        if "x-gateway-destination-endpoint-served" in rp.headers:
+            raise Failure("x-gateway-destination-endpoint-served present although envoy.yaml does not enable it")
+        tok = rp.headers.get("x-session-token")
+        if not tok:
+            raise Failure(f"no x-session-token on a routed response; headers: {dict(rp.headers)}")
+        tokens.setdefault(rp.headers.get("x-sim-server", "?"), tok)
+        if len(tokens) >= 2:
+            break
+    if len(tokens) < 2:
+        raise Failure(f"20 requests with distinct prompts were all served by {sorted(tokens)}: no spread over the pool")
+    same = {**body, "messages": [{"role": "user", "content": "one body, two session tokens"}]}
+    for pod, tok in tokens.items():
+        for _ in range(3):
+            r2 = requests.post(chat, json=same, headers={"x-session-token": tok}, timeout=15)
+            if r2.status_code != 200 or r2.headers.get("x-sim-server") != pod:
+                raise Failure(f"session token of {pod} sent back: HTTP {r2.status_code}, served by "
+                              f"{r2.headers.get('x-sim-server')!r}")
+    done.append(f"session token: one body sent with the tokens of {' and '.join(sorted(tokens))}, 3 times each,"
+                " came back to each token's pod; served header absent (opt-in)")
 
     # Streaming: SSE chunks, then [DONE].
     with requests.post(chat, json={**body, "stream": True}, stream=True, timeout=15) as s:
@@ -367,6 +423,7 @@ def main() -> int:
     try:
         images = build_images(podman, workdir, tag, env)
         log(f"up: {COMPOSE.relative_to(REPO)} + {OVERRIDE.relative_to(REPO)} (project {project})")
+        check_mount_sources(compose, podman, project, env)
         run(compose_cmd(compose, podman, project) + ["up", "-d", "--no-build"], env=env)
         wait_ready(requests, podman, project, env)
         for line in check_requests(requests):
@@ -378,6 +435,8 @@ def main() -> int:
     finally:
         try:
             left = teardown(podman, compose, project, tag, images, env)
+        except Failure as e:  # a podman command that hung: say so, with what may be left
+            left = [f"unknown (teardown failed: {e})"]
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
     if failure is not None:
