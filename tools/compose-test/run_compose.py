@@ -422,8 +422,8 @@ def main() -> int:
     workdir = Path(tempfile.mkdtemp(prefix="compose-test-"))
     try:
         images = build_images(podman, workdir, tag, env)
-        log(f"up: {COMPOSE.relative_to(REPO)} + {OVERRIDE.relative_to(REPO)} (project {project})")
         check_mount_sources(compose, podman, project, env)
+        log(f"up: {COMPOSE.relative_to(REPO)} + {OVERRIDE.relative_to(REPO)} (project {project})")
         run(compose_cmd(compose, podman, project) + ["up", "-d", "--no-build"], env=env)
         wait_ready(requests, podman, project, env)
         for line in check_requests(requests):
