@@ -11,7 +11,7 @@ WASM := target/wasm32-wasip1/release/inference_picker.wasm
 SIM := target/tools/model-server-sim
 ENVOY_VERSION := 1.40.0
 
-.PHONY: all toolchain run test wasm sim venv fmt-check clippy unit validate deploy-check e2e bench bench-check bench-routing schema oci clean compose-test
+.PHONY: all toolchain run test wasm sim venv fmt-check clippy unit validate deploy-check e2e bench bench-check bench-routing schema oci clean
 
 all: wasm
 
@@ -91,6 +91,11 @@ bench-routing: venv
 test: fmt-check clippy unit bench-check wasm validate deploy-check e2e
 	@echo "make test: all checks passed"
 
+clean:
+	cargo clean
+	rm -rf $(VENV)
+
+.PHONY: compose-test
 ## compose-test: envoy/docker-compose.yaml run for real with Podman, images built FROM scratch
 ## (no registry), then everything removed. Needs podman, runc and podman-compose (it says how to
 ## install them when absent). See tools/compose-test/run_compose.py and README "Deploying with Docker".
@@ -98,7 +103,3 @@ compose-test: venv
 	@$(PY) tools/compose-test/run_compose.py --check-tools
 	@$(MAKE) --no-print-directory wasm sim
 	@$(PY) tools/compose-test/run_compose.py
-
-clean:
-	cargo clean
-	rm -rf $(VENV)
