@@ -132,3 +132,12 @@ test: fmt-check clippy unit bench-check wasm validate deploy-check e2e bench-env
 clean:
 	cargo clean
 	rm -rf $(VENV)
+
+.PHONY: compose-test
+## compose-test: envoy/docker-compose.yaml run for real with Podman, images built FROM scratch
+## (no registry), then everything removed. Needs podman, runc and podman-compose (it says how to
+## install them when absent). See tools/compose-test/run_compose.py and README "Deploying with Docker".
+compose-test: venv
+	@$(PY) tools/compose-test/run_compose.py --check-tools
+	@$(MAKE) --no-print-directory wasm sim
+	@$(PY) tools/compose-test/run_compose.py
