@@ -594,7 +594,12 @@ fn handle_events(
                     let ttft = l.first.unwrap_or(t_ms) - l.arrival;
                     out.finished(id as usize, ttft, t_ms - l.arrival, t_ms, output_tokens, cached_tokens);
                     if let Some(r) = replicas.get_mut(l.replica) {
-                        let _ = r.inflight.borrow_mut().adjust(&r.store, &addresses[si], -1, EPOCH_MS + t_ms as u64);
+                        let _ = r.inflight.borrow_mut().adjust(
+                            &r.store,
+                            &addresses[si],
+                            -1,
+                            EPOCH_MS + t_ms as u64,
+                        );
                         if let Some(d) = r.dynamo.as_mut() {
                             d.finished(id);
                         }
@@ -607,7 +612,12 @@ fn handle_events(
                         l.done = true;
                         out.reject(id as usize, "server_rejected".into());
                         if let Some(r) = replicas.get_mut(l.replica) {
-                            let _ = r.inflight.borrow_mut().adjust(&r.store, &addresses[si], -1, EPOCH_MS + t_ms as u64);
+                            let _ = r.inflight.borrow_mut().adjust(
+                                &r.store,
+                                &addresses[si],
+                                -1,
+                                EPOCH_MS + t_ms as u64,
+                            );
                             if let Some(d) = r.dynamo.as_mut() {
                                 d.finished(id);
                             }
