@@ -233,7 +233,7 @@ pub fn inflight(data: &[u8]) {
     let store = MemStore::new();
     store.set(&inflight::slot_key(0), data, 0).unwrap();
     let now = 1_000_000;
-    let mut table = InflightTable::new(0x5eed_0f_f00d);
+    let mut table = InflightTable::new(0x005e_ed0f_f00d);
     let addr = "10.0.0.1:8000";
     let before = table.read(&store, now).expect("read on a MemStore").get(addr);
     table.adjust(&store, addr, 1, now).expect("adjust on a MemStore");
