@@ -127,6 +127,7 @@ pub fn startup_snapshot(cfg: &Config, snapshot: &Snapshot) -> Snapshot {
                 metrics: None,
                 scraped_ms: 0,
                 failures: 0,
+                inflight_at_scrape: None,
             })
             .collect(),
     }
@@ -448,6 +449,7 @@ mod tests {
             }),
             scraped_ms: NOW - age_ms,
             failures: 0,
+            inflight_at_scrape: None,
         }
     }
 

@@ -20,6 +20,7 @@ pub mod flow;
 pub mod health;
 pub mod inflight;
 pub mod lease;
+pub mod load;
 pub mod metrics;
 pub mod poller;
 pub mod ports;

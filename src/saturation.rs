@@ -282,6 +282,7 @@ mod tests {
             metrics: Some(EndpointMetrics { queue, kv_usage: kv, ..EndpointMetrics::default() }),
             scraped_ms: NOW - age_ms,
             failures: 0,
+            inflight_at_scrape: None,
         }
     }
 
