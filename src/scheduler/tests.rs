@@ -257,7 +257,8 @@ proptest! {
             eps.iter().zip(&counts).map(|(e, n)| format!("{}={n}", e.address)).collect::<Vec<_>>().join(";").as_bytes(),
         );
         let cands: Vec<Candidate<'_>> = eps.iter().map(|e| Candidate {
-            address: &e.address, metrics: e.metrics.as_ref(), inflight: inf.get(&e.address) }).collect();
+            address: &e.address, metrics: e.metrics.as_ref(), inflight: inf.get(&e.address),
+            queue: e.metrics.as_ref().and_then(|m| m.queue) }).collect();
         let eligible = vec![true; cands.len()];
         for v in [queue::scores(&cands), kv::scores(&cands), inflight::scores(&cands),
                   session::scores(Some("s"), &cands, &eligible), lora::scores(Some("sql-lora"), &cands)] {
