@@ -376,7 +376,11 @@ impl Scheduler {
                 address: &e.address,
                 metrics: e.metrics.as_ref(),
                 inflight: load(&e.address),
-                queue: crate::load::live_queue(e, inflight.get(&e.address), now_ms, self.stale_after_ms),
+                queue: if self.cfg.live_queue {
+                    crate::load::live_queue(e, inflight.get(&e.address), now_ms, self.stale_after_ms)
+                } else {
+                    e.metrics.as_ref().and_then(|m| m.queue)
+                },
             })
             .collect();
 

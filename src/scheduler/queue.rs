@@ -4,13 +4,15 @@
 //! `score = (q_max − q) / (q_max − q_min)`, and `1.0` for everyone when `q_max == q_min`.
 //! The shortest queue scores 1, the longest 0.
 //!
-//! Input: the **live queue estimate** `Candidate::queue` (`crate::load`): the scraped
-//! `EndpointMetrics::queue` (vLLM `num_requests_waiting`, SGLang `num_queue_reqs`, trtllm
-//! `num_requests_waiting`; already normalised, so the scorer is engine-agnostic) plus the
-//! requests this gateway sent there since that scrape and has not seen finish. Without the
-//! correction, a snapshot up to a poll interval old makes every worker see the same "shortest"
-//! queue and send its requests there until the next scrape (herding); with it, each request sent
-//! lengthens the queue it joined at once, for every worker. Saturation reads the same estimate.
+//! Input: `Candidate::queue`: the scraped `EndpointMetrics::queue` (vLLM
+//! `num_requests_waiting`, SGLang `num_queue_reqs`, trtllm `num_requests_waiting`; already
+//! normalised, so the scorer is engine-agnostic), or, with `scheduler.live_queue: true`, the
+//! **live queue estimate** of `crate::load` (that queue plus the requests this gateway sent there
+//! since the scrape and has not seen finish). Without the correction, a snapshot up to a poll
+//! interval old makes every worker see the same "shortest" queue and send its requests there
+//! until the next scrape (herding); with it, each request sent lengthens the queue it joined at
+//! once, for every worker. Off by default: see docs/scheduler.md for the measured trade-off.
+//! Saturation always reads the estimate.
 //!
 //! Missing signal (an engine that does not report it): the neutral score
 //! `min(0.5, lowest known score)` (see `super::neutral_fill`), so an endpoint we know nothing
