@@ -127,6 +127,7 @@ pub fn startup_snapshot(cfg: &Config, snapshot: &Snapshot) -> Snapshot {
                 metrics: None,
                 scraped_ms: 0,
                 failures: 0,
+                inflight_at_scrape: None,
             })
             .collect(),
     }
@@ -345,6 +346,36 @@ impl Gate {
         out
     }
 
+    /// A request to `address` finished (this worker's `on_log`, after its in-flight count went
+    /// down): for each model the endpoint serves, give the freed room to held requests at once
+    /// ([`flow::credit_finish`]). `inflight` is read after the finish. Returns whether any group
+    /// gained a token (the host then runs [`Gate::tick`] at once for this worker's own queues).
+    /// Nothing when flow control is off; store errors credit nothing (the next snapshot resets
+    /// the ledger anyway).
+    pub fn on_finish(
+        &mut self,
+        store: &dyn SharedStore,
+        snapshot: &Snapshot,
+        inflight: &InflightCounts,
+        address: &str,
+        now_ms: u64,
+    ) -> bool {
+        if !self.flow.enabled {
+            return false;
+        }
+        let Some(ep) = snapshot.endpoints.iter().find(|e| e.address == address) else {
+            return false;
+        };
+        let mut credited = false;
+        for group in &ep.models {
+            if let Some(cap) = capacity(&self.sat, snapshot, group, inflight, now_ms) {
+                credited |=
+                    flow::credit_finish(store, group, &cap, self.flow.worker_ttl_ms, now_ms).unwrap_or(false);
+            }
+        }
+        credited
+    }
+
     /// The client went away (or the stream ended): forget the request if it is held. Safe for
     /// any id. Returns whether it was held.
     pub fn cancel(&mut self, id: u32, now_ms: u64) -> bool {
@@ -448,6 +479,7 @@ mod tests {
             }),
             scraped_ms: NOW - age_ms,
             failures: 0,
+            inflight_at_scrape: None,
         }
     }
 
@@ -500,6 +532,31 @@ mod tests {
         assert_eq!(c, Capacity { epoch: 7, slots: 3, saturated: false });
         let c = capacity(&sat, &snap(7, 10), "other", &inflight(FULL), NOW).unwrap();
         assert!(!c.saturated);
+    }
+
+    #[test]
+    fn a_finish_releases_a_held_request_before_the_next_snapshot() {
+        let store = MemStore::new();
+        let mut g = Gate::new(&cfg(""), 1);
+        // Same snapshot (version 1) throughout: only the in-flight counts move.
+        let s = snap(1, 10);
+        for id in [1, 2] {
+            let d = g.admit(&store, &s, &inflight(FULL), id, "m", &prio(0), NOW);
+            assert_eq!(d, Decision::Held { evicted: None });
+        }
+        assert!(g.tick(&store, &s, &inflight(FULL), NOW + 10).is_empty());
+        // A finish on an endpoint of another model credits nothing to m.
+        assert!(!g.on_finish(&store, &s, &inflight(FULL), "10.0.0.3:8000", NOW + 20));
+        // One request on .1 finishes: 1 slot there, a token, and the release goes at once.
+        let after = inflight("10.0.0.1:8000=1;10.0.0.2:8000=2");
+        assert!(g.on_finish(&store, &s, &after, "10.0.0.1:8000", NOW + 30));
+        let a = g.tick(&store, &s, &after, NOW + 30);
+        assert!(matches!(a.as_slice(), [flow::Action::Release { id: 1, .. }]), "{a:?}");
+        // Flow control off: never credits.
+        let mut c = cfg("");
+        c.flow_control.enabled = false;
+        let mut off = Gate::new(&c, 2);
+        assert!(!off.on_finish(&store, &s, &after, "10.0.0.1:8000", NOW + 40));
     }
 
     #[test]

@@ -49,8 +49,13 @@
 //! - A worker that stops ticking (VM gone) is ignored once its heartbeat is older than
 //!   `worker_ttl_ms`, so it cannot block others forever. The tick period must be well under a
 //!   third of `worker_ttl_ms` (heartbeats are written every `worker_ttl_ms / 3` while holding).
-//! - Capacity frees at snapshot cadence: a request finishing between two snapshots does not
-//!   release a held one until the next snapshot shows the room (at most one poll interval).
+//! - Capacity frees as requests finish, not once per snapshot: the worker whose `on_log` sees a
+//!   request finish reads the group's live capacity (`crate::load`: the finish lowered the
+//!   estimate at once) and, if some worker holds requests and there is room, adds one token to
+//!   the ledger ([`credit_finish`], capped at the live headroom), then runs its own release
+//!   check at once; other workers spend the token at their next tick (50 ms).
+//! - At a new snapshot the tokens are reset to the live headroom, which already counts every
+//!   request released or passed since the scrape (they are in the in-flight counts).
 //! - An epoch older than `worker_ttl_ms` yields to any different epoch, so a poller that restarts
 //!   its version numbers does not stall the ledger; during normal operation a worker with an
 //!   older cached snapshot never resets a newer epoch.
@@ -394,6 +399,42 @@ fn read_modify_write<R>(
         }
     }
     Err(StoreError::CasMismatch)
+}
+
+/// A request on one of the group's endpoints finished (seen by any worker's `on_log`): give the
+/// freed room to the held requests now instead of at the next snapshot. `cap` is the group's
+/// capacity read *after* the finish (the live estimate of `crate::load` has already dropped).
+/// When some live worker holds requests and the group has room, the ledger gains one token,
+/// never more than the live headroom (`left = min(left + 1, cap.slots)`); a newer epoch resets
+/// it to `cap.slots` as a tick would. Writes nothing (one read) when nobody waits or there is no
+/// room. Returns whether a token was added or the epoch renewed.
+pub fn credit_finish(
+    store: &dyn SharedStore,
+    group: &str,
+    cap: &Capacity,
+    worker_ttl_ms: u64,
+    now_ms: u64,
+) -> Result<bool, StoreError> {
+    if cap.saturated || cap.slots == 0 {
+        return Ok(false);
+    }
+    let mut credit = |rec: &mut Record| -> (bool, bool) {
+        let waiting = rec
+            .workers
+            .iter()
+            .any(|w| now_ms.saturating_sub(w.hb) < worker_ttl_ms && w.q.iter().any(|(_, c)| *c > 0));
+        if !waiting {
+            return (false, false);
+        }
+        if rec.refresh_epoch(cap, now_ms, worker_ttl_ms) {
+            return (true, true);
+        }
+        let next = rec.left.saturating_add(1).min(cap.slots);
+        let changed = next > rec.left;
+        rec.left = rec.left.max(next);
+        (changed, changed)
+    };
+    read_modify_write(store, &shared_key(group), &mut credit).map(|(r, _)| r)
 }
 
 /// `local` minus the `k` requests of highest priority.
@@ -1027,6 +1068,34 @@ mod tests {
         let st = q.take_stats();
         assert_eq!(st.by_priority[&0].queue_full, 2); // id 3 refused, id 2 evicted
         assert_eq!(st.by_priority[&0].queued_ms, 2 + 4); // id 2: 1→3, id 1: 0→4
+    }
+
+    #[test]
+    fn a_finish_credits_one_token_up_to_the_live_headroom() {
+        const NOW: u64 = 1_000;
+        let store = MemStore::new();
+        let mut q = FlowQueue::new(&cfg(), "m", 1);
+        // Nobody waits: no write, no key created.
+        assert_eq!(credit_finish(&store, "m", &room(1, 3), 2000, NOW), Ok(false));
+        assert_eq!(store.key_count(), 0);
+        // Hold two requests while saturated (epoch 1, no tokens).
+        assert!(held(&q.admit(&store, &t(1, 0, "a"), &SAT, NOW)));
+        assert!(held(&q.admit(&store, &t(2, 0, "a"), &SAT, NOW)));
+        assert!(released(&q.on_tick(&store, &SAT, NOW + 10)).is_empty());
+        // A finish while the group is still saturated (live estimate still full): nothing.
+        assert_eq!(credit_finish(&store, "m", &SAT, 2000, NOW + 20), Ok(false));
+        // A finish frees one slot in the same epoch: one token, and the next tick releases one.
+        let live = Capacity { epoch: 1, slots: 1, saturated: false };
+        assert_eq!(credit_finish(&store, "m", &live, 2000, NOW + 30), Ok(true));
+        assert_eq!(record(&store, "m").left, 1);
+        // A second credit with still one slot of headroom does not exceed it.
+        assert_eq!(credit_finish(&store, "m", &live, 2000, NOW + 31), Ok(false));
+        assert_eq!(record(&store, "m").left, 1);
+        assert_eq!(released(&q.on_tick(&store, &live, NOW + 40)), vec![1]);
+        // Nothing left; the next finish gives the last held request its token.
+        assert!(released(&q.on_tick(&store, &live, NOW + 50)).is_empty());
+        assert_eq!(credit_finish(&store, "m", &live, 2000, NOW + 60), Ok(true));
+        assert_eq!(released(&q.on_tick(&store, &live, NOW + 70)), vec![2]);
     }
 
     #[test]

@@ -228,7 +228,14 @@ impl Poller {
                     t
                 }
                 None => Target {
-                    status: EndpointStatus { address, models, metrics: None, scraped_ms: 0, failures: 0 },
+                    status: EndpointStatus {
+                        address,
+                        models,
+                        metrics: None,
+                        scraped_ms: 0,
+                        failures: 0,
+                        inflight_at_scrape: None,
+                    },
                     outstanding_since: None,
                 },
             };
@@ -282,6 +289,19 @@ impl Poller {
         now_ms: u64,
         result: ScrapeResult<'_>,
     ) -> Result<(), ScrapeError> {
+        self.on_result_with_inflight(address, now_ms, None, result)
+    }
+
+    /// [`Poller::on_result`], with this gateway's in-flight count to the endpoint (all workers)
+    /// read when the response arrived: kept with a successful scrape's metrics as
+    /// `EndpointStatus::inflight_at_scrape`, the base of the live load estimate (`crate::load`).
+    pub fn on_result_with_inflight(
+        &mut self,
+        address: &str,
+        now_ms: u64,
+        inflight_at_scrape: Option<u32>,
+        result: ScrapeResult<'_>,
+    ) -> Result<(), ScrapeError> {
         let Some(t) = self.targets.iter_mut().find(|t| t.status.address == address) else {
             return Ok(());
         };
@@ -300,6 +320,7 @@ impl Poller {
                 t.status.metrics = Some(m);
                 t.status.scraped_ms = now_ms;
                 t.status.failures = 0;
+                t.status.inflight_at_scrape = inflight_at_scrape;
                 Ok(())
             }
             Err(e) => {
@@ -424,6 +445,24 @@ vllm:kv_cache_usage_perc{engine=\"0\",model_name=\"m\"} 0.25\n";
         p.due(800);
         p.on_result("127.0.0.1:8001", 810, ScrapeResult::Response { status: 200, body: VLLM }).unwrap();
         assert!(p.snapshot(810).endpoints[0].is_fresh(810, 1000));
+    }
+
+    #[test]
+    fn inflight_at_scrape_follows_the_successful_scrape_only() {
+        let mut p = Poller::new(&cfg());
+        p.due(0);
+        let ok = ScrapeResult::Response { status: 200, body: VLLM };
+        p.on_result_with_inflight("127.0.0.1:8001", 10, Some(4), ok).unwrap();
+        assert_eq!(p.snapshot(10).endpoints[0].inflight_at_scrape, Some(4));
+        // A failed scrape keeps the metrics and the count they were taken with.
+        p.due(200);
+        let failed = ScrapeResult::Response { status: 500, body: b"" };
+        assert!(p.on_result_with_inflight("127.0.0.1:8001", 210, Some(9), failed).is_err());
+        assert_eq!(p.snapshot(210).endpoints[0].inflight_at_scrape, Some(4));
+        // A success without a count (the store could not be read) clears it: snapshot only.
+        p.due(400);
+        p.on_result("127.0.0.1:8001", 410, ScrapeResult::Response { status: 200, body: VLLM }).unwrap();
+        assert_eq!(p.snapshot(410).endpoints[0].inflight_at_scrape, None);
     }
 
     #[test]

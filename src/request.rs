@@ -519,6 +519,7 @@ mod tests {
             }),
             scraped_ms: 1000,
             failures: 0,
+            inflight_at_scrape: None,
         };
         Snapshot {
             version: 1,

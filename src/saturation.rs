@@ -7,8 +7,13 @@
 //! load(e) = min(1, max(queue/queue_threshold, kv/kv_threshold, inflight/max_inflight))
 //! ```
 //!
-//! where a term is left out when its signal is missing (`None` in the snapshot) or, for the
-//! in-flight term, when `max_inflight_per_endpoint` is 0. An endpoint is *full* when
+//! where `queue` is the **live queue estimate** of `crate::load` (the scraped queue plus the
+//! requests this gateway sent there since that scrape and has not seen finish, over all Envoy
+//! workers), and a term is left out when its signal is missing (`None` in the snapshot) or, for
+//! the in-flight term, when `max_inflight_per_endpoint` is 0. So the first request of a burst
+//! that would overfill an engine's queue already finds the endpoint full, and is held in the
+//! proxy (where priority order applies) instead of in the engine's FIFO; and a request that
+//! finishes frees its room at once, not at the next scrape. An endpoint is *full* when
 //! `load(e) = 1`. The set is **saturated when every endpoint is full**, which is the same as "the
 //! average load reaches 1". An empty set is saturated.
 //!
@@ -38,7 +43,7 @@
 //! [`SaturationReport::headroom`] estimates how many more requests fit before every endpoint is
 //! full; flow control releases at most that many held requests per snapshot (see `crate::flow`).
 //! For a fresh, non-full endpoint, room is the smallest of
-//! `ceil(queue_threshold − queue)` (queue known) and `max_inflight − inflight` (limit set); when
+//! `ceil(queue_threshold − live queue)` (queue known) and `max_inflight − inflight` (limit set); when
 //! neither is known (KV only, or blind) the room is 1, a deliberately cautious probe per snapshot.
 //! Full and stale endpoints have room 0.
 
@@ -190,7 +195,10 @@ pub fn endpoint_load(
     if ep.failures > 0 || ep.scraped_ms == 0 || now_ms.saturating_sub(ep.scraped_ms) > cfg.stale_after_ms {
         return stale_load;
     }
-    let queue = signal(m.queue);
+    // The live estimate: the scraped queue plus what this gateway sent since that scrape and
+    // has not seen finish (`crate::load`); the scraped queue alone when the poller recorded no
+    // in-flight count with it.
+    let queue = crate::load::live_queue(ep, inflight, now_ms, cfg.stale_after_ms);
     let cap = cfg.max_inflight_per_endpoint;
     let terms = [
         queue.map(|q| q / cfg.queue_threshold),
@@ -282,6 +290,7 @@ mod tests {
             metrics: Some(EndpointMetrics { queue, kv_usage: kv, ..EndpointMetrics::default() }),
             scraped_ms: NOW - age_ms,
             failures: 0,
+            inflight_at_scrape: None,
         }
     }
 
@@ -338,6 +347,31 @@ mod tests {
         // 6 in flight: load max(0, 0.125, 0.75) = 0.75; room min(ceil(5-0)=5, 8-6=2) = 2.
         let l = endpoint_load(&cfg, &ep("a", Some(0.0), Some(0.1), 10), 6, NOW);
         assert_eq!((l.load, l.room), (0.75, 2));
+    }
+
+    #[test]
+    fn live_queue_sees_the_burst_and_the_finishes_before_the_next_scrape() {
+        // The tier example: queue_threshold 1. The scrape saw idle engines with none of ours in
+        // flight.
+        let cfg = SaturationParams { queue_threshold: 1.0, ..params() };
+        let mut e = ep("a", Some(0.0), Some(0.1), 50);
+        e.inflight_at_scrape = Some(0);
+        // No correction recorded: 3 sent since the scrape are invisible to the queue term.
+        let mut blind = e.clone();
+        blind.inflight_at_scrape = None;
+        assert!(!endpoint_load(&cfg, &blind, 3, NOW).full());
+        // With it, one request sent since the scrape fills the queue threshold.
+        assert_eq!(endpoint_load(&cfg, &e, 0, NOW).room, 1);
+        let l = endpoint_load(&cfg, &e, 1, NOW);
+        assert!(l.full() && l.room == 0);
+        // The scrape saw 2 waiting with 3 of ours in flight; 2 finished since: room again.
+        let mut busy = ep("b", Some(2.0), Some(0.1), 50);
+        busy.inflight_at_scrape = Some(3);
+        assert!(endpoint_load(&cfg, &busy, 2, NOW).full());
+        assert_eq!(endpoint_load(&cfg, &busy, 1, NOW).room, 1);
+        // A pool of two such endpoints is saturated only when both are.
+        let r = saturated(&cfg, &[&e, &busy], &|a| if a == "a" { 1 } else { 2 }, NOW);
+        assert!(r.saturated);
     }
 
     #[test]

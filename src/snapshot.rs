@@ -37,6 +37,11 @@ pub struct EndpointStatus {
     pub scraped_ms: u64,
     /// Consecutive failed scrapes since the last success.
     pub failures: u32,
+    /// This gateway's in-flight requests to the endpoint (all workers, `crate::inflight`) when
+    /// the last successful scrape's response arrived; `None` when unknown. The base of the live
+    /// load estimate (`crate::load`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub inflight_at_scrape: Option<u32>,
 }
 
 use crate::ports::{SharedStore, StoreError};
@@ -111,6 +116,7 @@ mod tests {
                 metrics: Some(EndpointMetrics { queue: Some(2.0), ..Default::default() }),
                 scraped_ms: 990,
                 failures: 0,
+                inflight_at_scrape: None,
             }],
         }
     }

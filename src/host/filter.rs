@@ -542,6 +542,8 @@ impl HttpContext for Filter {
                 let name = telemetry::name(telemetry::ENDPOINT_INFLIGHT, &[("endpoint", &addr)]);
                 self.worker.metrics.borrow_mut().gauge(name, u64::from(n));
             }
+            // Release as capacity frees: the finish lowered the live estimate at once.
+            self.worker.on_finish(&addr, self.id);
         }
     }
 }

@@ -97,6 +97,41 @@ impl Worker {
             self.release_startup(root_id);
         }
         if needs_tick {
+            self.run_flow(root_id);
+        }
+        self.flush_gate_metrics();
+    }
+
+    /// A request to `address` finished (its stream's `on_log`, after the in-flight -1): credit
+    /// the freed room to held requests (`Gate::on_finish`) and, if this worker holds any, run
+    /// its release check now rather than at the next tick. `own_context` is the calling HTTP
+    /// context, restored after acting on held requests.
+    pub(crate) fn on_finish(&self, address: &str, own_context: u32) {
+        if !self.cfg.flow_control.enabled {
+            return;
+        }
+        let store = io::HostStore;
+        let snapshot = self.snapshot();
+        let now_ms = io::now_ms();
+        let counts = self.inflight_counts(now_ms);
+        let health = filter::health_view(self, &store, now_ms);
+        let judged = crate::health::without_ejected(&snapshot, &health, now_ms, &self.cfg.health);
+        let credited = self.gate.borrow_mut().on_finish(
+            &store,
+            judged.as_ref().unwrap_or(&snapshot),
+            &counts,
+            address,
+            now_ms,
+        );
+        if credited && self.gate.borrow().held() > 0 {
+            self.run_flow(own_context);
+        }
+    }
+
+    /// Flow control's release check for this worker's queues: release or reject held requests.
+    fn run_flow(&self, own_context: u32) {
+        let root_id = own_context;
+        {
             let store = io::HostStore;
             let snapshot = self.snapshot();
             let now_ms = io::now_ms();
@@ -117,6 +152,10 @@ impl Worker {
                 }
             }
         }
+    }
+
+    /// Moves flow control's counters and samples into the metrics.
+    fn flush_gate_metrics(&self) {
         let updates = self.gate.borrow_mut().take_metrics();
         let mut metrics = self.metrics.borrow_mut();
         metrics.report_vm_memory();

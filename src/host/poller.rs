@@ -14,6 +14,7 @@ use log::{debug, error, info, warn};
 use super::io;
 use crate::config::Config;
 use crate::discovery::TokenSource;
+use crate::inflight::InflightTable;
 use crate::lease::{holder_id, Lease, LeaseState};
 use crate::poller::{response_within_cap, Poller, ScrapeError, ScrapeResult};
 use crate::ports::SharedStore;
@@ -33,6 +34,9 @@ pub(crate) struct PollerRole {
     metrics: io::Metrics,
     /// One error line per cause every `telemetry::ERROR_LOG_EVERY_MS`.
     errors: LogLimiter,
+    /// Reads every worker's in-flight counts when a scrape answers (never counts anything
+    /// itself): `EndpointStatus::inflight_at_scrape`, for the live load estimate.
+    inflight: InflightTable,
 }
 
 impl PollerRole {
@@ -46,6 +50,7 @@ impl PollerRole {
             dirty: false,
             metrics: io::Metrics::default(),
             errors: LogLimiter::new(telemetry::ERROR_LOG_EVERY_MS),
+            inflight: InflightTable::new(io::entropy()),
         };
         p.continue_versions();
         p
@@ -162,7 +167,14 @@ impl PollerRole {
             body = io::call_response_body(body_size);
             ScrapeResult::Response { status: io::call_response_status().unwrap_or(0), body: &body }
         };
-        if let Err(e) = self.core.on_result(&address, now, result) {
+        // This gateway's in-flight count now, as the scrape saw the engine (`crate::load`).
+        let at_scrape = match &result {
+            ScrapeResult::Response { status: 200, .. } => {
+                self.inflight.read(&io::HostStore, now).ok().map(|c| c.get(&address))
+            }
+            _ => None,
+        };
+        if let Err(e) = self.core.on_result_with_inflight(&address, now, at_scrape, result) {
             self.metrics.count(telemetry::name(telemetry::SCRAPE_FAILURES, &[("reason", e.reason())]));
             self.scrape_error(&e, &address, now);
         }

@@ -48,6 +48,13 @@ pub struct SchedulerConfig {
     /// the breakdown reveals pool topology and load.
     #[serde(default = "default_false")]
     pub debug_scores: bool,
+    /// The queue scorer reads the live queue estimate (the scraped queue plus the requests this
+    /// gateway sent there since that scrape and has not seen finish; see docs/scheduler.md)
+    /// instead of the scraped queue. Default false: in the replay benchmark it helped most
+    /// workloads and loads but not all (Mooncake at load 5, the slow shared-prefix run).
+    /// Saturation and flow control always use the estimate.
+    #[serde(default = "default_false")]
+    pub live_queue: bool,
 }
 
 /// Weight of each scorer in the total `Σ weight × score`. Each score is in [0, 1].
@@ -371,6 +378,7 @@ impl Default for SchedulerConfig {
             guard: GuardConfig::default(),
             rewrites: Vec::new(),
             debug_scores: default_false(),
+            live_queue: default_false(),
         }
     }
 }

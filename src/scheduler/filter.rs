@@ -56,6 +56,7 @@ mod tests {
             metrics: None,
             scraped_ms,
             failures,
+            inflight_at_scrape: None,
         }
     }
 

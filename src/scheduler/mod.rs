@@ -160,6 +160,10 @@ pub struct Candidate<'a> {
     pub metrics: Option<&'a EndpointMetrics>,
     /// Router-local in-flight count (all workers).
     pub inflight: u32,
+    /// The live queue estimate (`crate::load`): the scraped queue corrected by what this
+    /// gateway sent there since the scrape and has not seen finish. `None` when the engine
+    /// reports no queue.
+    pub queue: Option<f64>,
 }
 
 /// Per-candidate scores, each in [0, 1], and the weighted total.
@@ -372,6 +376,11 @@ impl Scheduler {
                 address: &e.address,
                 metrics: e.metrics.as_ref(),
                 inflight: load(&e.address),
+                queue: if self.cfg.live_queue {
+                    crate::load::live_queue(e, inflight.get(&e.address), now_ms, self.stale_after_ms)
+                } else {
+                    e.metrics.as_ref().and_then(|m| m.queue)
+                },
             })
             .collect();
 
@@ -573,7 +582,12 @@ pub(crate) mod tests_support {
         pub fn view(&self) -> Vec<Candidate<'_>> {
             self.eps
                 .iter()
-                .map(|(a, m, n)| Candidate { address: a, metrics: m.as_ref(), inflight: *n })
+                .map(|(a, m, n)| Candidate {
+                    address: a,
+                    metrics: m.as_ref(),
+                    inflight: *n,
+                    queue: m.as_ref().and_then(|m| m.queue),
+                })
                 .collect()
         }
     }

@@ -4,8 +4,15 @@
 //! `score = (q_max − q) / (q_max − q_min)`, and `1.0` for everyone when `q_max == q_min`.
 //! The shortest queue scores 1, the longest 0.
 //!
-//! Input: `EndpointMetrics::queue` (vLLM `num_requests_waiting`, SGLang `num_queue_reqs`,
-//! trtllm `num_requests_waiting`; already normalised, so the scorer is engine-agnostic).
+//! Input: `Candidate::queue`: the scraped `EndpointMetrics::queue` (vLLM
+//! `num_requests_waiting`, SGLang `num_queue_reqs`, trtllm `num_requests_waiting`; already
+//! normalised, so the scorer is engine-agnostic), or, with `scheduler.live_queue: true`, the
+//! **live queue estimate** of `crate::load` (that queue plus the requests this gateway sent there
+//! since the scrape and has not seen finish). Without the correction, a snapshot up to a poll
+//! interval old makes every worker see the same "shortest" queue and send its requests there
+//! until the next scrape (herding); with it, each request sent lengthens the queue it joined at
+//! once, for every worker. Off by default: see docs/scheduler.md for the measured trade-off.
+//! Saturation always reads the estimate.
 //!
 //! Missing signal (an engine that does not report it): the neutral score
 //! `min(0.5, lowest known score)` (see `super::neutral_fill`), so an endpoint we know nothing
@@ -18,8 +25,7 @@
 use super::{neutral_fill, Candidate};
 
 pub fn scores(cands: &[Candidate<'_>]) -> Vec<f64> {
-    let raw: Vec<Option<f64>> =
-        cands.iter().map(|c| c.metrics.and_then(|m| m.queue).filter(|q| q.is_finite())).collect();
+    let raw: Vec<Option<f64>> = cands.iter().map(|c| c.queue.filter(|q| q.is_finite())).collect();
     let (mut lo, mut hi) = (f64::INFINITY, f64::NEG_INFINITY);
     for q in raw.iter().flatten() {
         lo = lo.min(*q);
@@ -42,6 +48,16 @@ mod tests {
         // queues 0, 5, 10: (10-0)/10 = 1.0, (10-5)/10 = 0.5, (10-10)/10 = 0.0
         let c = cands_with(&[(Some(0.0), None), (Some(5.0), None), (Some(10.0), None)]);
         assert_eq!(scores(&c.view()), vec![1.0, 0.5, 0.0]);
+    }
+
+    #[test]
+    fn reads_the_live_estimate_not_the_scraped_queue() {
+        // Scraped queues 0 and 2, but 3 requests went to the first since its scrape.
+        let c = cands_with(&[(Some(0.0), None), (Some(2.0), None)]);
+        assert_eq!(scores(&c.view()), vec![1.0, 0.0]);
+        let mut v = c.view();
+        v[0].queue = Some(3.0);
+        assert_eq!(scores(&v), vec![0.0, 1.0]);
     }
 
     #[test]

@@ -29,6 +29,7 @@ pub(crate) fn ep(addr: &str, models: &[&str], queue: f64, kv: f64) -> EndpointSt
         }),
         scraped_ms: NOW - 100,
         failures: 0,
+        inflight_at_scrape: None,
     }
 }
 
@@ -242,6 +243,7 @@ fn arb_endpoint() -> impl Strategy<Value = EndpointStatus> {
             }),
             scraped_ms: NOW - age,
             failures,
+            inflight_at_scrape: None,
         })
 }
 
@@ -255,7 +257,8 @@ proptest! {
             eps.iter().zip(&counts).map(|(e, n)| format!("{}={n}", e.address)).collect::<Vec<_>>().join(";").as_bytes(),
         );
         let cands: Vec<Candidate<'_>> = eps.iter().map(|e| Candidate {
-            address: &e.address, metrics: e.metrics.as_ref(), inflight: inf.get(&e.address) }).collect();
+            address: &e.address, metrics: e.metrics.as_ref(), inflight: inf.get(&e.address),
+            queue: e.metrics.as_ref().and_then(|m| m.queue) }).collect();
         let eligible = vec![true; cands.len()];
         for v in [queue::scores(&cands), kv::scores(&cands), inflight::scores(&cands),
                   session::scores(Some("s"), &cands, &eligible), lora::scores(Some("sql-lora"), &cands)] {
@@ -646,4 +649,24 @@ fn a_black_hole_costs_at_most_three_requests_of_sixty() {
         assert!(failed <= 3, "seed {seed}: {failed} failed");
         assert!(ejected_at.is_some(), "seed {seed}: never ejected ({failed} failures)");
     }
+}
+
+#[test]
+fn live_queue_switch_makes_the_queue_scorer_see_what_was_sent_since_the_scrape() {
+    // Only the queue scorer counts: a scraped queue 0 with 3 of ours sent since, vs a scraped
+    // queue 1 with nothing sent since (in-flight equal, so the in-flight scorer is neutral).
+    let only_queue =
+        r#","scheduler":{"weights":{"prefix":0,"queue":1,"kv_cache":0,"inflight":0,"session":0,"lora":0}"#;
+    let mut a = ep("a:1", &["llama"], 0.0, 0.0);
+    a.inflight_at_scrape = Some(0);
+    let mut b = ep("b:1", &["llama"], 1.0, 0.0);
+    b.inflight_at_scrape = Some(3);
+    let sn = snap(vec![a, b]);
+    let inf = InflightCounts::decode(b"a:1=3;b:1=3");
+    // Default (off): the scraped queues decide, a wins.
+    let mut off = Scheduler::new(&config(&format!("{only_queue}}}")));
+    assert_eq!(pick(&mut off, &req("llama"), &sn, &inf, 1).unwrap().primary, "a:1");
+    // On: a's live queue is 0 + (3 − 0) = 3, b's 1 + (3 − 3) = 1: b wins.
+    let mut on = Scheduler::new(&config(&format!(r#"{only_queue},"live_queue":true}}"#)));
+    assert_eq!(pick(&mut on, &req("llama"), &sn, &inf, 1).unwrap().primary, "b:1");
 }

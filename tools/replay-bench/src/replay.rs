@@ -315,9 +315,16 @@ impl Sim<'_> {
             if let Some((d, texts)) = self.replicas[ri].pending.take() {
                 let now_ms = EPOCH_MS + d as u64;
                 let r = &mut self.replicas[ri];
+                // As the module's poller: this replica's in-flight counts when the scrape answers,
+                // the base of the live load estimate (`inference_picker::load`). Ours only: the
+                // baselines that run on our scheduler core do not have it.
+                let ours = matches!(self.policy, Policy::Ours | Policy::OursNoFlow);
+                let counts = if ours { r.inflight.borrow_mut().read(&r.store, now_ms).ok() } else { None };
                 for (si, body) in &texts {
                     let res = ScrapeResult::Response { status: 200, body: body.as_bytes() };
-                    if let Err(e) = r.poller.on_result(&self.addresses[*si], now_ms, res) {
+                    let addr = &self.addresses[*si];
+                    let at_scrape = counts.as_ref().map(|c| c.get(addr));
+                    if let Err(e) = r.poller.on_result_with_inflight(addr, now_ms, at_scrape, res) {
                         self.out.scrape_errors.push(format!("{e:?}"));
                     }
                 }
