@@ -139,8 +139,8 @@ pub fn session(data: &[u8]) {
     )
     .expect("valid secrets");
     let cands = [
-        Candidate { address: "10.0.0.1:8000", metrics: None, inflight: 0 },
-        Candidate { address: &text, metrics: None, inflight: 0 },
+        Candidate { address: "10.0.0.1:8000", metrics: None, inflight: 0, queue: None },
+        Candidate { address: &text, metrics: None, inflight: 0, queue: None },
     ];
     let eligible = [true, true];
     let _ = keys.resolve(&text, &cands, &eligible);
@@ -273,6 +273,7 @@ pub fn health(data: &[u8]) {
                 metrics: Some(crate::metrics::EndpointMetrics::default()),
                 scraped_ms: now,
                 failures: 0,
+                inflight_at_scrape: None,
             })
             .collect(),
     };

@@ -318,7 +318,7 @@ impl Sim<'_> {
                 // As the module's poller: this replica's in-flight counts when the scrape answers,
                 // the base of the live load estimate (`inference_picker::load`). Ours only: the
                 // baselines that run on our scheduler core do not have it.
-                let ours = matches!(self.policy, Policy::Ours | Policy::OursNoFlow);
+                let ours = matches!(self.policy, Policy::Ours | Policy::OursFlow | Policy::OursTiers);
                 let counts = if ours { r.inflight.borrow_mut().read(&r.store, now_ms).ok() } else { None };
                 for (si, body) in &texts {
                     let res = ScrapeResult::Response { status: 200, body: body.as_bytes() };
