@@ -255,6 +255,13 @@ def front_config(variant: str, base: dict, addresses: list[str], pod_port: int, 
                     visit(v)
 
         visit(doc)
+        # The shipped pool cluster is STATIC with override_host: it routes only to its members,
+        # so it must list these pods, as a deployment lists the module's endpoints.
+        for cluster in doc["static_resources"]["clusters"]:
+            if cluster["name"] == "inference_pool" and "load_assignment" in cluster:
+                cluster["load_assignment"]["endpoints"] = [{"lb_endpoints": [
+                    {"endpoint": {"address": {"socket_address": {"address": a, "port_value": pod_port}}}}
+                    for a in addresses]}]
         return doc
     doc.pop("bootstrap_extensions", None)
     route = hcm_cfg["route_config"]["virtual_hosts"][0]["routes"][0]["route"]
