@@ -103,6 +103,11 @@ pub struct Config {
     /// Where endpoints come from besides `endpoints`. Default: none (only the static list).
     #[serde(default)]
     pub discovery: Option<DiscoveryConfig>,
+    /// Learn which models and LoRA adapters each pod serves from the pod itself (its
+    /// `/v1/models` and LoRA metrics; see `crate::pod_models`). Default: none (only the
+    /// configured models, each pod assumed to serve what `endpoints` or discovery says).
+    #[serde(default)]
+    pub pod_models: Option<crate::pod_models::PodModelsConfig>,
 }
 
 /// One model server.
@@ -253,6 +258,14 @@ pub struct FilterConfig {
     /// pods churn. Turn it on only for a fixed set of endpoints, or for debugging.
     #[serde(default = "default_endpoint_metrics")]
     pub endpoint_metrics: bool,
+    /// GIE conformance mode: honour the conformance suite's test header
+    /// `test-epp-endpoint-selection` (the request may only go to the listed `ip` or `ip:port`
+    /// endpoints; none matching is a 503) and answer `x-conformance-test-served-endpoint` with
+    /// the `ip:port` that served. Never turn it on for real traffic: the header lets a client
+    /// choose its pod. Off, the header is removed and ignored. Default false. See
+    /// `docs/conformance.md`.
+    #[serde(default)]
+    pub conformance_mode: bool,
 }
 
 fn default_interval_ms() -> u64 {
@@ -312,6 +325,7 @@ impl Default for FilterConfig {
             passthrough_prefixes: Vec::new(),
             expose_served_endpoint: false,
             endpoint_metrics: default_endpoint_metrics(),
+            conformance_mode: false,
         }
     }
 }
@@ -511,6 +525,9 @@ impl Config {
         }));
         if let Some(d) = &self.discovery {
             d.kubernetes.validate_into("discovery.kubernetes", &self.models, &mut errs.0);
+        }
+        if let Some(p) = &self.pod_models {
+            p.validate("pod_models", &mut errs.0);
         }
         if errs.0.is_empty() {
             Ok(())

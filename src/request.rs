@@ -22,8 +22,19 @@ use crate::scheduler::{ModelRoute, Pick, PickRequest, Scheduler};
 use crate::snapshot::Snapshot;
 
 /// Request headers a client could use to choose the destination itself. Removed from every
-/// request before anything else happens; only the filter sets them.
-pub const CLIENT_ROUTING_HEADERS: [&str; 2] = ["x-gateway-destination-endpoint", "x-envoy-original-dst-host"];
+/// request before anything else happens; only the filter sets them. The conformance test header
+/// is among them: in conformance mode the host reads it first (see [`conformance_selection`]).
+pub const CLIENT_ROUTING_HEADERS: [&str; 3] =
+    ["x-gateway-destination-endpoint", "x-envoy-original-dst-host", CONFORMANCE_SELECTION_HEADER];
+
+/// GIE conformance suite: the request header with the endpoints the test wants (comma-separated
+/// `ip` or `ip:port`). Honoured only with `filter.conformance_mode`.
+pub const CONFORMANCE_SELECTION_HEADER: &str = "test-epp-endpoint-selection";
+/// GIE conformance suite: the response header naming the `ip:port` that served. Set only with
+/// `filter.conformance_mode`.
+pub const CONFORMANCE_SERVED_HEADER: &str = "x-conformance-test-served-endpoint";
+/// Most entries read from the conformance selection header.
+pub const MAX_SELECTION_ENTRIES: usize = 64;
 
 /// GIE destination header: primary first, then fallbacks.
 pub const DESTINATION_HEADER: &str = "x-gateway-destination-endpoint";
@@ -77,6 +88,64 @@ pub struct RequestHead {
     pub session_token: Option<String>,
     /// The trusted priority headers (`PriorityHeaders::read`), read before they are removed.
     pub priority: PriorityHeaders,
+    /// Conformance mode only: the endpoints the conformance suite's test header names
+    /// ([`conformance_selection`]); `None` otherwise.
+    pub test_selection: Option<Vec<String>>,
+}
+
+/// The endpoints `test-epp-endpoint-selection` names, in conformance mode only: its value split
+/// on `,`, trimmed, empty entries dropped, at most [`MAX_SELECTION_ENTRIES`]. Outside conformance
+/// mode, or with no usable entry, `None`: the header is never trusted for real traffic.
+pub fn conformance_selection(cfg: &Config, value: Option<&str>) -> Option<Vec<String>> {
+    if !cfg.filter.conformance_mode {
+        return None;
+    }
+    let v: Vec<String> = value?
+        .split(',')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .take(MAX_SELECTION_ENTRIES)
+        .map(str::to_string)
+        .collect();
+    (!v.is_empty()).then_some(v)
+}
+
+/// The snapshot cut down to the endpoints a conformance selection names: an entry `ip:port`
+/// matches that endpoint, a bare `ip` every port of that address (data-parallel ranks), as GIE's
+/// conformance EPP does. Nothing matching is a 503 (the suite expects the gateway not to fall
+/// back to other pods).
+pub fn restrict_to_selection(snapshot: &Snapshot, selection: &[String]) -> Result<Snapshot, Rejection> {
+    use std::net::{IpAddr, SocketAddr};
+    enum Sel {
+        Exact(SocketAddr),
+        AnyPort(IpAddr),
+    }
+    let sels: Vec<Sel> = selection
+        .iter()
+        .filter_map(|s| match s.parse::<SocketAddr>() {
+            Ok(a) => Some(Sel::Exact(a)),
+            Err(_) => {
+                s.trim_start_matches('[').trim_end_matches(']').parse::<IpAddr>().ok().map(Sel::AnyPort)
+            }
+        })
+        .collect();
+    let matches = |addr: &str| {
+        let Ok(a) = addr.parse::<SocketAddr>() else { return false };
+        sels.iter().any(|s| match s {
+            Sel::Exact(x) => *x == a,
+            Sel::AnyPort(ip) => *ip == a.ip(),
+        })
+    };
+    let endpoints: Vec<_> = snapshot.endpoints.iter().filter(|e| matches(&e.address)).cloned().collect();
+    if endpoints.is_empty() {
+        return Err(Rejection::new(
+            503,
+            "service_unavailable",
+            "no_endpoint",
+            format!("{CONFORMANCE_SELECTION_HEADER} names no endpoint of the pool"),
+        ));
+    }
+    Ok(Snapshot { endpoints, ..snapshot.clone() })
 }
 
 /// A local answer that is not an error: the model list or one model, a health check, a
@@ -98,6 +167,9 @@ impl LocalReply {
 /// Decision after the request headers.
 #[derive(Debug, Clone, PartialEq)]
 pub enum HeadDecision {
+    /// `GET`/`HEAD /v1/models` (`id: None`) or `/v1/models/{id}`: answer with
+    /// [`models_reply`], which needs the snapshot (the models the pods reported).
+    Models { id: Option<String> },
     /// An inference request: pause and buffer the body.
     ReadBody,
     /// Answer locally with this error; `allow` is the `allow` header of a 405.
@@ -191,18 +263,7 @@ pub fn on_head(cfg: &Config, head: &RequestHead, end_of_stream: bool) -> HeadDec
         if method != "GET" && method != "HEAD" {
             return HeadDecision::wrong_method(method, path, "GET, HEAD, OPTIONS");
         }
-        return match id {
-            None => HeadDecision::Local(LocalReply::json(200, model_list(cfg))),
-            Some(id) => match model_object(cfg, &id) {
-                Some(body) => HeadDecision::Local(LocalReply::json(200, body)),
-                None => HeadDecision::reject(Rejection::new(
-                    404,
-                    "invalid_request_error",
-                    "model_not_found",
-                    format!("The model `{}` does not exist.", clip(&id)),
-                )),
-            },
-        };
+        return HeadDecision::Models { id };
     }
     if HEALTH_PATHS.contains(&path) {
         if method != "GET" && method != "HEAD" {
@@ -222,6 +283,23 @@ pub fn on_head(cfg: &Config, head: &RequestHead, end_of_stream: bool) -> HeadDec
             MODELS_PATH
         ),
     ))
+}
+
+/// The answer to [`HeadDecision::Models`]: the model list, or one model (404 `model_not_found`
+/// when neither the configuration nor, with `pod_models`, a pod has it).
+pub fn models_reply(cfg: &Config, id: Option<&str>, snapshot: &Snapshot) -> HeadDecision {
+    match id {
+        None => HeadDecision::Local(LocalReply::json(200, model_list(cfg, snapshot))),
+        Some(id) => match model_object(cfg, id, snapshot) {
+            Some(body) => HeadDecision::Local(LocalReply::json(200, body)),
+            None => HeadDecision::reject(Rejection::new(
+                404,
+                "invalid_request_error",
+                "model_not_found",
+                format!("The model `{}` does not exist.", clip(id)),
+            )),
+        },
+    }
 }
 
 /// Decodes `%XX` escapes (a model id such as `meta-llama%2FLlama-3.1-8B-Instruct`); an invalid
@@ -354,10 +432,14 @@ pub fn route_with(
         session_id: head.session_id.as_deref(),
         session_token: head.session_token.as_deref(),
     };
+    let restricted = match &head.test_selection {
+        Some(sel) => Some(restrict_to_selection(inputs.snapshot, sel)?),
+        None => None,
+    };
     scheduler.pick_for_with(
         &prepared.route,
         &req,
-        inputs.snapshot,
+        restricted.as_ref().unwrap_or(inputs.snapshot),
         inputs.inflight,
         health,
         inputs.store,
@@ -393,10 +475,14 @@ pub fn route(
         session_id: head.session_id.as_deref(),
         session_token: head.session_token.as_deref(),
     };
+    let restricted = match &head.test_selection {
+        Some(sel) => Some(restrict_to_selection(inputs.snapshot, sel)?),
+        None => None,
+    };
     scheduler.pick_for(
         &prepared.route,
         &req,
-        inputs.snapshot,
+        restricted.as_ref().unwrap_or(inputs.snapshot),
         inputs.inflight,
         inputs.store,
         rng,
@@ -427,8 +513,26 @@ fn model_entry(id: &str, parent: Option<&str>) -> serde_json::Value {
     v
 }
 
-/// OpenAI `GET /v1/models` for the whole pool: every base model and adapter in the config.
-pub fn model_list(cfg: &Config) -> Vec<u8> {
+/// The names the pods reported (`pod_models`) that the configuration does not list, filtered by
+/// `pod_models.allow_list`, sorted. Empty without `pod_models`.
+fn learned_models(cfg: &Config, snapshot: &Snapshot) -> Vec<String> {
+    if cfg.pod_models.is_none() {
+        return Vec::new();
+    }
+    let configured: hashbrown::HashSet<&str> = cfg
+        .models
+        .iter()
+        .flat_map(|m| std::iter::once(&m.name).chain(&m.adapters))
+        .map(String::as_str)
+        .collect();
+    let allow = crate::pod_models::allow_list(cfg);
+    crate::pod_models::learned_names(snapshot, allow.as_ref(), &configured)
+}
+
+/// OpenAI `GET /v1/models` for the whole pool: every base model and adapter in the config, then
+/// (with `pod_models`) every other name some pod reports, without `parent` (a pod's list names
+/// it, but the pool may not agree on one).
+pub fn model_list(cfg: &Config, snapshot: &Snapshot) -> Vec<u8> {
     let mut data = Vec::new();
     for m in &cfg.models {
         data.push(model_entry(&m.name, None));
@@ -436,11 +540,15 @@ pub fn model_list(cfg: &Config) -> Vec<u8> {
             data.push(model_entry(a, Some(&m.name)));
         }
     }
+    for name in learned_models(cfg, snapshot) {
+        data.push(model_entry(&name, None));
+    }
     serde_json::to_vec(&serde_json::json!({"object": "list", "data": data})).unwrap_or_default()
 }
 
-/// OpenAI `GET /v1/models/{id}`: the configured base model or adapter named `id`.
-pub fn model_object(cfg: &Config, id: &str) -> Option<Vec<u8>> {
+/// OpenAI `GET /v1/models/{id}`: the configured base model or adapter named `id`, else (with
+/// `pod_models`) a name some pod reports.
+pub fn model_object(cfg: &Config, id: &str, snapshot: &Snapshot) -> Option<Vec<u8>> {
     cfg.models
         .iter()
         .find_map(|m| {
@@ -450,6 +558,7 @@ pub fn model_object(cfg: &Config, id: &str) -> Option<Vec<u8>> {
                 m.adapters.iter().find(|a| *a == id).map(|a| model_entry(a, Some(&m.name)))
             }
         })
+        .or_else(|| learned_models(cfg, snapshot).iter().any(|n| n == id).then(|| model_entry(id, None)))
         .and_then(|v| serde_json::to_vec(&v).ok())
 }
 
@@ -546,6 +655,7 @@ mod tests {
             vec![
                 "x-gateway-destination-endpoint",
                 "x-envoy-original-dst-host",
+                "test-epp-endpoint-selection",
                 "x-gateway-inference-objective",
                 "x-gateway-inference-fairness-id",
                 // Configured but untrusted: still removed.
@@ -619,9 +729,17 @@ mod tests {
         RequestHead { method: method.into(), path: path.into(), ..RequestHead::default() }
     }
 
+    /// `on_head`, with the model list answered from an empty snapshot, as the host does.
+    fn answer(c: &Config, h: &RequestHead, eos: bool) -> HeadDecision {
+        match on_head(c, h, eos) {
+            HeadDecision::Models { id } => models_reply(c, id.as_deref(), &Snapshot::default()),
+            d => d,
+        }
+    }
+
     fn status(d: &HeadDecision) -> u32 {
         match d {
-            HeadDecision::ReadBody | HeadDecision::PassThrough => 0,
+            HeadDecision::ReadBody | HeadDecision::PassThrough | HeadDecision::Models { .. } => 0,
             HeadDecision::Reject { rejection, .. } => rejection.status,
             HeadDecision::Local(r) => r.status,
         }
@@ -678,16 +796,16 @@ mod tests {
             HeadDecision::Local(r) => (r.status, serde_json::from_slice::<serde_json::Value>(&r.body).ok()),
             d => panic!("{d:?}"),
         };
-        let (st, v) = body(on_head(&c, &head_of("GET", "/v1/models"), true));
+        let (st, v) = body(answer(&c, &head_of("GET", "/v1/models"), true));
         assert_eq!(st, 200);
         let ids: Vec<_> = v.unwrap()["data"].as_array().unwrap().iter().map(|m| m["id"].clone()).collect();
         assert_eq!(ids, ["base-a", "lora-a", "base-b"]);
         // One model by id, percent-encoded or not; an adapter names its parent.
-        let (st, v) = body(on_head(&c, &head_of("GET", "/v1/models/lora-a"), true));
+        let (st, v) = body(answer(&c, &head_of("GET", "/v1/models/lora-a"), true));
         assert_eq!((st, v.unwrap()["parent"].as_str()), (200, Some("base-a")));
-        let (st, v) = body(on_head(&c, &head_of("HEAD", "/v1/models/base%2Db"), true));
+        let (st, v) = body(answer(&c, &head_of("HEAD", "/v1/models/base%2Db"), true));
         assert_eq!((st, v.unwrap()["id"].as_str()), (200, Some("base-b")));
-        match on_head(&c, &head_of("GET", "/v1/models/nope"), true) {
+        match answer(&c, &head_of("GET", "/v1/models/nope"), true) {
             HeadDecision::Reject { rejection, .. } => {
                 assert_eq!((rejection.status, rejection.code), (404, "model_not_found"))
             }
@@ -735,5 +853,102 @@ mod tests {
         assert_eq!(percent_decode("a%zz%4"), "a%zz%4");
         assert_eq!(percent_decode("%ff"), "\u{fffd}");
         assert_eq!(clip(&"é".repeat(300)).chars().count(), 200);
+    }
+
+    #[test]
+    fn model_list_adds_what_the_pods_report_only_with_pod_models_and_within_the_allow_list() {
+        let snap = Snapshot {
+            endpoints: vec![EndpointStatus {
+                address: "10.0.0.1:8000".into(),
+                models: vec!["base-a".into(), "runtime-lora".into()],
+                ..Default::default()
+            }],
+            ..Default::default()
+        };
+        let ids = |c: &Config| -> Vec<String> {
+            match models_reply(c, None, &snap) {
+                HeadDecision::Local(r) => serde_json::from_slice::<serde_json::Value>(&r.body).unwrap()
+                    ["data"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|m| m["id"].as_str().unwrap().to_string())
+                    .collect(),
+                d => panic!("{d:?}"),
+            }
+        };
+        let mut c = cfg();
+        assert_eq!(ids(&c), ["base-a", "lora-a", "base-b"]);
+        c.pod_models = Some(serde_json::from_str("{}").unwrap());
+        assert_eq!(ids(&c), ["base-a", "lora-a", "base-b", "runtime-lora"]);
+        assert_eq!(status(&models_reply(&c, Some("runtime-lora"), &snap)), 200);
+        c.pod_models = Some(serde_json::from_str(r#"{"allow_list":true}"#).unwrap());
+        assert_eq!(ids(&c), ["base-a", "lora-a", "base-b"]);
+        assert_eq!(status(&models_reply(&c, Some("runtime-lora"), &snap)), 404);
+    }
+
+    #[test]
+    fn conformance_selection_is_read_only_in_conformance_mode() {
+        let mut c = cfg();
+        assert_eq!(conformance_selection(&c, Some("10.0.0.1")), None);
+        c.filter.conformance_mode = true;
+        assert_eq!(conformance_selection(&c, None), None);
+        assert_eq!(conformance_selection(&c, Some(" , ")), None);
+        assert_eq!(
+            conformance_selection(&c, Some("10.0.0.1, 10.0.0.2:8000,")),
+            Some(vec!["10.0.0.1".to_string(), "10.0.0.2:8000".to_string()])
+        );
+        let many = vec!["10.0.0.1"; 500].join(",");
+        assert_eq!(conformance_selection(&c, Some(&many)).map(|v| v.len()), Some(MAX_SELECTION_ENTRIES));
+        // The header is removed from every request, whatever the mode.
+        assert!(headers_to_remove(&c).any(|h| h == CONFORMANCE_SELECTION_HEADER));
+    }
+
+    #[test]
+    fn selection_keeps_named_endpoints_a_bare_ip_covers_every_port() {
+        let ep = |a: &str| EndpointStatus { address: a.into(), ..Default::default() };
+        let snap = Snapshot {
+            endpoints: vec![
+                ep("10.0.0.1:3000"),
+                ep("10.0.0.1:3002"),
+                ep("10.0.0.2:3000"),
+                ep("[fd00::1]:3000"),
+            ],
+            ..Default::default()
+        };
+        let addrs = |sel: &[&str]| -> Result<Vec<String>, u32> {
+            let sel: Vec<String> = sel.iter().map(|s| s.to_string()).collect();
+            restrict_to_selection(&snap, &sel)
+                .map(|s| s.endpoints.into_iter().map(|e| e.address).collect())
+                .map_err(|r| r.status)
+        };
+        assert_eq!(addrs(&["10.0.0.1"]), Ok(vec!["10.0.0.1:3000".into(), "10.0.0.1:3002".into()]));
+        assert_eq!(
+            addrs(&["10.0.0.1:3002", "10.0.0.2"]),
+            Ok(vec!["10.0.0.1:3002".into(), "10.0.0.2:3000".into()])
+        );
+        assert_eq!(addrs(&["fd00::1"]), Ok(vec!["[fd00::1]:3000".into()]));
+        assert_eq!(addrs(&["[fd00::1]:3000"]), Ok(vec!["[fd00::1]:3000".into()]));
+        // Nothing matching (or garbage): 503, never a fall back to the whole pool.
+        assert_eq!(addrs(&["10.0.0.9"]), Err(503));
+        assert_eq!(addrs(&["10.0.0.1:9999", "pod-a"]), Err(503));
+    }
+
+    #[test]
+    fn routing_honours_the_selection() {
+        let c = cfg();
+        let mut sched = Scheduler::new(&c);
+        let mut rng = SplitMix64::new(3);
+        let mut h = head(PriorityHeaders::default());
+        // base-b is served only by 10.0.0.2; a selection naming 10.0.0.1 leaves nothing.
+        let p = prepare(&c, &sched, &mut rng, &h, br#"{"model":"alias","prompt":"x"}"#, &snapshot()).unwrap();
+        let store = MemStore::new();
+        let counts = InflightCounts::default();
+        let snap = snapshot();
+        let inputs = BodyInputs { snapshot: &snap, inflight: &counts, store: &store, now_ms: 1100 };
+        h.test_selection = Some(vec!["10.0.0.1".into()]);
+        assert_eq!(route(&mut sched, &mut rng, &h, &p, &inputs).map_err(|r| r.status), Err(503));
+        h.test_selection = Some(vec!["10.0.0.2:8000".into()]);
+        assert_eq!(route(&mut sched, &mut rng, &h, &p, &inputs).unwrap().primary, "10.0.0.2:8000");
     }
 }

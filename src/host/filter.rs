@@ -427,6 +427,14 @@ impl HttpContext for Filter {
         // Trusted priority headers are read first; then the priority headers and any
         // client-chosen destination are removed, on every path.
         let priority = PriorityHeaders::read(&cfg.priority, &|h: &str| io::request_header(h));
+        let test_selection = request::conformance_selection(
+            cfg,
+            cfg.filter
+                .conformance_mode
+                .then(|| io::request_header(request::CONFORMANCE_SELECTION_HEADER))
+                .flatten()
+                .as_deref(),
+        );
         for h in request::headers_to_remove(cfg) {
             io::set_request_header(h, None);
         }
@@ -437,8 +445,12 @@ impl HttpContext for Filter {
             session_id: io::request_header(&cfg.scheduler.session.header),
             session_token: io::request_header(&cfg.scheduler.session.token_header),
             priority,
+            test_selection,
         };
-        let decision = request::on_head(cfg, &head, end_of_stream);
+        let decision = match request::on_head(cfg, &head, end_of_stream) {
+            HeadDecision::Models { id } => request::models_reply(cfg, id.as_deref(), &worker.snapshot()),
+            d => d,
+        };
         self.ex.borrow_mut().head = head;
         match decision {
             HeadDecision::ReadBody => Action::Pause,
@@ -462,6 +474,10 @@ impl HttpContext for Filter {
             HeadDecision::PassThrough => {
                 self.ex.borrow_mut().passthrough = true;
                 Action::Continue
+            }
+            // Answered by `models_reply` above; never reaches here.
+            HeadDecision::Models { .. } => {
+                self.reject(&Rejection::new(500, "internal_error", "internal", "model list"))
             }
         }
     }
@@ -511,6 +527,9 @@ impl HttpContext for Filter {
             if let Some(served) = io::upstream_that_answered() {
                 if self.worker.cfg.filter.expose_served_endpoint {
                     io::set_response_header(SERVED_HEADER, &served);
+                }
+                if self.worker.cfg.filter.conformance_mode {
+                    io::set_response_header(request::CONFORMANCE_SERVED_HEADER, &served);
                 }
                 if ex.session_token.is_some() {
                     let token = self.worker.scheduler.borrow().session_keys().token_for(&served);

@@ -11,10 +11,14 @@
 //! - the body's `model` is then rewritten to the target (`crate::body::rewrite_model`).
 //!
 //! Resolution of the (possibly rewritten) name: a base model in `models`, else an adapter listed
-//! under a base model (the request goes to the base's endpoints), else a base model that some
-//! endpoint of the snapshot serves (discovery). Anything else is unknown: 404 `model_not_found`.
+//! under a base model (the request goes to the base's endpoints), else a name that some
+//! endpoint of the snapshot serves (discovery, or `pod_models`: what the pods report, adapters
+//! included, see `crate::pod_models`); such a name is its own group and goes only to the
+//! endpoints that list it, and it is an adapter for the LoRA scorer when some pod's LoRA metrics
+//! run or queue it. With `pod_models.allow_list`, a name the configuration does not mention is
+//! unknown even when a pod serves it. Anything else is unknown: 404 `model_not_found`.
 
-use hashbrown::HashMap;
+use hashbrown::{HashMap, HashSet};
 
 use crate::config::Config;
 use crate::ports::Rng;
@@ -47,11 +51,19 @@ pub struct ModelTable {
     exact: HashMap<String, usize>,
     catch_all: Option<usize>,
     splits: Vec<Split>,
+    /// `pod_models.allow_list`: the names the configuration mentions; `None` = no allow-list.
+    allow: Option<HashSet<String>>,
+    /// `pod_models` is on: a served name that pods run as a LoRA adapter resolves as one.
+    learning: bool,
 }
 
 impl ModelTable {
     pub fn new(cfg: &Config) -> ModelTable {
-        let mut t = ModelTable::default();
+        let mut t = ModelTable {
+            allow: crate::pod_models::allow_list(cfg),
+            learning: cfg.pod_models.is_some(),
+            ..ModelTable::default()
+        };
         for m in &cfg.models {
             for a in &m.adapters {
                 t.known.entry(a.clone()).or_insert_with(|| (m.name.clone(), Some(a.clone())));
@@ -105,8 +117,21 @@ impl ModelTable {
         if let Some((base, adapter)) = self.known.get(name) {
             return Some(Resolved { base, adapter: adapter.as_deref() });
         }
+        if self.allow.as_ref().is_some_and(|a| !a.contains(name)) {
+            return None;
+        }
         let discovered = snapshot.endpoints.iter().any(|e| e.models.iter().any(|m| m == name));
-        discovered.then_some(Resolved { base: name, adapter: None })
+        if !discovered {
+            return None;
+        }
+        let adapter =
+            (self.learning && crate::pod_models::is_running_adapter(snapshot, name)).then_some(name);
+        Some(Resolved { base: name, adapter })
+    }
+
+    /// Is `name` a configured base model or adapter?
+    pub fn is_configured(&self, name: &str) -> bool {
+        self.known.contains_key(name)
     }
 }
 
@@ -134,6 +159,40 @@ mod tests {
         assert_eq!(t.resolve("sql-lora", &snap), Some(Resolved { base: "llama", adapter: Some("sql-lora") }));
         assert_eq!(t.resolve("mistral", &snap), Some(Resolved { base: "mistral", adapter: None }));
         assert_eq!(t.resolve("gpt-4", &snap), None);
+    }
+
+    #[test]
+    fn learned_names_resolve_to_their_pods_unless_the_allow_list_refuses_them() {
+        use crate::metrics::EndpointMetrics;
+        let snap = Snapshot {
+            endpoints: vec![EndpointStatus {
+                models: vec!["llama".into(), "runtime-lora".into(), "idle-lora".into(), "mistral".into()],
+                metrics: Some(EndpointMetrics {
+                    running_adapters: vec!["runtime-lora".into()],
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }],
+            ..Default::default()
+        };
+        let t = ModelTable::new(&cfg(&format!(r#"{{{BASE},"pod_models":{{}}}}"#)));
+        // A name the pods run as an adapter gets the LoRA scorer; an idle one is just a name.
+        assert_eq!(
+            t.resolve("runtime-lora", &snap),
+            Some(Resolved { base: "runtime-lora", adapter: Some("runtime-lora") })
+        );
+        assert_eq!(t.resolve("idle-lora", &snap), Some(Resolved { base: "idle-lora", adapter: None }));
+        assert_eq!(t.resolve("gpt-4", &snap), None);
+        // Configured names resolve as before.
+        assert_eq!(t.resolve("sql-lora", &snap), Some(Resolved { base: "llama", adapter: Some("sql-lora") }));
+        // Allow-list: only what the configuration mentions.
+        let t = ModelTable::new(&cfg(&format!(r#"{{{BASE},"pod_models":{{"allow_list":true}}}}"#)));
+        assert_eq!(t.resolve("runtime-lora", &snap), None);
+        assert_eq!(t.resolve("mistral", &snap), None);
+        assert_eq!(t.resolve("llama", &snap), Some(Resolved { base: "llama", adapter: None }));
+        // Without pod_models, discovery keeps its old meaning (no adapter detection).
+        let t = ModelTable::new(&cfg(&format!("{{{BASE}}}")));
+        assert_eq!(t.resolve("runtime-lora", &snap), Some(Resolved { base: "runtime-lora", adapter: None }));
     }
 
     #[test]
