@@ -206,6 +206,11 @@ impl Poller {
         Ok(n)
     }
 
+    /// The addresses of the endpoints polled now.
+    pub fn addresses(&self) -> impl Iterator<Item = &str> {
+        self.targets.iter().map(|t| t.status.address.as_str())
+    }
+
     /// Forgets outstanding scrapes (a lease holder that lost its lease ignores their answers).
     pub fn abandon_outstanding(&mut self) {
         for t in &mut self.targets {

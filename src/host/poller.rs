@@ -16,6 +16,7 @@ use crate::config::Config;
 use crate::discovery::TokenSource;
 use crate::inflight::InflightTable;
 use crate::lease::{holder_id, Lease, LeaseState};
+use crate::pod_models::{self, ModelsError, ModelsLearner};
 use crate::poller::{response_within_cap, Poller, ScrapeError, ScrapeResult};
 use crate::ports::SharedStore;
 use crate::snapshot::{self, SNAPSHOT_VERSION_KEY};
@@ -37,6 +38,10 @@ pub(crate) struct PollerRole {
     /// Reads every worker's in-flight counts when a scrape answers (never counts anything
     /// itself): `EndpointStatus::inflight_at_scrape`, for the live load estimate.
     inflight: InflightTable,
+    /// `pod_models`: each pod's model list ([`PollerRole::tick_pod_models`]).
+    models: Option<ModelsLearner>,
+    /// Outstanding model-list fetches: token → endpoint address.
+    model_calls: HashMap<u32, String>,
 }
 
 impl PollerRole {
@@ -51,7 +56,10 @@ impl PollerRole {
             metrics: io::Metrics::default(),
             errors: LogLimiter::new(telemetry::ERROR_LOG_EVERY_MS),
             inflight: InflightTable::new(io::entropy()),
+            models: None,
+            model_calls: HashMap::new(),
         };
+        p.models = ModelsLearner::from_config(&p.cfg);
         p.continue_versions();
         p
     }
@@ -70,6 +78,7 @@ impl PollerRole {
     /// Callouts start from ticks, never from configuration: clusters may not be ready yet.
     /// It may be called at any tick rate: the core decides when a round or a refresh is due.
     pub fn tick(&mut self, now: u64) {
+        self.tick_pod_models(now);
         if let Some(k) = self.cfg.discovery.as_ref().map(|d| &d.kubernetes) {
             if self.core.discovery_due(now) {
                 let token = match k.token_source() {
@@ -127,6 +136,10 @@ impl PollerRole {
 
     pub fn on_response(&mut self, token: u32, num_headers: usize, body_size: usize) {
         let now = io::now_ms();
+        if let Some(address) = self.model_calls.remove(&token) {
+            self.on_models_response(&address, num_headers, body_size, now);
+            return;
+        }
         if self.discovery_call == Some(token) {
             self.discovery_call = None;
             let Some(k) = self.cfg.discovery.as_ref().map(|d| &d.kubernetes) else {
@@ -184,6 +197,67 @@ impl PollerRole {
         }
     }
 
+    // ---- pod_models: the low-rate model-list fetches (`crate::pod_models`) ----
+
+    /// Starts the model-list fetches that are due: new pods at once, the others every
+    /// `pod_models.refresh_ms`. Through the metrics cluster, like a scrape.
+    fn tick_pod_models(&mut self, now: u64) {
+        let (Some(m), Some(pm)) = (&mut self.models, &self.cfg.pod_models) else {
+            return;
+        };
+        let due = m.due(now, self.core.addresses());
+        for address in due {
+            match io::dispatch_get(&self.cfg.poller.cluster, &pm.path, &address, pm.timeout_ms) {
+                Ok(token) => {
+                    self.model_calls.insert(token, address);
+                }
+                Err(e) => {
+                    let _ = m.on_result(&address, Err(ModelsError::Transport));
+                    let cause = "models:dispatch";
+                    if let Some(n) = self.errors.allow(cause, now) {
+                        error!(
+                            "inference-picker-poller: model list of {address}: Envoy refused the call ({e})                              ({n} more such failures since the last line)"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    fn on_models_response(&mut self, address: &str, num_headers: usize, body_size: usize, now: u64) {
+        let Some(m) = &mut self.models else {
+            return;
+        };
+        let result = if num_headers == 0 {
+            Err(ModelsError::Transport)
+        } else if body_size > pod_models::MAX_RESPONSE_BYTES {
+            Err(ModelsError::TooLarge(body_size))
+        } else {
+            let body = io::call_response_body(body_size);
+            pod_models::parse_models(io::call_response_status().unwrap_or(0), &body)
+        };
+        match m.on_result(address, result) {
+            Ok(true) => {
+                if let Some(l) = m.learned(address) {
+                    info!(
+                        "inference-picker-poller: {address} serves base models {:?} and adapters {:?}",
+                        l.bases, l.adapters
+                    );
+                }
+                self.dirty = true;
+            }
+            Ok(false) => {}
+            Err(e) => {
+                let cause = format!("models:{}", e.reason());
+                if let Some(n) = self.errors.allow(&cause, now) {
+                    warn!(
+                        "inference-picker-poller: model list of {address} unusable, keeping the last one: {e}                          ({n} more such failures since the last line)"
+                    );
+                }
+            }
+        }
+    }
+
     /// Logs a scrape failure at error level, at most once per reason every
     /// `telemetry::ERROR_LOG_EVERY_MS` (the metric counts every one).
     fn scrape_error(&mut self, e: &ScrapeError, what: &str, now: u64) {
@@ -210,13 +284,20 @@ impl PollerRole {
     /// Stops waiting for outstanding calls (after losing the lease: their answers are ignored).
     fn abandon(&mut self) {
         self.calls.clear();
+        self.model_calls.clear();
+        if let Some(m) = &mut self.models {
+            m.abandon_outstanding();
+        }
         self.discovery_call = None;
         self.core.abandon_outstanding();
         self.dirty = false;
     }
 
     fn publish(&mut self, now: u64) {
-        let snap = self.core.snapshot(now);
+        let mut snap = self.core.snapshot(now);
+        if let Some(m) = &self.models {
+            m.apply(&mut snap);
+        }
         if let Err(e) = snapshot::publish(&io::HostStore, &snap) {
             warn!("inference-picker-poller: publishing snapshot failed: {e:?}");
         }

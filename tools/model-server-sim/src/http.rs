@@ -266,6 +266,9 @@ pub struct AppState {
     stats: Mutex<Stats>,
     fake: Mutex<FakeLoad>,
     chaos: Mutex<Chaos>,
+    /// Served LoRA adapter names: `--lora` at start, then `POST /v1/load_lora_adapter` and
+    /// `/v1/unload_lora_adapter` (vLLM's runtime LoRA API).
+    loras: Mutex<Vec<String>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -289,6 +292,7 @@ impl AppState {
         if cfg.models.is_empty() {
             return Err("at least one --model is required".into());
         }
+        let cfg_loras = cfg.loras.clone();
         Ok(Arc::new(AppState {
             cfg,
             core: Mutex::new(Core {
@@ -303,6 +307,7 @@ impl AppState {
             stats: Mutex::new(Stats::default()),
             fake: Mutex::new(FakeLoad::default()),
             chaos: Mutex::new(Chaos::default()),
+            loras: Mutex::new(cfg_loras),
         }))
     }
 
@@ -360,6 +365,8 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/models", get(list_models))
         .route("/health", get(health))
         .route("/metrics", get(metrics))
+        .route("/v1/load_lora_adapter", post(load_lora_adapter))
+        .route("/v1/unload_lora_adapter", post(unload_lora_adapter))
         .route("/sim/stats", get(sim_stats))
         .route("/sim/fake-load", post(sim_fake_load))
         .route("/sim/reset-stats", post(sim_reset_stats))
@@ -416,13 +423,63 @@ async fn list_models(State(st): State<Arc<AppState>>) -> Response {
             })
         })
         .collect();
-    data.extend(st.cfg.loras.iter().map(|l| {
+    data.extend(lock(&st.loras).iter().map(|l| {
         json!({
             "id": l, "object": "model", "created": created, "owned_by": "vllm",
             "root": l, "parent": base, "max_model_len": null, "permission": [],
         })
     }));
     axum::Json(json!({ "object": "list", "data": data })).into_response()
+}
+
+/// The `lora_name` of a vLLM load/unload body (`{"lora_name": …, "lora_path": …}`).
+fn lora_name(body: &[u8]) -> Result<String, Response> {
+    let v: Value =
+        serde_json::from_slice(body).map_err(|e| bad_request(format!("invalid JSON body: {e}")))?;
+    match v.get("lora_name").and_then(Value::as_str) {
+        Some(n) if !n.is_empty() => Ok(n.to_string()),
+        _ => Err(bad_request("missing or empty field `lora_name`")),
+    }
+}
+
+/// vLLM's `POST /v1/load_lora_adapter`: the adapter is served from now on (listed in
+/// `/v1/models`, accepted as `model`). Needs LoRA enabled (any `--lora` at start), as vLLM needs
+/// `--enable-lora`. The path is ignored.
+async fn load_lora_adapter(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
+    if st.cfg.loras.is_empty() {
+        return bad_request("LoRA is not enabled: start the simulator with at least one --lora");
+    }
+    let name = match lora_name(&body) {
+        Ok(n) => n,
+        Err(r) => return r,
+    };
+    if st.cfg.models.contains(&name) {
+        return bad_request(format!("`{name}` is a base model"));
+    }
+    let mut loras = lock(&st.loras);
+    if loras.contains(&name) {
+        return bad_request(format!("The lora adapter '{name}' has already been loaded."));
+    }
+    loras.push(name.clone());
+    (StatusCode::OK, format!("Success: LoRA adapter '{name}' added successfully.")).into_response()
+}
+
+/// vLLM's `POST /v1/unload_lora_adapter`: the adapter is no longer served.
+async fn unload_lora_adapter(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
+    let name = match lora_name(&body) {
+        Ok(n) => n,
+        Err(r) => return r,
+    };
+    let mut loras = lock(&st.loras);
+    let Some(i) = loras.iter().position(|l| *l == name) else {
+        return error_response(
+            StatusCode::NOT_FOUND,
+            "NotFoundError",
+            format!("The lora adapter '{name}' cannot be found."),
+        );
+    };
+    loras.remove(i);
+    (StatusCode::OK, format!("Success: LoRA adapter '{name}' removed successfully.")).into_response()
 }
 
 async fn metrics(State(st): State<Arc<AppState>>) -> Response {
@@ -716,7 +773,7 @@ async fn inference(
     };
     let adapter = if st.cfg.models.contains(&p.model) {
         None
-    } else if st.cfg.loras.contains(&p.model) {
+    } else if lock(&st.loras).contains(&p.model) {
         Some(p.model.clone())
     } else {
         return error_response(

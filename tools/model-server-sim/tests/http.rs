@@ -242,6 +242,40 @@ async fn models_and_health() {
 }
 
 #[tokio::test]
+async fn adapters_load_and_unload_at_run_time_as_in_vllm() {
+    let app = app(Engine::Vllm);
+    let chat = |model: &str| {
+        json!({"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}).to_string()
+    };
+    // Not loaded yet: 404, and not listed.
+    assert_eq!(call(&app, "POST", "/v1/chat/completions", &chat("ad2")).await.0, StatusCode::NOT_FOUND);
+    let load = r#"{"lora_name":"ad2","lora_path":"/adapters/ad2"}"#;
+    let (status, _, text) = call(&app, "POST", "/v1/load_lora_adapter", load).await;
+    assert_eq!(status, StatusCode::OK, "{text}");
+    // Listed with its parent, and served.
+    let v = parse(&call(&app, "GET", "/v1/models", "").await.2);
+    let ids: Vec<&str> = v["data"].as_array().unwrap().iter().map(|m| m["id"].as_str().unwrap()).collect();
+    assert_eq!(ids, ["base", "alias", "ad1", "ad2"]);
+    assert_eq!(v["data"][3]["parent"], "base");
+    assert_eq!(call(&app, "POST", "/v1/chat/completions", &chat("ad2")).await.0, StatusCode::OK);
+    // Loading twice, a base model's name, or a body without a name: 400.
+    assert_eq!(call(&app, "POST", "/v1/load_lora_adapter", load).await.0, StatusCode::BAD_REQUEST);
+    assert_eq!(
+        call(&app, "POST", "/v1/load_lora_adapter", r#"{"lora_name":"base"}"#).await.0,
+        StatusCode::BAD_REQUEST
+    );
+    assert_eq!(
+        call(&app, "POST", "/v1/load_lora_adapter", r#"{"lora_path":"x"}"#).await.0,
+        StatusCode::BAD_REQUEST
+    );
+    // Unloaded: gone from the list and no longer served; a second unload is 404.
+    let unload = r#"{"lora_name":"ad2"}"#;
+    assert_eq!(call(&app, "POST", "/v1/unload_lora_adapter", unload).await.0, StatusCode::OK);
+    assert_eq!(call(&app, "POST", "/v1/chat/completions", &chat("ad2")).await.0, StatusCode::NOT_FOUND);
+    assert_eq!(call(&app, "POST", "/v1/unload_lora_adapter", unload).await.0, StatusCode::NOT_FOUND);
+}
+
+#[tokio::test]
 async fn chaos_status_answers_at_once_for_count_requests_then_serves() {
     let app = app(Engine::Vllm);
     let (status, _, text) =
