@@ -217,7 +217,9 @@ fn clip(s: &str) -> &str {
 /// 4. `GET`/`HEAD /v1/models` (the list) and `/v1/models/{id}` (one model, or 404
 ///    `model_not_found`), answered locally; other methods 405;
 /// 5. `GET`/`HEAD` on a health path ([`HEALTH_PATHS`]): 200 `{"status":"ok"}`; other methods 405;
-/// 6. anything else: 404 `not_found` JSON. Nothing reaches a pod unless the filter picked it.
+/// 6. in conformance mode (`filter.conformance_mode`), a `POST` on any other path is an
+///    inference request (the GIE suite uses paths of its own);
+/// 7. anything else: 404 `not_found` JSON. Nothing reaches a pod unless the filter picked it.
 pub fn on_head(cfg: &Config, head: &RequestHead, end_of_stream: bool) -> HeadDecision {
     let raw = head.path.split(['?', '#']).next().unwrap_or("");
     let path = match raw.trim_end_matches('/') {
@@ -240,20 +242,7 @@ pub fn on_head(cfg: &Config, head: &RequestHead, end_of_stream: bool) -> HeadDec
         if method != "POST" {
             return HeadDecision::wrong_method(method, path, "POST, OPTIONS");
         }
-        if let Some(len) = head.content_length {
-            if len > cfg.filter.max_body_bytes as u64 {
-                return HeadDecision::reject(too_large(cfg));
-            }
-        }
-        if end_of_stream {
-            return HeadDecision::reject(Rejection::new(
-                400,
-                "invalid_request_error",
-                "missing_model",
-                "inference requests need a JSON body with a \"model\" field",
-            ));
-        }
-        return HeadDecision::ReadBody;
+        return inference_head(cfg, head, end_of_stream);
     }
     let model_id = path.strip_prefix(MODELS_PATH).and_then(|rest| match rest {
         "" => Some(None),
@@ -271,6 +260,11 @@ pub fn on_head(cfg: &Config, head: &RequestHead, end_of_stream: bool) -> HeadDec
         }
         return HeadDecision::Local(LocalReply::json(200, br#"{"status":"ok"}"#.to_vec()));
     }
+    if cfg.filter.conformance_mode && method == "POST" {
+        // GIE's conformance suite posts completion bodies to test paths of its own
+        // (`/primary-gateway-test`, ...): in conformance mode any POST is an inference request.
+        return inference_head(cfg, head, end_of_stream);
+    }
     HeadDecision::reject(Rejection::new(
         404,
         "invalid_request_error",
@@ -283,6 +277,25 @@ pub fn on_head(cfg: &Config, head: &RequestHead, end_of_stream: bool) -> HeadDec
             MODELS_PATH
         ),
     ))
+}
+
+/// An inference `POST`: read the body, unless the declared length is over the limit or there is
+/// no body.
+fn inference_head(cfg: &Config, head: &RequestHead, end_of_stream: bool) -> HeadDecision {
+    if let Some(len) = head.content_length {
+        if len > cfg.filter.max_body_bytes as u64 {
+            return HeadDecision::reject(too_large(cfg));
+        }
+    }
+    if end_of_stream {
+        return HeadDecision::reject(Rejection::new(
+            400,
+            "invalid_request_error",
+            "missing_model",
+            "inference requests need a JSON body with a \"model\" field",
+        ));
+    }
+    HeadDecision::ReadBody
 }
 
 /// The answer to [`HeadDecision::Models`]: the model list, or one model (404 `model_not_found`
@@ -885,6 +898,18 @@ mod tests {
         c.pod_models = Some(serde_json::from_str(r#"{"allow_list":true}"#).unwrap());
         assert_eq!(ids(&c), ["base-a", "lora-a", "base-b"]);
         assert_eq!(status(&models_reply(&c, Some("runtime-lora"), &snap)), 404);
+    }
+
+    #[test]
+    fn conformance_mode_reads_a_post_on_any_path_as_inference() {
+        let mut c = cfg();
+        assert_eq!(status(&on_head(&c, &head_of("POST", "/primary-gateway-test"), false)), 404);
+        c.filter.conformance_mode = true;
+        assert_eq!(on_head(&c, &head_of("POST", "/primary-gateway-test"), false), HeadDecision::ReadBody);
+        assert_eq!(status(&on_head(&c, &head_of("POST", "/primary-gateway-test"), true)), 400);
+        // Other methods, health and the model list keep their answers.
+        assert_eq!(status(&on_head(&c, &head_of("GET", "/primary-gateway-test"), true)), 404);
+        assert_eq!(status(&answer(&c, &head_of("GET", "/healthz"), true)), 200);
     }
 
     #[test]

@@ -1,0 +1,136 @@
+"""Models learned from the pods (`pod_models`, issue 13 item 3) in a real Envoy 1.40: a model the
+configuration does not list, and an adapter loaded at run time, are routed to the pods that
+report them; the configuration's assumption about which pod serves what is replaced by what the
+pod reports; the allow-list refuses unlisted names; without `pod_models` nothing changes."""
+import time
+
+import pytest
+import requests
+
+from harness import LLAMA, QWEN, Envoy, Sim, picker_config, wait_until
+
+POD_MODELS = {"refresh_ms": 1000, "timeout_ms": 500}
+
+
+def served_by(r) -> str:
+    return r.json()["served_by"]
+
+
+def model_ids(envoy: Envoy) -> list[str]:
+    r = requests.get(envoy.url + "/v1/models", timeout=5)
+    assert r.status_code == 200, r.text
+    return [m["id"] for m in r.json()["data"]]
+
+
+@pytest.fixture(scope="module")
+def sims():
+    # sim-a: Llama with LoRA enabled; sim-b: Qwen only. The configuration below claims both
+    # serve Llama and lists only Llama, as a hand-written config that drifted would.
+    a = Sim("sim-a", models=(LLAMA,), loras=("sql-lora",), extra=("--max-lora", "2"))
+    b = Sim("sim-b", models=(QWEN,))
+    try:
+        yield a, b
+    finally:
+        a.stop()
+        b.stop()
+
+
+def config(a: Sim, b: Sim, **pod_models) -> dict:
+    endpoints = [{"address": a.address, "models": [LLAMA]}, {"address": b.address, "models": [LLAMA]}]
+    cfg = picker_config(endpoints, models=[{"name": LLAMA, "adapters": ["sql-lora"]}])
+    cfg["pod_models"] = dict(POD_MODELS, **pod_models)
+    return cfg
+
+
+def wait_model_routes(envoy: Envoy, model: str, timeout: float = 10) -> None:
+    wait_until(lambda: envoy.chat(model).status_code == 200, timeout, f"{model} routed\n{envoy.log()}",
+               interval=0.2)
+
+
+def test_unlisted_models_and_runtime_adapters_route_to_the_pods_that_serve_them(sims):
+    a, b = sims
+    envoy = Envoy(config(a, b))
+    try:
+        # Qwen is in no configuration list: it routes once sim-b's /v1/models has been read.
+        wait_model_routes(envoy, QWEN)
+        for _ in range(10):
+            r = envoy.chat(QWEN)
+            assert r.status_code == 200, r.text
+            assert served_by(r) == "sim-b"
+        # The configuration said sim-b serves Llama; sim-b says it does not: Llama goes to sim-a
+        # only (with the assumption, about half would reach sim-b and get its 404).
+        for _ in range(20):
+            r = envoy.chat(LLAMA)
+            assert r.status_code == 200, r.text
+            assert served_by(r) == "sim-a"
+        # An adapter nobody has loaded is unknown to the gateway.
+        r = envoy.chat("runtime-lora")
+        assert r.status_code == 404, r.text
+        assert r.json()["error"]["code"] == "model_not_found"
+        assert "runtime-lora" not in model_ids(envoy)
+        # Loaded at run time on sim-a (vLLM's API): routed to sim-a within a few refreshes.
+        requests.post(a.url + "/v1/load_lora_adapter",
+                      json={"lora_name": "runtime-lora", "lora_path": "/adapters/x"}, timeout=5).raise_for_status()
+        wait_model_routes(envoy, "runtime-lora")
+        for _ in range(10):
+            r = envoy.chat("runtime-lora")
+            assert r.status_code == 200, r.text
+            assert served_by(r) == "sim-a"
+        # The gateway's model list has the configured names first, then the learned ones.
+        ids = model_ids(envoy)
+        assert ids[:2] == [LLAMA, "sql-lora"], ids
+        assert set(ids[2:]) == {QWEN, "runtime-lora"}, ids
+        r = requests.get(envoy.url + "/v1/models/runtime-lora", timeout=5)
+        assert r.status_code == 200 and r.json()["id"] == "runtime-lora", r.text
+        # Unloaded: the gateway stops routing it after the next refresh.
+        requests.post(a.url + "/v1/unload_lora_adapter", json={"lora_name": "runtime-lora"},
+                      timeout=5).raise_for_status()
+        wait_until(lambda: envoy.chat("runtime-lora").status_code == 404, 10, "runtime-lora forgotten",
+                   interval=0.2)
+        # One info line per change of a pod's list.
+        assert f"{b.address} serves base models [\"{QWEN}\"]" in envoy.log_path.read_text()
+    finally:
+        envoy.stop()
+
+
+def test_allow_list_routes_only_configured_names_to_the_pods_that_serve_them(sims):
+    a, b = sims
+    envoy = Envoy(config(a, b, allow_list=True))
+    try:
+        wait_model_routes(envoy, LLAMA)
+        # Learned: sim-b does not serve Llama. Wait until that is applied (every Llama request
+        # then reaches sim-a), then check a run of them.
+        wait_until(lambda: all(served_by(envoy.chat(LLAMA)) == "sim-a" for _ in range(6)), 10,
+                   "Llama only on sim-a", interval=0.2)
+        for _ in range(20):
+            r = envoy.chat(LLAMA)
+            assert r.status_code == 200 and served_by(r) == "sim-a", r.text
+        # Qwen is served by sim-b but not in the configuration: refused, and not listed.
+        for _ in range(3):
+            r = envoy.chat(QWEN)
+            assert r.status_code == 404, r.text
+            assert r.json()["error"]["code"] == "model_not_found"
+            time.sleep(0.5)
+        assert QWEN not in model_ids(envoy)
+    finally:
+        envoy.stop()
+
+
+def test_without_pod_models_the_configuration_alone_decides(sims):
+    a, b = sims
+    cfg = config(a, b)
+    del cfg["pod_models"]
+    envoy = Envoy(cfg)
+    try:
+        envoy.wait_routable(LLAMA)
+        # Poll-interval long enough for a learner to have read both pods, had there been one.
+        time.sleep(1.5)
+        r = envoy.chat(QWEN)
+        assert r.status_code == 404, r.text
+        assert model_ids(envoy) == [LLAMA, "sql-lora"]
+        # The configuration says sim-b serves Llama, so some Llama requests reach it (and get
+        # its 404): the mismatch pod_models fixes.
+        statuses = {envoy.chat(LLAMA, content=f"question {i}").status_code for i in range(30)}
+        assert 404 in statuses, statuses
+    finally:
+        envoy.stop()
