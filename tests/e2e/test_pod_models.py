@@ -87,8 +87,9 @@ def test_unlisted_models_and_runtime_adapters_route_to_the_pods_that_serve_them(
                       timeout=5).raise_for_status()
         wait_until(lambda: envoy.chat("runtime-lora").status_code == 404, 10, "runtime-lora forgotten",
                    interval=0.2)
-        # One info line per change of a pod's list.
-        assert f"{b.address} serves base models [\"{QWEN}\"]" in envoy.log_path.read_text()
+        # One info line per change of a pod's list (Envoy flushes its log file every few seconds).
+        line = f"{b.address} serves base models [\"{QWEN}\"]"
+        wait_until(lambda: line in envoy.log_path.read_text(), 20, "the learned-models log line", interval=0.5)
     finally:
         envoy.stop()
 
