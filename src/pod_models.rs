@@ -467,6 +467,34 @@ mod tests {
         assert_eq!(learned_names(&snap, Some(&allow), &except), ["qwen"]);
     }
 
+    proptest::proptest! {
+        /// Any bytes: an error or a bounded list, never a panic; every kept name is usable.
+        #[test]
+        fn parse_never_panics_and_keeps_bounds(body in proptest::collection::vec(proptest::num::u8::ANY, 0..512)) {
+            if let Ok(m) = parse_models(200, &body) {
+                proptest::prop_assert!(m.bases.len() + m.adapters.len() <= MAX_MODELS_PER_POD);
+                proptest::prop_assert!(m.bases.iter().chain(&m.adapters).all(|n| usable_name(n)));
+            }
+        }
+
+        /// Lists built from arbitrary names: every usable one is kept once, as a base or an
+        /// adapter according to its parent.
+        #[test]
+        fn parse_sorts_entries_by_parent(names in proptest::collection::vec("[a-z]{1,8}", 0..20), with_parent in proptest::collection::vec(proptest::bool::ANY, 20)) {
+            let entries: Vec<serde_json::Value> = names.iter().zip(&with_parent).map(|(n, p)| {
+                if *p { serde_json::json!({"id": n, "parent": "base-model"}) } else { serde_json::json!({"id": n}) }
+            }).collect();
+            let body = serde_json::to_vec(&serde_json::json!({"data": entries})).unwrap();
+            let m = parse_models(200, &body).unwrap();
+            let mut unique = names.clone();
+            unique.sort();
+            unique.dedup();
+            let mut got: Vec<String> = m.bases.iter().chain(&m.adapters).cloned().collect();
+            got.sort();
+            proptest::prop_assert_eq!(got, unique);
+        }
+    }
+
     #[test]
     fn config_validation_names_the_field() {
         let mut errs = Vec::new();

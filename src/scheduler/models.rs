@@ -128,11 +128,6 @@ impl ModelTable {
             (self.learning && crate::pod_models::is_running_adapter(snapshot, name)).then_some(name);
         Some(Resolved { base: name, adapter })
     }
-
-    /// Is `name` a configured base model or adapter?
-    pub fn is_configured(&self, name: &str) -> bool {
-        self.known.contains_key(name)
-    }
 }
 
 #[cfg(test)]

@@ -432,13 +432,13 @@ async fn list_models(State(st): State<Arc<AppState>>) -> Response {
     axum::Json(json!({ "object": "list", "data": data })).into_response()
 }
 
-/// The `lora_name` of a vLLM load/unload body (`{"lora_name": …, "lora_path": …}`).
-fn lora_name(body: &[u8]) -> Result<String, Response> {
-    let v: Value =
-        serde_json::from_slice(body).map_err(|e| bad_request(format!("invalid JSON body: {e}")))?;
+/// The `lora_name` of a vLLM load/unload body (`{"lora_name": …, "lora_path": …}`). Errors are
+/// messages for a 400.
+fn lora_name(body: &[u8]) -> Result<String, String> {
+    let v: Value = serde_json::from_slice(body).map_err(|e| format!("invalid JSON body: {e}"))?;
     match v.get("lora_name").and_then(Value::as_str) {
         Some(n) if !n.is_empty() => Ok(n.to_string()),
-        _ => Err(bad_request("missing or empty field `lora_name`")),
+        _ => Err("missing or empty field `lora_name`".to_string()),
     }
 }
 
@@ -451,7 +451,7 @@ async fn load_lora_adapter(State(st): State<Arc<AppState>>, body: Bytes) -> Resp
     }
     let name = match lora_name(&body) {
         Ok(n) => n,
-        Err(r) => return r,
+        Err(m) => return bad_request(m),
     };
     if st.cfg.models.contains(&name) {
         return bad_request(format!("`{name}` is a base model"));
@@ -468,7 +468,7 @@ async fn load_lora_adapter(State(st): State<Arc<AppState>>, body: Bytes) -> Resp
 async fn unload_lora_adapter(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
     let name = match lora_name(&body) {
         Ok(n) => n,
-        Err(r) => return r,
+        Err(m) => return bad_request(m),
     };
     let mut loras = lock(&st.loras);
     let Some(i) = loras.iter().position(|l| *l == name) else {

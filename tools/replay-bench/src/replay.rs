@@ -222,6 +222,7 @@ pub fn run(trace: &Trace, policy: Policy, rc: &RunConfig) -> Result<RunResult, S
             session_id: None,
             session_token: None,
             priority: Default::default(),
+            test_selection: None,
         },
         events: Vec::new(),
         cfg,
