@@ -62,6 +62,8 @@ def test_gateway_following_epp_routing(gateway, pods):
     for p in (a, b, c):
         for _ in range(5):
             assert served(send(gateway, p.address.split(":")[0])) == p.name
+        # The test header is consumed by the gateway: the pod never sees it.
+        assert SELECT not in p.stats()["last_request_headers"]
     for chosen in ([c], [a, b], [a, b, c]):
         value = ",".join(p.address.split(":")[0] for p in chosen)
         seen = {served(send(gateway, value)) for _ in range(30)}
@@ -124,6 +126,10 @@ def test_headers_are_ignored_outside_conformance_mode(pods):
         # Naming one pod does not pin the request to it.
         seen = {served(send(envoy, pods[0].address)) for _ in range(40)}
         assert len(seen) >= 2, seen
+        # And it is removed before the request goes upstream.
+        for p in pods:
+            if p.name in seen:
+                assert SELECT not in p.stats()["last_request_headers"]
         # The suite's test paths are not inference paths outside conformance mode.
         r = send(envoy, path="/primary-gateway-test")
         assert r.status_code == 404 and r.json()["error"]["code"] == "not_found", r.text

@@ -47,9 +47,12 @@ def wait_model_routes(envoy: Envoy, model: str, timeout: float = 10) -> None:
                interval=0.2)
 
 
-def test_unlisted_models_and_runtime_adapters_route_to_the_pods_that_serve_them(sims):
+@pytest.mark.parametrize("mode", ["singleton", "lease"])
+def test_unlisted_models_and_runtime_adapters_route_to_the_pods_that_serve_them(sims, mode):
     a, b = sims
-    envoy = Envoy(config(a, b))
+    cfg = config(a, b)
+    cfg["poller"]["mode"] = mode
+    envoy = Envoy(cfg, singleton=(mode == "singleton"))
     try:
         # Qwen is in no configuration list: it routes once sim-b's /v1/models has been read.
         wait_model_routes(envoy, QWEN)
