@@ -520,8 +520,12 @@ impl Config {
         self.saturation.validate("saturation", self.poller.interval_ms, &mut errs.0);
         self.flow_control.validate("flow_control", &mut errs.0);
         self.health.validate("health", &mut errs.0);
+        // With `pod_models` (and no allow-list) a rewrite target or weight override may name a model
+        // only the pods report (e.g. an adapter loaded at run time).
+        let learned_names_allowed = self.pod_models.as_ref().is_some_and(|p| !p.allow_list);
         errs.0.extend(self.scheduler.validate(&|name| {
-            self.models.iter().any(|m| m.name == name || m.adapters.iter().any(|a| a == name))
+            learned_names_allowed
+                || self.models.iter().any(|m| m.name == name || m.adapters.iter().any(|a| a == name))
         }));
         if let Some(d) = &self.discovery {
             d.kubernetes.validate_into("discovery.kubernetes", &self.models, &mut errs.0);

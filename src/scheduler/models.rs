@@ -237,6 +237,30 @@ mod tests {
     }
 
     #[test]
+    fn with_pod_models_a_split_may_target_a_learned_name() {
+        let rule = r#""scheduler":{"rewrites":[{"matches":[{"model":{"value":"llama"}}],
+            "targets":[{"model_rewrite":"llama","weight":90},{"model_rewrite":"canary-lora","weight":10}]}]}"#;
+        // Without pod_models, or with its allow-list, the target must be configured.
+        for extra in ["", r#","pod_models":{"allow_list":true}"#] {
+            let e = Config::from_json(format!("{{{BASE},{rule}{extra}}}").as_bytes()).unwrap_err();
+            assert!(e.iter().any(|e| e.path == "scheduler.rewrites[0].targets[1].model_rewrite"), "{e:?}");
+        }
+        let c = cfg(&format!(r#"{{{BASE},{rule},"pod_models":{{}}}}"#));
+        let t = ModelTable::new(&c);
+        let mut rng = SplitMix64::new(5);
+        let canary = (0..1000).filter(|_| t.rewrite("llama", None, &mut rng) == Some("canary-lora")).count();
+        // Seeded: 10 % of 1000 expected; the band documents the weight.
+        assert!((50..=150).contains(&canary), "{canary}");
+        // The target resolves once a pod reports it, and is unknown before.
+        let snap = Snapshot {
+            endpoints: vec![EndpointStatus { models: vec!["canary-lora".into()], ..Default::default() }],
+            ..Default::default()
+        };
+        assert!(t.resolve("canary-lora", &Snapshot::default()).is_none());
+        assert_eq!(t.resolve("canary-lora", &snap).map(|r| r.base), Some("canary-lora"));
+    }
+
+    #[test]
     fn validation_rejects_unknown_targets_and_partial_weights() {
         let e = Config::from_json(
             format!(
