@@ -58,6 +58,9 @@ pub const SCRAPE_FAILURES: &str = "inference_picker_scrape_failures_total";
 /// Kubernetes pod-list calls that failed, by `reason`: `dispatch`, `status`, `bad_body`,
 /// `too_large`.
 pub const DISCOVERY_FAILURES: &str = "inference_picker_discovery_failures_total";
+/// `pod_models`: pod model-list fetches that failed, by `reason`: `dispatch`, `transport`,
+/// `status`, `too_large`, `parse` (see `crate::pod_models::ModelsError`).
+pub const MODEL_LIST_FAILURES: &str = "inference_picker_model_list_failures_total";
 
 /// Most distinct metric names one VM defines. Past it, new names are not defined (and not
 /// updated): the names already defined keep working, and the host logs once. With

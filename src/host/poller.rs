@@ -31,7 +31,8 @@ pub(crate) struct PollerRole {
     discovery_call: Option<u32>,
     /// A result arrived since the last publish.
     dirty: bool,
-    /// Failure counters (`inference_picker_scrape_failures_total`, `…discovery_failures_total`).
+    /// Failure counters (`inference_picker_scrape_failures_total`, `…discovery_failures_total`,
+    /// `…model_list_failures_total`).
     metrics: io::Metrics,
     /// One error line per cause every `telemetry::ERROR_LOG_EVERY_MS`.
     errors: LogLimiter,
@@ -213,6 +214,8 @@ impl PollerRole {
                 }
                 Err(e) => {
                     let _ = m.on_result(&address, Err(ModelsError::Transport));
+                    self.metrics
+                        .count(telemetry::name(telemetry::MODEL_LIST_FAILURES, &[("reason", "dispatch")]));
                     let cause = "models:dispatch";
                     if let Some(n) = self.errors.allow(cause, now) {
                         error!(
@@ -248,6 +251,8 @@ impl PollerRole {
             }
             Ok(false) => {}
             Err(e) => {
+                self.metrics
+                    .count(telemetry::name(telemetry::MODEL_LIST_FAILURES, &[("reason", e.reason())]));
                 let cause = format!("models:{}", e.reason());
                 if let Some(n) = self.errors.allow(&cause, now) {
                     warn!(

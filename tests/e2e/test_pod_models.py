@@ -138,3 +138,18 @@ def test_without_pod_models_the_configuration_alone_decides(sims):
         assert 404 in statuses, statuses
     finally:
         envoy.stop()
+
+
+def test_a_pod_without_a_model_list_keeps_the_configured_models_and_is_counted(sims):
+    a, b = sims
+    cfg = config(a, b, path="/no-model-list-here")
+    envoy = Envoy(cfg)
+    try:
+        # Every fetch gets the simulator's 404: counted, and the assumption stays (Qwen unknown).
+        wait_until(lambda: envoy.metric("inference_picker_model_list_failures_total", reason="status") >= 2,
+                   15, "model-list failures counted with reason=status")
+        r = envoy.chat(QWEN)
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found", r.text
+        assert model_ids(envoy) == [LLAMA, "sql-lora"]
+    finally:
+        envoy.stop()
