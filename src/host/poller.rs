@@ -219,7 +219,7 @@ impl PollerRole {
                     let cause = "models:dispatch";
                     if let Some(n) = self.errors.allow(cause, now) {
                         error!(
-                            "inference-picker-poller: model list of {address}: Envoy refused the call ({e})                              ({n} more such failures since the last line)"
+                            "inference-picker-poller: model list of {address}: Envoy refused the call ({e}) ({n} more such failures since the last line)"
                         );
                     }
                 }
@@ -256,7 +256,7 @@ impl PollerRole {
                 let cause = format!("models:{}", e.reason());
                 if let Some(n) = self.errors.allow(&cause, now) {
                     warn!(
-                        "inference-picker-poller: model list of {address} unusable, keeping the last one: {e}                          ({n} more such failures since the last line)"
+                        "inference-picker-poller: model list of {address} unusable, keeping the last one: {e} ({n} more such failures since the last line)"
                     );
                 }
             }
