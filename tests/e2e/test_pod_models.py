@@ -153,3 +153,37 @@ def test_a_pod_without_a_model_list_keeps_the_configured_models_and_is_counted(s
         assert model_ids(envoy) == [LLAMA, "sql-lora"]
     finally:
         envoy.stop()
+
+
+def test_a_weighted_split_can_target_an_adapter_loaded_at_run_time():
+    """Rewrites and splits still apply, and with pod_models their target may be a name only the
+    pods report: a canary adapter gets its share once it is loaded, and is a 404 before."""
+    sim = Sim("canary-host", models=(LLAMA,), loras=("sql-lora",), extra=("--max-lora", "2"))
+    cfg = picker_config([{"address": sim.address, "models": [LLAMA]}],
+                        models=[{"name": LLAMA, "adapters": ["sql-lora"]}],
+                        scheduler={"rewrites": [{
+                            "matches": [{"model": {"value": LLAMA}}],
+                            "targets": [{"model_rewrite": LLAMA, "weight": 50},
+                                        {"model_rewrite": "canary-lora", "weight": 50}]}]})
+    cfg["pod_models"] = POD_MODELS
+    envoy = Envoy(cfg)
+    try:
+        wait_until(lambda: envoy.chat(LLAMA).status_code == 200, 10, "the base share routed", interval=0.2)
+        # Not loaded: the canary share is refused by the gateway (the pod never sees it).
+        codes = [envoy.chat(LLAMA, content=f"before {i}").status_code for i in range(30)]
+        assert set(codes) == {200, 404}, codes
+        assert "canary-lora" not in sim.stats()["requests_by_model"]
+        requests.post(sim.url + "/v1/load_lora_adapter", json={"lora_name": "canary-lora", "lora_path": "/a"},
+                      timeout=5).raise_for_status()
+        wait_until(lambda: envoy.chat("canary-lora").status_code == 200, 10, "canary learned", interval=0.2)
+        sim.reset_stats()
+        for i in range(40):
+            r = envoy.chat(LLAMA, content=f"after {i}")
+            assert r.status_code == 200, r.text
+        # The pod saw both models under the client's one name (the body was rewritten).
+        by_model = sim.stats()["requests_by_model"]
+        assert set(by_model) == {LLAMA, "canary-lora"}, by_model
+        assert sum(by_model.values()) == 40, by_model
+    finally:
+        envoy.stop()
+        sim.stop()
