@@ -2,12 +2,19 @@
 configuration does not list, and an adapter loaded at run time, are routed to the pods that
 report them; the configuration's assumption about which pod serves what is replaced by what the
 pod reports; the allow-list refuses unlisted names; without `pod_models` nothing changes."""
+import json
+import os
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import requests
 
-from harness import LLAMA, QWEN, Envoy, Sim, picker_config, wait_until
+from harness import LLAMA, QWEN, REPO, Envoy, Sim, free_port, picker_config, static_cluster, wait_until
+
+sys.path.insert(0, str(REPO / "tests"))
+from fake_k8s_api import FakeK8sApi  # noqa: E402
 
 POD_MODELS = {"refresh_ms": 1000, "timeout_ms": 500}
 
@@ -187,3 +194,58 @@ def test_a_weighted_split_can_target_an_adapter_loaded_at_run_time():
     finally:
         envoy.stop()
         sim.stop()
+
+
+def k8s_pod(name: str, ip: str) -> dict:
+    """A Ready pod as the Kubernetes API lists it (the fields discovery reads)."""
+    return {
+        "metadata": {"name": name, "namespace": "llm", "uid": f"uid-{name}", "labels": {"app": "vllm"}},
+        "spec": {"containers": [{"name": "vllm", "ports": [{"containerPort": 8000, "protocol": "TCP"}]}]},
+        "status": {"phase": "Running", "podIP": ip, "podIPs": [{"ip": ip}],
+                   "conditions": [{"type": "Ready", "status": "True"}, {"type": "ContainersReady", "status": "True"}]},
+    }
+
+
+def write_pod_list(path: Path, pods: list) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"kind": "PodList", "apiVersion": "v1",
+                               "metadata": {"resourceVersion": str(time.time_ns())}, "items": pods}))
+    os.replace(tmp, path)
+
+
+def test_discovered_pods_serve_what_they_report_not_every_configured_model(tmp_path):
+    """Issue 13: with Kubernetes discovery every pod was assumed to serve every configured model.
+    With pod_models each discovered pod serves what it reports, and a pod discovered later is
+    asked at once."""
+    port = free_port()
+    ips = ["127.0.0.2", "127.0.0.3", "127.0.0.4"]
+    sims = [Sim("k8s-llama", models=(LLAMA,), host=ips[0], port=port),
+            Sim("k8s-qwen-1", models=(QWEN,), host=ips[1], port=port),
+            Sim("k8s-qwen-2", models=(QWEN,), host=ips[2], port=port)]
+    pods_file = tmp_path / "pods.json"
+    write_pod_list(pods_file, [k8s_pod("p0", ips[0]), k8s_pod("p1", ips[1])])
+    try:
+        with FakeK8sApi(pods_file) as api:
+            cfg = picker_config([], models=[{"name": LLAMA}])
+            cfg["discovery"] = {"kubernetes": {
+                "namespace": "llm", "selector": {"app": "vllm"}, "target_ports": [port],
+                "api_cluster": "kubernetes_api", "refresh_ms": 1000, "timeout_ms": 1000}}
+            cfg["pod_models"] = POD_MODELS
+            envoy = Envoy(cfg, extra_clusters=[static_cluster("kubernetes_api", "127.0.0.1", api.port)],
+                          pool_hosts=[s.address for s in sims])
+            try:
+                wait_model_routes(envoy, QWEN, timeout=15)
+                for i in range(20):
+                    assert served_by(envoy.chat(LLAMA, content=f"l{i}")) == "k8s-llama"
+                    assert served_by(envoy.chat(QWEN, content=f"q{i}")) == "k8s-qwen-1"
+                # A third pod appears: asked at once, and Qwen spreads over both Qwen pods.
+                write_pod_list(pods_file, [k8s_pod("p0", ips[0]), k8s_pod("p1", ips[1]), k8s_pod("p2", ips[2])])
+                wait_until(lambda: "k8s-qwen-2" in {served_by(envoy.chat(QWEN, content=f"n{i}")) for i in range(8)},
+                           15, "the new Qwen pod routed", interval=0.2)
+                for i in range(20):
+                    assert served_by(envoy.chat(LLAMA, content=f"m{i}")) == "k8s-llama"
+            finally:
+                envoy.stop()
+    finally:
+        for s in sims:
+            s.stop()
