@@ -33,7 +33,8 @@
 //!    together, and workers cannot all release at once into the same free slots.
 //! 3. Order: a worker releases a request only if no live worker publishes a waiting request of
 //!    higher priority. Within this worker, strict priority order, then round-robin over fairness
-//!    ids (tenants) inside one priority level.
+//!    ids (tenants) inside one priority level, among the tenants the cross-worker fairness rule
+//!    lets go (below).
 //! 4. Sharing tokens at equal priority: when other workers also hold requests at this worker's
 //!    top priority, it takes at most `ceil(tokens / (1 + those workers))` per tick, so the first
 //!    worker to tick does not drain the budget.
