@@ -138,7 +138,27 @@ pub struct FlowControlConfig {
     #[serde(default = "default_worker_ttl_ms")]
     #[cfg_attr(feature = "schema", schemars(range(min = MIN_WORKER_TTL_MS)))]
     pub worker_ttl_ms: u64,
+    /// Headroom kept for high priorities: requests below `min_priority` are held once every
+    /// endpoint is loaded to `1 - fraction` of the saturation thresholds, so that requests at or
+    /// above it still find room. Default null (none).
+    #[serde(default)]
+    pub reserve: Option<ReserveConfig>,
 }
+
+/// `flow_control.reserve`: see [`FlowControlConfig::reserve`].
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
+#[serde(deny_unknown_fields)]
+pub struct ReserveConfig {
+    /// Requests of this priority or higher may use the reserved headroom.
+    pub min_priority: i32,
+    /// Share of each saturation threshold (`queue_threshold`, `kv_threshold`,
+    /// `max_inflight_per_endpoint`) kept for them, in (0, 1).
+    #[cfg_attr(feature = "schema", schemars(range(min = 0.0, max = 1.0)))]
+    pub fraction: f64,
+}
+
+impl Eq for ReserveConfig {}
 
 fn default_enabled() -> bool {
     false
@@ -164,6 +184,7 @@ impl Default for FlowControlConfig {
             max_queue: default_max_queue(),
             retry_after_s: default_retry_after_s(),
             worker_ttl_ms: default_worker_ttl_ms(),
+            reserve: None,
         }
     }
 }
@@ -179,6 +200,14 @@ impl FlowControlConfig {
                 path: format!("{path}.max_queue"),
                 reason: "must be > 0 (set enabled: false to hold nothing)".into(),
             });
+        }
+        if let Some(r) = &self.reserve {
+            if !(r.fraction > 0.0 && r.fraction < 1.0) {
+                errs.push(ConfigError {
+                    path: format!("{path}.reserve.fraction"),
+                    reason: format!("must be > 0 and < 1, got {}", r.fraction),
+                });
+            }
         }
         if self.worker_ttl_ms < MIN_WORKER_TTL_MS {
             errs.push(ConfigError {
@@ -201,11 +230,36 @@ pub struct Capacity {
     pub slots: u32,
     /// Every endpoint of the group is full.
     pub saturated: bool,
+    /// The capacity left to priorities below a reserve (`flow_control.reserve`), if configured.
+    pub reserve: Option<Reserve>,
+}
+
+/// What the group can take from requests below `min_priority`: the saturation report at the
+/// reduced thresholds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Reserve {
+    pub min_priority: i32,
+    pub slots: u32,
+    pub saturated: bool,
 }
 
 impl Capacity {
     pub fn new(snapshot_version: u64, report: &SaturationReport) -> Self {
-        Self { epoch: snapshot_version, slots: report.headroom, saturated: report.saturated }
+        Self { epoch: snapshot_version, slots: report.headroom, saturated: report.saturated, reserve: None }
+    }
+
+    /// Adds the reserve: `report` is the saturation report at the reduced thresholds.
+    pub fn with_reserve(mut self, min_priority: i32, report: &SaturationReport) -> Self {
+        self.reserve = Some(Reserve { min_priority, slots: report.headroom, saturated: report.saturated });
+        self
+    }
+
+    /// Whether a request of `priority` finds every endpoint full (for it).
+    pub fn saturated_for(&self, priority: i32) -> bool {
+        match self.reserve {
+            Some(r) if priority < r.min_priority => self.saturated || r.saturated,
+            _ => self.saturated,
+        }
     }
 }
 
@@ -785,7 +839,7 @@ impl FlowQueue {
             let ahead =
                 global.iter().filter(|(p, _)| *p >= t.priority).fold(0u32, |a, (_, c)| a.saturating_add(*c));
             let total = global.iter().fold(0u32, |a, (_, c)| a.saturating_add(*c));
-            if !cap.saturated && ahead == 0 {
+            if !cap.saturated_for(t.priority) && ahead == 0 {
                 if total == 0 {
                     // Nobody waits: the ledger is not in use, nothing to write.
                     return (Plan::Pass, false);
@@ -1009,7 +1063,18 @@ impl FlowQueue {
                 // holds something above this worker's top priority.
                 let floor = remote_max.unwrap_or(i32::MIN);
                 sim.retain(|l| l.priority >= floor);
-                let eligible: u32 = local.iter().filter(|(p, _)| *p >= floor).map(|(_, c)| *c).sum();
+                // Below the reserve: nothing while the reduced thresholds are reached, else at
+                // most the reduced headroom.
+                let mut low_left = u32::MAX;
+                if let Some(r) = cap.reserve {
+                    if r.saturated {
+                        sim.retain(|l| l.priority >= r.min_priority);
+                    } else {
+                        low_left = r.slots;
+                    }
+                }
+                let eligible: u32 =
+                    sim.iter().flat_map(|l| l.flows.iter()).fold(0u32, |a, (_, _, c)| a.saturating_add(*c));
                 let peers = rec.remote(me).filter(|w| w.max_priority() == Some(top)).count();
                 let peers = u32::try_from(peers).unwrap_or(u32::MAX).saturating_add(1);
                 let share = rec.left.div_ceil(peers);
@@ -1020,10 +1085,18 @@ impl FlowQueue {
                     rec.declined_ms != 0 && now_ms.saturating_sub(rec.declined_ms) >= fairshare::GRACE_MS;
                 let mut declined = false;
                 for _ in 0..budget {
+                    if low_left == 0 {
+                        if let Some(r) = cap.reserve {
+                            sim.retain(|l| l.priority >= r.min_priority);
+                        }
+                    }
                     let served = &rec.served;
                     let may = |p: i32, b: u16| waived || served.allows(p, b);
                     match plan_take(&mut sim, &may) {
                         Some((p, flow, b)) => {
+                            if cap.reserve.is_some_and(|r| p < r.min_priority) {
+                                low_left = low_left.saturating_sub(1);
+                            }
                             rec.served.charge(p, b);
                             picks.push((p, flow));
                         }
@@ -1092,9 +1165,9 @@ mod tests {
     fn cfg() -> FlowControlConfig {
         FlowControlConfig { enabled: true, max_wait_ms: 1000, max_queue: 100, ..FlowControlConfig::default() }
     }
-    const SAT: Capacity = Capacity { epoch: 1, slots: 0, saturated: true };
+    const SAT: Capacity = Capacity { epoch: 1, slots: 0, saturated: true, reserve: None };
     fn room(epoch: u64, slots: u32) -> Capacity {
-        Capacity { epoch, slots, saturated: false }
+        Capacity { epoch, slots, saturated: false, reserve: None }
     }
     fn t(id: u32, priority: i32, flow: &str) -> Ticket<'_> {
         Ticket { id, priority, fairness_id: flow }
@@ -1260,7 +1333,7 @@ mod tests {
         // A finish while the group is still saturated (live estimate still full): nothing.
         assert_eq!(credit_finish(&store, "m", &SAT, 2000, NOW + 20), Ok(false));
         // A finish frees one slot in the same epoch: one token, and the next tick releases one.
-        let live = Capacity { epoch: 1, slots: 1, saturated: false };
+        let live = Capacity { epoch: 1, slots: 1, saturated: false, reserve: None };
         assert_eq!(credit_finish(&store, "m", &live, 2000, NOW + 30), Ok(true));
         assert_eq!(record(&store, "m").left, 1);
         // A second credit with still one slot of headroom does not exceed it.

@@ -407,7 +407,20 @@ impl Sim<'_> {
         let counts = rep.inflight.borrow_mut().read(&rep.store, now_ms).unwrap_or_default();
         let eps: Vec<&EndpointStatus> = snap.endpoints.iter().collect();
         let report = saturated(&self.sat, &eps, &|a| counts.get(a), now_ms);
-        Ok(Capacity::new(snap.version, &report))
+        let cap = Capacity::new(snap.version, &report);
+        // `flow_control.reserve`: the capacity left below it, as `admission::capacity_with`.
+        Ok(match &self.cfg.flow_control.reserve {
+            Some(r) => {
+                let low = saturated(
+                    &inference_picker::admission::reserved_params(&self.sat, r),
+                    &eps,
+                    &|a| counts.get(a),
+                    now_ms,
+                );
+                cap.with_reserve(r.min_priority, &low)
+            }
+            None => cap,
+        })
     }
 
     fn arrive(&mut self, wi: usize, idx: usize, t: f64) -> Result<(), String> {
