@@ -564,6 +564,49 @@ mod tests {
     }
 
     #[test]
+    fn a_reserve_judges_lower_priorities_at_reduced_thresholds() {
+        let sat = cfg("").saturation.params(1000);
+        let r = ReserveConfig { min_priority: 10, fraction: 0.5 };
+        // Thresholds halved: queue 5 → 2.5, KV 0.8 → 0.4, in-flight 2 → 1 (never below 1).
+        let low = reserved_params(&sat, &r);
+        assert_eq!((low.queue_threshold, low.kv_threshold, low.max_inflight_per_endpoint), (2.5, 0.4, 1));
+        let one = ReserveConfig { min_priority: 10, fraction: 0.9 };
+        assert_eq!(
+            reserved_params(&SaturationParams { max_inflight_per_endpoint: 2, ..sat }, &one)
+                .max_inflight_per_endpoint,
+            1
+        );
+        assert_eq!(
+            reserved_params(&SaturationParams { max_inflight_per_endpoint: 0, ..sat }, &one)
+                .max_inflight_per_endpoint,
+            0
+        );
+        // One request in flight on each endpoint: room for everyone (2 slots), none below 10.
+        let c = capacity_with(
+            &sat,
+            Some(&r),
+            &snap(7, 10),
+            "m",
+            &inflight("10.0.0.1:8000=1;10.0.0.2:8000=1"),
+            NOW,
+        )
+        .unwrap();
+        assert_eq!((c.saturated, c.slots), (false, 2));
+        assert_eq!(c.reserve, Some(flow::Reserve { min_priority: 10, slots: 0, saturated: true }));
+        assert!(c.saturated_for(0) && c.saturated_for(9) && !c.saturated_for(10) && !c.saturated_for(15));
+        // Only .1 busy: one low slot left on .2.
+        let c = capacity_with(&sat, Some(&r), &snap(7, 10), "m", &inflight("10.0.0.1:8000=1"), NOW).unwrap();
+        assert_eq!(c.reserve, Some(flow::Reserve { min_priority: 10, slots: 1, saturated: false }));
+        assert!(!c.saturated_for(0));
+        // Without a reserve, capacity_with is capacity.
+        let f = inflight("10.0.0.1:8000=1");
+        assert_eq!(
+            capacity_with(&sat, None, &snap(7, 10), "m", &f, NOW),
+            capacity(&sat, &snap(7, 10), "m", &f, NOW)
+        );
+    }
+
+    #[test]
     fn capacity_judges_only_the_groups_endpoints() {
         let sat = cfg("").saturation.params(1000);
         // m: both endpoints at 2/2 in flight → saturated; 'other' is untouched.

@@ -1763,18 +1763,65 @@ mod tests {
     }
 
     #[test]
+    fn a_reserve_keeps_headroom_for_high_priorities() {
+        let s = MemStore::new();
+        let mut q = FlowQueue::new(&cfg(), "m", 1);
+        // Room for all (2 slots), but below priority 10 the reduced thresholds are reached.
+        let low_full =
+            Capacity { reserve: Some(Reserve { min_priority: 10, slots: 0, saturated: true }), ..room(1, 2) };
+        assert!(held(&q.admit(&s, &t(1, 0, "a"), &low_full, 0)), "standard waits");
+        assert_eq!(q.admit(&s, &t(2, 15, "a"), &low_full, 0), Admission::Pass, "premium takes the reserve");
+        // A sheddable request is held too (it is shed only when every endpoint is full).
+        assert!(held(&q.admit(&s, &t(3, -5, "a"), &low_full, 0)));
+        assert!(held(&q.admit(&s, &t(4, 0, "a"), &low_full, 0)));
+        // Ticks release nothing below 10 while the reduced thresholds are reached...
+        assert!(q.on_tick(&s, &Capacity { epoch: 2, ..low_full }, 10).is_empty());
+        // ...and at most the reduced headroom once they are not (3 tokens, 1 low slot).
+        let one_low = Capacity {
+            epoch: 3,
+            reserve: Some(Reserve { min_priority: 10, slots: 1, saturated: false }),
+            ..room(3, 3)
+        };
+        assert_eq!(released(&q.on_tick(&s, &one_low, 20)), vec![1]);
+        assert_eq!(record(&s, "m").left, 2, "unused tokens stay for higher priorities");
+        // A premium request arriving now passes on one of them (lower ones wait: it takes a token).
+        assert_eq!(q.admit(&s, &t(5, 15, "a"), &one_low, 21), Admission::Pass);
+        assert_eq!(record(&s, "m").left, 1);
+    }
+
+    #[test]
     fn config_defaults_and_validation() {
         let c: FlowControlConfig = serde_json::from_str("{}").unwrap();
         assert_eq!(c, FlowControlConfig::default());
         assert_eq!((c.max_wait_ms, c.max_queue, c.retry_after_s, c.worker_ttl_ms), (30_000, 1024, 1, 2000));
         assert!(serde_json::from_str::<FlowControlConfig>(r#"{"max_wait":1}"#).is_err());
-        let bad = FlowControlConfig { max_wait_ms: 0, max_queue: 0, worker_ttl_ms: 100, ..c };
+        let bad = FlowControlConfig {
+            max_wait_ms: 0,
+            max_queue: 0,
+            worker_ttl_ms: 100,
+            reserve: Some(ReserveConfig { min_priority: 10, fraction: 1.0 }),
+            ..c
+        };
         let mut errs = Vec::new();
         bad.validate("flow_control", &mut errs);
         let paths: Vec<&str> = errs.iter().map(|e| e.path.as_str()).collect();
         assert_eq!(
             paths,
-            vec!["flow_control.max_wait_ms", "flow_control.max_queue", "flow_control.worker_ttl_ms"]
+            vec![
+                "flow_control.max_wait_ms",
+                "flow_control.max_queue",
+                "flow_control.reserve.fraction",
+                "flow_control.worker_ttl_ms"
+            ]
         );
+        assert!(errs[2].reason.contains("must be > 0 and < 1"), "{}", errs[2].reason);
+        let r: FlowControlConfig =
+            serde_json::from_str(r#"{"reserve":{"min_priority":10,"fraction":0.4}}"#).unwrap();
+        assert_eq!(r.reserve, Some(ReserveConfig { min_priority: 10, fraction: 0.4 }));
+        assert!(serde_json::from_str::<FlowControlConfig>(r#"{"reserve":{"min_priority":10}}"#).is_err());
+        assert!(serde_json::from_str::<FlowControlConfig>(
+            r#"{"reserve":{"min_priority":1,"fraction":0.4,"x":1}}"#
+        )
+        .is_err());
     }
 }
