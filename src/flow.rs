@@ -18,9 +18,11 @@
 //! # Admission ([`FlowQueue::admit`], at request time)
 //! With the model's [`Capacity`] (from `crate::saturation`) and the shared record:
 //! 1. Saturated and sheddable (priority < 0): 429 at once (`request_shed`).
-//! 2. Not saturated and no request of equal or higher priority waits anywhere: pass. When
-//!    lower-priority requests wait somewhere, the release ledger is in use and the pass takes a
-//!    token; with no token left the request is held (it will be first out).
+//! 2. Not saturated (for this priority: below `flow_control.reserve.min_priority`, at the
+//!    reduced thresholds, [`Capacity::saturated_for`]) and no request of equal or higher priority
+//!    waits anywhere: pass. When lower-priority requests wait somewhere, the release ledger is in
+//!    use and the pass takes a token; with no token left the request is held (it will be first
+//!    out).
 //! 3. Otherwise hold it, unless the group already holds `max_queue` requests over all workers:
 //!    then, if this worker holds a lower-priority request, that one (the newest of the lowest
 //!    priority) is evicted with 429 to make room; if not, this request gets 429 (`queue_full`).
@@ -34,7 +36,9 @@
 //! 3. Order: a worker releases a request only if no live worker publishes a waiting request of
 //!    higher priority. Within this worker, strict priority order, then round-robin over fairness
 //!    ids (tenants) inside one priority level, among the tenants the cross-worker fairness rule
-//!    lets go (below).
+//!    lets go (below). Below `reserve.min_priority`, nothing is released while the reduced
+//!    thresholds are reached, and at most the reduced headroom otherwise; the tokens left stay
+//!    in the ledger for higher priorities.
 //! 4. Sharing tokens at equal priority: when other workers also hold requests at this worker's
 //!    top priority, it takes at most `ceil(tokens / (1 + those workers))` per tick, so the first
 //!    worker to tick does not drain the budget.
@@ -1101,7 +1105,9 @@ impl FlowQueue {
                             picks.push((p, flow));
                         }
                         None => {
-                            declined = true;
+                            // A refusal for fairness only when something eligible is left
+                            // (not when the reserve emptied the plan).
+                            declined = sim.iter().any(|l| !l.flows.is_empty());
                             break;
                         }
                     }
