@@ -46,7 +46,7 @@ use std::rc::Rc;
 
 use crate::config::{Config, FailureMode};
 use crate::errors::Rejection;
-use crate::flow::{self, Admission, Capacity, FlowControlConfig, FlowQueue, Ticket};
+use crate::flow::{self, Admission, Capacity, FlowControlConfig, FlowQueue, ReserveConfig, Ticket};
 use crate::inflight::InflightCounts;
 use crate::ports::{SharedStore, StoreError};
 use crate::priority::PriorityDecision;
@@ -154,6 +154,19 @@ pub fn capacity(
     inflight: &InflightCounts,
     now_ms: u64,
 ) -> Option<Capacity> {
+    capacity_with(sat, None, snapshot, group, inflight, now_ms)
+}
+
+/// [`capacity`] plus, with `flow_control.reserve`, the capacity left to the priorities below it
+/// (the same report at the reduced thresholds, [`reserved_params`]).
+pub fn capacity_with(
+    sat: &SaturationParams,
+    reserve: Option<&ReserveConfig>,
+    snapshot: &Snapshot,
+    group: &str,
+    inflight: &InflightCounts,
+    now_ms: u64,
+) -> Option<Capacity> {
     let endpoints: Vec<&EndpointStatus> = snapshot.endpoints.iter().filter(|e| serves(e, group)).collect();
     if endpoints.is_empty() {
         return None;
@@ -162,7 +175,30 @@ pub fn capacity(
     if report.stale == report.endpoints {
         return None;
     }
-    Some(Capacity::new(snapshot.version, &report))
+    let cap = Capacity::new(snapshot.version, &report);
+    Some(match reserve {
+        Some(r) => {
+            let low = saturated(&reserved_params(sat, r), &endpoints, &|a| inflight.get(a), now_ms);
+            cap.with_reserve(r.min_priority, &low)
+        }
+        None => cap,
+    })
+}
+
+/// The saturation thresholds for priorities below the reserve: each one times `1 - fraction`
+/// (an in-flight limit stays at least 1; 0 stays off).
+pub fn reserved_params(sat: &SaturationParams, r: &ReserveConfig) -> SaturationParams {
+    let keep = (1.0 - r.fraction).clamp(0.0, 1.0);
+    SaturationParams {
+        queue_threshold: sat.queue_threshold * keep,
+        kv_threshold: sat.kv_threshold * keep,
+        max_inflight_per_endpoint: if sat.max_inflight_per_endpoint == 0 {
+            0
+        } else {
+            ((f64::from(sat.max_inflight_per_endpoint) * keep).floor() as u32).max(1)
+        },
+        stale_after_ms: sat.stale_after_ms,
+    }
 }
 
 /// What to do with a request whose body is complete.
@@ -287,7 +323,9 @@ impl Gate {
         priority: &PriorityDecision,
         now_ms: u64,
     ) -> Decision {
-        let Some(cap) = capacity(&self.sat, snapshot, group, inflight, now_ms) else {
+        let Some(cap) =
+            capacity_with(&self.sat, self.flow.reserve.as_ref(), snapshot, group, inflight, now_ms)
+        else {
             *self.fail_open.entry(priority.priority).or_default() += 1;
             return Decision::Go;
         };
@@ -329,10 +367,12 @@ impl Gate {
             if !queue.needs_tick() {
                 continue;
             }
-            let actions = match capacity(&self.sat, snapshot, group, inflight, now_ms) {
-                Some(cap) => queue.on_tick(store, &cap, now_ms),
-                None => queue.release_all(store, now_ms),
-            };
+            let actions =
+                match capacity_with(&self.sat, self.flow.reserve.as_ref(), snapshot, group, inflight, now_ms)
+                {
+                    Some(cap) => queue.on_tick(store, &cap, now_ms),
+                    None => queue.release_all(store, now_ms),
+                };
             out.extend(actions);
         }
         for a in &out {
@@ -368,7 +408,9 @@ impl Gate {
         };
         let mut credited = false;
         for group in &ep.models {
-            if let Some(cap) = capacity(&self.sat, snapshot, group, inflight, now_ms) {
+            if let Some(cap) =
+                capacity_with(&self.sat, self.flow.reserve.as_ref(), snapshot, group, inflight, now_ms)
+            {
                 credited |=
                     flow::credit_finish(store, group, &cap, self.flow.worker_ttl_ms, now_ms).unwrap_or(false);
             }
@@ -522,14 +564,57 @@ mod tests {
     }
 
     #[test]
+    fn a_reserve_judges_lower_priorities_at_reduced_thresholds() {
+        let sat = cfg("").saturation.params(1000);
+        let r = ReserveConfig { min_priority: 10, fraction: 0.5 };
+        // Thresholds halved: queue 5 → 2.5, KV 0.8 → 0.4, in-flight 2 → 1 (never below 1).
+        let low = reserved_params(&sat, &r);
+        assert_eq!((low.queue_threshold, low.kv_threshold, low.max_inflight_per_endpoint), (2.5, 0.4, 1));
+        let one = ReserveConfig { min_priority: 10, fraction: 0.9 };
+        assert_eq!(
+            reserved_params(&SaturationParams { max_inflight_per_endpoint: 2, ..sat }, &one)
+                .max_inflight_per_endpoint,
+            1
+        );
+        assert_eq!(
+            reserved_params(&SaturationParams { max_inflight_per_endpoint: 0, ..sat }, &one)
+                .max_inflight_per_endpoint,
+            0
+        );
+        // One request in flight on each endpoint: room for everyone (2 slots), none below 10.
+        let c = capacity_with(
+            &sat,
+            Some(&r),
+            &snap(7, 10),
+            "m",
+            &inflight("10.0.0.1:8000=1;10.0.0.2:8000=1"),
+            NOW,
+        )
+        .unwrap();
+        assert_eq!((c.saturated, c.slots), (false, 2));
+        assert_eq!(c.reserve, Some(flow::Reserve { min_priority: 10, slots: 0, saturated: true }));
+        assert!(c.saturated_for(0) && c.saturated_for(9) && !c.saturated_for(10) && !c.saturated_for(15));
+        // Only .1 busy: one low slot left on .2.
+        let c = capacity_with(&sat, Some(&r), &snap(7, 10), "m", &inflight("10.0.0.1:8000=1"), NOW).unwrap();
+        assert_eq!(c.reserve, Some(flow::Reserve { min_priority: 10, slots: 1, saturated: false }));
+        assert!(!c.saturated_for(0));
+        // Without a reserve, capacity_with is capacity.
+        let f = inflight("10.0.0.1:8000=1");
+        assert_eq!(
+            capacity_with(&sat, None, &snap(7, 10), "m", &f, NOW),
+            capacity(&sat, &snap(7, 10), "m", &f, NOW)
+        );
+    }
+
+    #[test]
     fn capacity_judges_only_the_groups_endpoints() {
         let sat = cfg("").saturation.params(1000);
         // m: both endpoints at 2/2 in flight → saturated; 'other' is untouched.
         let c = capacity(&sat, &snap(7, 10), "m", &inflight(FULL), NOW).unwrap();
-        assert_eq!(c, Capacity { epoch: 7, slots: 0, saturated: true });
+        assert_eq!(c, Capacity { epoch: 7, slots: 0, saturated: true, reserve: None });
         // One in flight on .1: room min(ceil(5-0), 2-1) = 1 there, 2 on .2 → 3 slots.
         let c = capacity(&sat, &snap(7, 10), "m", &inflight("10.0.0.1:8000=1"), NOW).unwrap();
-        assert_eq!(c, Capacity { epoch: 7, slots: 3, saturated: false });
+        assert_eq!(c, Capacity { epoch: 7, slots: 3, saturated: false, reserve: None });
         let c = capacity(&sat, &snap(7, 10), "other", &inflight(FULL), NOW).unwrap();
         assert!(!c.saturated);
     }

@@ -10,16 +10,19 @@
 //! - `w`: per live worker, its id, a heartbeat and how many requests it holds at each priority
 //!   (the *waiting summary*);
 //! - `e`, `l`, `r`: the *release ledger*: the capacity epoch, the release tokens left in it, and
-//!   when it was last reset.
+//!   when it was last reset;
+//! - `f`, `d`: tenant fairness over all workers (see below and `crate::fairshare`).
 //!
 //! Every change is a read-modify-write with CAS (retried up to 8 times), so no update is lost.
 //!
 //! # Admission ([`FlowQueue::admit`], at request time)
 //! With the model's [`Capacity`] (from `crate::saturation`) and the shared record:
 //! 1. Saturated and sheddable (priority < 0): 429 at once (`request_shed`).
-//! 2. Not saturated and no request of equal or higher priority waits anywhere: pass. When
-//!    lower-priority requests wait somewhere, the release ledger is in use and the pass takes a
-//!    token; with no token left the request is held (it will be first out).
+//! 2. Not saturated (for this priority: below `flow_control.reserve.min_priority`, at the
+//!    reduced thresholds, [`Capacity::saturated_for`]) and no request of equal or higher priority
+//!    waits anywhere: pass. When lower-priority requests wait somewhere, the release ledger is in
+//!    use and the pass takes a token; with no token left the request is held (it will be first
+//!    out).
 //! 3. Otherwise hold it, unless the group already holds `max_queue` requests over all workers:
 //!    then, if this worker holds a lower-priority request, that one (the newest of the lowest
 //!    priority) is evicted with 429 to make room; if not, this request gets 429 (`queue_full`).
@@ -32,7 +35,10 @@
 //!    together, and workers cannot all release at once into the same free slots.
 //! 3. Order: a worker releases a request only if no live worker publishes a waiting request of
 //!    higher priority. Within this worker, strict priority order, then round-robin over fairness
-//!    ids (tenants) inside one priority level.
+//!    ids (tenants) inside one priority level, among the tenants the cross-worker fairness rule
+//!    lets go (below). Below `reserve.min_priority`, nothing is released while the reduced
+//!    thresholds are reached, and at most the reduced headroom otherwise; the tokens left stay
+//!    in the ledger for higher priorities.
 //! 4. Sharing tokens at equal priority: when other workers also hold requests at this worker's
 //!    top priority, it takes at most `ceil(tokens / (1 + those workers))` per tick, so the first
 //!    worker to tick does not drain the budget.
@@ -44,8 +50,14 @@
 //!   as of that worker's last write (on every hold, and on its ticks). A request held on worker B
 //!   after worker A read the record can lose to A's lower-priority release in that tick, and a
 //!   request cancelled on B keeps lower-priority releases elsewhere waiting until B's next tick.
-//! - Fairness between tenants is per worker. Across workers, equal-priority releases are shared
-//!   by worker, not by tenant.
+//! - Fairness between tenants holds across workers (`crate::fairshare`): the record also keeps,
+//!   per priority, how many releases each waiting tenant got over all workers (`f`), each worker
+//!   publishes the tenants it holds (`t` of its entry), and a worker releases a tenant's request
+//!   only when that tenant is at most `fairshare::SLACK` releases ahead of the least-served
+//!   waiting tenant of the same priority anywhere. Otherwise it leaves the token for the worker
+//!   that holds that tenant; a refusal that left tokens unused for `fairshare::GRACE_MS` (`d`)
+//!   is waived, so fairness never stalls the queue. Within a worker, tenants that qualify are
+//!   served in round-robin order.
 //! - A worker that stops ticking (VM gone) is ignored once its heartbeat is older than
 //!   `worker_ttl_ms`, so it cannot block others forever. The tick period must be well under a
 //!   third of `worker_ttl_ms` (heartbeats are written every `worker_ttl_ms / 3` while holding).
@@ -74,15 +86,17 @@
 //!
 //! # Keys
 //! One key per group, so the number of keys is bounded by the configured models. The value is
-//! bounded by workers × distinct priorities (priorities come only from the config).
+//! bounded by workers × (distinct priorities + `fairshare::MAX_PUBLISHED`) (priorities come only
+//! from the config).
 
 use std::cmp::Reverse;
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 use serde::{Deserialize, Serialize};
 
 use crate::config::ConfigError;
 use crate::errors::Rejection;
+use crate::fairshare::{self, Served};
 use crate::ports::{SharedStore, StoreError};
 use crate::saturation::SaturationReport;
 
@@ -128,7 +142,27 @@ pub struct FlowControlConfig {
     #[serde(default = "default_worker_ttl_ms")]
     #[cfg_attr(feature = "schema", schemars(range(min = MIN_WORKER_TTL_MS)))]
     pub worker_ttl_ms: u64,
+    /// Headroom kept for high priorities: requests below `min_priority` are held once every
+    /// endpoint is loaded to `1 - fraction` of the saturation thresholds, so that requests at or
+    /// above it still find room. Default null (none).
+    #[serde(default)]
+    pub reserve: Option<ReserveConfig>,
 }
+
+/// `flow_control.reserve`: see [`FlowControlConfig::reserve`].
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
+#[serde(deny_unknown_fields)]
+pub struct ReserveConfig {
+    /// Requests of this priority or higher may use the reserved headroom.
+    pub min_priority: i32,
+    /// Share of each saturation threshold (`queue_threshold`, `kv_threshold`,
+    /// `max_inflight_per_endpoint`) kept for them, in (0, 1).
+    #[cfg_attr(feature = "schema", schemars(range(min = 0.0, max = 1.0)))]
+    pub fraction: f64,
+}
+
+impl Eq for ReserveConfig {}
 
 fn default_enabled() -> bool {
     false
@@ -154,6 +188,7 @@ impl Default for FlowControlConfig {
             max_queue: default_max_queue(),
             retry_after_s: default_retry_after_s(),
             worker_ttl_ms: default_worker_ttl_ms(),
+            reserve: None,
         }
     }
 }
@@ -169,6 +204,14 @@ impl FlowControlConfig {
                 path: format!("{path}.max_queue"),
                 reason: "must be > 0 (set enabled: false to hold nothing)".into(),
             });
+        }
+        if let Some(r) = &self.reserve {
+            if !(r.fraction > 0.0 && r.fraction < 1.0) {
+                errs.push(ConfigError {
+                    path: format!("{path}.reserve.fraction"),
+                    reason: format!("must be > 0 and < 1, got {}", r.fraction),
+                });
+            }
         }
         if self.worker_ttl_ms < MIN_WORKER_TTL_MS {
             errs.push(ConfigError {
@@ -191,11 +234,36 @@ pub struct Capacity {
     pub slots: u32,
     /// Every endpoint of the group is full.
     pub saturated: bool,
+    /// The capacity left to priorities below a reserve (`flow_control.reserve`), if configured.
+    pub reserve: Option<Reserve>,
+}
+
+/// What the group can take from requests below `min_priority`: the saturation report at the
+/// reduced thresholds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Reserve {
+    pub min_priority: i32,
+    pub slots: u32,
+    pub saturated: bool,
 }
 
 impl Capacity {
     pub fn new(snapshot_version: u64, report: &SaturationReport) -> Self {
-        Self { epoch: snapshot_version, slots: report.headroom, saturated: report.saturated }
+        Self { epoch: snapshot_version, slots: report.headroom, saturated: report.saturated, reserve: None }
+    }
+
+    /// Adds the reserve: `report` is the saturation report at the reduced thresholds.
+    pub fn with_reserve(mut self, min_priority: i32, report: &SaturationReport) -> Self {
+        self.reserve = Some(Reserve { min_priority, slots: report.headroom, saturated: report.saturated });
+        self
+    }
+
+    /// Whether a request of `priority` finds every endpoint full (for it).
+    pub fn saturated_for(&self, priority: i32) -> bool {
+        match self.reserve {
+            Some(r) if priority < r.min_priority => self.saturated || r.saturated,
+            _ => self.saturated,
+        }
     }
 }
 
@@ -281,6 +349,17 @@ pub struct Record {
     /// Waiting summaries of the workers that hold requests.
     #[serde(rename = "w", default)]
     pub workers: Vec<WorkerEntry>,
+    /// Releases per waiting tenant and priority, over all workers (`crate::fairshare`).
+    #[serde(rename = "f", default, skip_serializing_if = "Served::is_empty")]
+    pub served: Served,
+    /// When a fairness refusal first left tokens unused (ms); 0 when none did since the last
+    /// release. See `crate::fairshare::GRACE_MS`.
+    #[serde(rename = "d", default, skip_serializing_if = "is_zero")]
+    pub declined_ms: u64,
+}
+
+fn is_zero(v: &u64) -> bool {
+    *v == 0
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -290,6 +369,10 @@ pub struct WorkerEntry {
     pub hb: u64,
     /// (priority, held count), highest priority first, counts > 0.
     pub q: Vec<(i32, u32)>,
+    /// (priority, tenant bucket) pairs held, highest priority first, at most
+    /// `crate::fairshare::MAX_PUBLISHED`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub t: Vec<(i32, u16)>,
 }
 
 impl WorkerEntry {
@@ -340,9 +423,10 @@ impl Record {
         m.into_iter().filter(|(_, c)| *c > 0).map(|(Reverse(p), c)| (p, c)).collect()
     }
 
-    /// Publishes this worker's summary. Writes are needed when it changed, or to renew the
-    /// heartbeat of a non-empty entry every `ttl_ms / 3`. True if the record changed.
-    fn set_own(&mut self, me: u64, now_ms: u64, q: &[(i32, u32)], ttl_ms: u64) -> bool {
+    /// Publishes this worker's summary (`q`) and the tenants it holds (`t`). Writes are needed
+    /// when they changed, or to renew the heartbeat of a non-empty entry every `ttl_ms / 3`. True
+    /// if the record changed.
+    fn set_own(&mut self, me: u64, now_ms: u64, q: &[(i32, u32)], t: &[(i32, u16)], ttl_ms: u64) -> bool {
         let pos = self.workers.iter().position(|w| w.id == me);
         match (pos, q.is_empty()) {
             (None, true) => false,
@@ -351,18 +435,28 @@ impl Record {
                 true
             }
             (None, false) => {
-                self.workers.push(WorkerEntry { id: me, hb: now_ms, q: q.to_vec() });
+                self.workers.push(WorkerEntry { id: me, hb: now_ms, q: q.to_vec(), t: t.to_vec() });
                 true
             }
             (Some(i), false) => match self.workers.get_mut(i) {
-                Some(w) if w.q == q && now_ms.saturating_sub(w.hb) < ttl_ms / 3 => false,
+                Some(w) if w.q == q && w.t == t && now_ms.saturating_sub(w.hb) < ttl_ms / 3 => false,
                 Some(w) => {
                     w.q = q.to_vec();
+                    w.t = t.to_vec();
                     w.hb = now_ms;
                     true
                 }
                 None => false,
             },
+        }
+    }
+
+    /// Keeps the fairness counts of the tenants live workers publish, and only those.
+    fn settle_fairness(&mut self) {
+        let waiting: BTreeSet<(i32, u16)> = self.workers.iter().flat_map(|w| w.t.iter().copied()).collect();
+        self.served.retain_waiting(&waiting);
+        if self.workers.is_empty() {
+            self.declined_ms = 0;
         }
     }
 }
@@ -383,6 +477,7 @@ fn read_modify_write<R>(
         if !write {
             return Ok((r, rec));
         }
+        rec.settle_fairness();
         if absent {
             // Never written: create it empty (the neutral record) with the creation CAS, then
             // redo the update as a CAS on a real token. See the module doc, "First writes".
@@ -435,19 +530,6 @@ pub fn credit_finish(
         (changed, changed)
     };
     read_modify_write(store, &shared_key(group), &mut credit).map(|(r, _)| r)
-}
-
-/// `local` minus the `k` requests of highest priority.
-fn without_top(local: &[(i32, u32)], mut k: u32) -> Vec<(i32, u32)> {
-    let mut out = Vec::with_capacity(local.len());
-    for (p, c) in local {
-        let take = k.min(*c);
-        k -= take;
-        if *c > take {
-            out.push((*p, *c - take));
-        }
-    }
-    out
 }
 
 /// `local` with one more at `add` and, if given, one fewer at `remove`.
@@ -512,6 +594,24 @@ impl Level {
         None
     }
 
+    /// The front id of `flow`'s FIFO; `flow` then goes to the back of the round-robin (the
+    /// same rotation as [`Level::pop`] when it is at the front).
+    fn pop_flow(&mut self, flow: &str) -> Option<u32> {
+        let pos = self.rr.iter().position(|f| f == flow)?;
+        let q = self.flows.get_mut(flow)?;
+        let id = q.pop_front()?;
+        let empty = q.is_empty();
+        if let Some(f) = self.rr.remove(pos) {
+            if empty {
+                self.flows.remove(&f);
+            } else {
+                self.rr.push_back(f);
+            }
+        }
+        self.len = self.len.saturating_sub(1);
+        Some(id)
+    }
+
     fn remove(&mut self, flow: &str, id: u32) -> bool {
         let Some(q) = self.flows.get_mut(flow) else { return false };
         let before = q.len();
@@ -526,6 +626,51 @@ impl Level {
         self.len = self.len.saturating_sub(1);
         true
     }
+}
+
+/// A copy of one level's round-robin (tenants in service order, with their fairness bucket and
+/// held count), for planning releases inside a CAS attempt without touching the real queue.
+#[derive(Debug, Clone)]
+struct PlanLevel {
+    priority: i32,
+    flows: VecDeque<(String, u16, u32)>,
+}
+
+/// Takes one request of the first tenant (in round-robin order) of the highest non-empty level
+/// that `may` accepts, and rotates that tenant to the back. Returns (priority, tenant, bucket).
+fn plan_take(view: &mut [PlanLevel], may: &dyn Fn(i32, u16) -> bool) -> Option<(i32, String, u16)> {
+    let level = view.iter_mut().find(|l| !l.flows.is_empty())?;
+    let p = level.priority;
+    let pos = level.flows.iter().position(|(_, b, _)| may(p, *b))?;
+    let (flow, b, c) = level.flows.remove(pos)?;
+    if c > 1 {
+        level.flows.push_back((flow.clone(), b, c - 1));
+    }
+    Some((p, flow, b))
+}
+
+/// Held counts per priority of a plan view, highest first.
+fn plan_summary(view: &[PlanLevel]) -> Vec<(i32, u32)> {
+    view.iter()
+        .map(|l| (l.priority, l.flows.iter().map(|(_, _, c)| *c).sum::<u32>()))
+        .filter(|(_, c)| *c > 0)
+        .collect()
+}
+
+/// The (priority, bucket) pairs a plan view holds: highest priority first, at most
+/// `fairshare::MAX_PUBLISHED`, sorted so that an unchanged set encodes the same.
+fn plan_tenants(view: &[PlanLevel]) -> Vec<(i32, u16)> {
+    let mut seen = BTreeSet::new();
+    let mut out = Vec::new();
+    for l in view {
+        for (_, b, c) in &l.flows {
+            if *c > 0 && out.len() < fairshare::MAX_PUBLISHED && seen.insert((l.priority, *b)) {
+                out.push((l.priority, *b));
+            }
+        }
+    }
+    out.sort_unstable_by_key(|(p, b)| (Reverse(*p), *b));
+    out
 }
 
 /// The held requests of one group on this worker. See the module doc.
@@ -593,6 +738,26 @@ impl FlowQueue {
         std::mem::take(&mut self.stats)
     }
 
+    /// This worker's levels as a plan view, highest priority first.
+    fn plan_view(&self) -> Vec<PlanLevel> {
+        self.levels
+            .iter()
+            .filter(|(_, l)| l.len > 0)
+            .map(|(Reverse(p), l)| PlanLevel {
+                priority: *p,
+                flows: l
+                    .rr
+                    .iter()
+                    .filter_map(|f| {
+                        let n = l.flows.get(f).map_or(0, VecDeque::len);
+                        let n = u32::try_from(n).unwrap_or(u32::MAX);
+                        (n > 0).then(|| (f.clone(), fairshare::bucket(f), n))
+                    })
+                    .collect(),
+            })
+            .collect()
+    }
+
     fn local_summary(&self) -> Vec<(i32, u32)> {
         self.levels.iter().filter(|(_, l)| l.len > 0).map(|(Reverse(p), l)| (*p, l.len)).collect()
     }
@@ -649,6 +814,26 @@ impl FlowQueue {
         }
         let local = self.local_summary();
         let local_lowest = local.last().map(|(p, _)| *p);
+        // The tenants this worker publishes once the request is held (an evicted request's
+        // tenant may stay listed until the next tick: a count at the floor, harmless).
+        let tenants = {
+            let mut view = self.plan_view();
+            let b = fairshare::bucket(t.fairness_id);
+            match view.iter_mut().find(|l| l.priority == t.priority) {
+                Some(l) => l.flows.push_back((t.fairness_id.to_string(), b, 1)),
+                None => {
+                    let at = view.iter().position(|l| l.priority < t.priority).unwrap_or(view.len());
+                    view.insert(
+                        at,
+                        PlanLevel {
+                            priority: t.priority,
+                            flows: VecDeque::from([(t.fairness_id.to_string(), b, 1)]),
+                        },
+                    );
+                }
+            }
+            plan_tenants(&view)
+        };
         let (me, ttl, max_queue) = (self.worker_id, self.cfg.worker_ttl_ms, self.cfg.max_queue);
         let mut global = Vec::new();
         let mut plan_on = |rec: &mut Record| -> (Plan, bool) {
@@ -658,7 +843,7 @@ impl FlowQueue {
             let ahead =
                 global.iter().filter(|(p, _)| *p >= t.priority).fold(0u32, |a, (_, c)| a.saturating_add(*c));
             let total = global.iter().fold(0u32, |a, (_, c)| a.saturating_add(*c));
-            if !cap.saturated && ahead == 0 {
+            if !cap.saturated_for(t.priority) && ahead == 0 {
                 if total == 0 {
                     // Nobody waits: the ledger is not in use, nothing to write.
                     return (Plan::Pass, false);
@@ -678,7 +863,7 @@ impl FlowQueue {
                 }
             };
             let own = adjusted(&local, t.priority, evict);
-            rec.set_own(me, now_ms, &own, ttl);
+            rec.set_own(me, now_ms, &own, &tenants, ttl);
             global = rec.global_waiting(me, &own);
             (Plan::Hold { evict }, true)
         };
@@ -840,7 +1025,7 @@ impl FlowQueue {
         let (me, ttl) = (self.worker_id, self.cfg.worker_ttl_ms);
         let mut withdraw = |rec: &mut Record| {
             let mut changed = rec.prune(now_ms, ttl, me);
-            changed |= rec.set_own(me, now_ms, &[], ttl);
+            changed |= rec.set_own(me, now_ms, &[], &[], ttl);
             ((), changed)
         };
         match read_modify_write(store, &self.key, &mut withdraw) {
@@ -864,41 +1049,110 @@ impl FlowQueue {
             return out;
         }
         let local = self.local_summary();
+        let view = self.plan_view();
         let (me, ttl) = (self.worker_id, self.cfg.worker_ttl_ms);
         let mut global = Vec::new();
         let mut own_after = Vec::new();
-        let mut plan = |rec: &mut Record| -> (u32, bool) {
+        let mut picks: Vec<(i32, String)> = Vec::new();
+        let mut plan = |rec: &mut Record| -> ((), bool) {
             let mut changed = rec.prune(now_ms, ttl, me);
             changed |= rec.refresh_epoch(cap, now_ms, ttl);
+            // Counts of tenants whose worker was just pruned go before they can hold others back.
+            rec.settle_fairness();
             let remote_max = rec.remote(me).filter_map(WorkerEntry::max_priority).max();
-            let mut k = 0;
+            let mut sim = view.clone();
+            picks.clear();
             if let Some(&(top, _)) = local.first() {
                 // Only requests no other worker outranks may go: none at all when another worker
                 // holds something above this worker's top priority.
                 let floor = remote_max.unwrap_or(i32::MIN);
-                let eligible: u32 = local.iter().filter(|(p, _)| *p >= floor).map(|(_, c)| *c).sum();
+                sim.retain(|l| l.priority >= floor);
+                // Below the reserve: nothing while the reduced thresholds are reached, else at
+                // most the reduced headroom.
+                let mut low_left = u32::MAX;
+                if let Some(r) = cap.reserve {
+                    if r.saturated {
+                        sim.retain(|l| l.priority >= r.min_priority);
+                    } else {
+                        low_left = r.slots;
+                    }
+                }
+                let eligible: u32 =
+                    sim.iter().flat_map(|l| l.flows.iter()).fold(0u32, |a, (_, _, c)| a.saturating_add(*c));
                 let peers = rec.remote(me).filter(|w| w.max_priority() == Some(top)).count();
                 let peers = u32::try_from(peers).unwrap_or(u32::MAX).saturating_add(1);
                 let share = rec.left.div_ceil(peers);
-                k = rec.left.min(share).min(eligible);
-                rec.left -= k;
+                let budget = rec.left.min(share).min(eligible);
+                // Tenant fairness over all workers (crate::fairshare), waived once a refusal
+                // has left tokens unused for GRACE_MS.
+                let waived =
+                    rec.declined_ms != 0 && now_ms.saturating_sub(rec.declined_ms) >= fairshare::GRACE_MS;
+                let mut declined = false;
+                for _ in 0..budget {
+                    if low_left == 0 {
+                        if let Some(r) = cap.reserve {
+                            sim.retain(|l| l.priority >= r.min_priority);
+                        }
+                    }
+                    let served = &rec.served;
+                    let may = |p: i32, b: u16| waived || served.allows(p, b);
+                    match plan_take(&mut sim, &may) {
+                        Some((p, flow, b)) => {
+                            if cap.reserve.is_some_and(|r| p < r.min_priority) {
+                                low_left = low_left.saturating_sub(1);
+                            }
+                            rec.served.charge(p, b);
+                            picks.push((p, flow));
+                        }
+                        None => {
+                            // A refusal for fairness only when something eligible is left
+                            // (not when the reserve emptied the plan).
+                            declined = sim.iter().any(|l| !l.flows.is_empty());
+                            break;
+                        }
+                    }
+                }
+                let k = u32::try_from(picks.len()).unwrap_or(u32::MAX);
+                rec.left = rec.left.saturating_sub(k);
+                if declined && rec.declined_ms == 0 {
+                    rec.declined_ms = now_ms.max(1);
+                    changed = true;
+                } else if !declined && k > 0 {
+                    rec.declined_ms = 0;
+                }
+                changed |= k > 0;
             }
-            own_after = without_top(&local, k);
+            // No token left unused: the grace clock stops.
+            if rec.left == 0 && rec.declined_ms != 0 {
+                rec.declined_ms = 0;
+                changed = true;
+            }
+            // What stays held: the levels this plan could not reach, plus what it left.
+            let mut after: Vec<PlanLevel> =
+                view.iter().filter(|l| !sim.iter().any(|x| x.priority == l.priority)).cloned().collect();
+            after.extend(sim.iter().cloned());
+            after.sort_by_key(|l| Reverse(l.priority));
+            own_after = plan_summary(&after);
+            let tenants_after = plan_tenants(&after);
             global = rec.global_waiting(me, &own_after);
-            changed |= k > 0;
-            changed |= rec.set_own(me, now_ms, &own_after, ttl);
-            (k, changed)
+            changed |= rec.set_own(me, now_ms, &own_after, &tenants_after, ttl);
+            ((), changed)
         };
-        let Ok((k, _)) = read_modify_write(store, &self.key, &mut plan) else {
+        if read_modify_write(store, &self.key, &mut plan).is_err() {
             // Nothing is released without a token; stay dirty and try again next tick.
             self.dirty = true;
             return out;
-        };
+        }
         self.global = global;
         self.published = !own_after.is_empty();
         self.dirty = false;
-        for _ in 0..k {
-            let Some((id, e)) = self.pop_next() else { break };
+        for (p, flow) in picks {
+            let Some(level) = self.levels.get_mut(&Reverse(p)) else { continue };
+            let Some(id) = level.pop_flow(&flow) else { continue };
+            if level.len == 0 {
+                self.levels.remove(&Reverse(p));
+            }
+            let Some(e) = self.entries.remove(&id) else { continue };
             let waited_ms = now_ms.saturating_sub(e.enqueued_ms);
             let s = self.stats.at(e.priority);
             s.released += 1;
@@ -917,9 +1171,9 @@ mod tests {
     fn cfg() -> FlowControlConfig {
         FlowControlConfig { enabled: true, max_wait_ms: 1000, max_queue: 100, ..FlowControlConfig::default() }
     }
-    const SAT: Capacity = Capacity { epoch: 1, slots: 0, saturated: true };
+    const SAT: Capacity = Capacity { epoch: 1, slots: 0, saturated: true, reserve: None };
     fn room(epoch: u64, slots: u32) -> Capacity {
-        Capacity { epoch, slots, saturated: false }
+        Capacity { epoch, slots, saturated: false, reserve: None }
     }
     fn t(id: u32, priority: i32, flow: &str) -> Ticket<'_> {
         Ticket { id, priority, fairness_id: flow }
@@ -1085,7 +1339,7 @@ mod tests {
         // A finish while the group is still saturated (live estimate still full): nothing.
         assert_eq!(credit_finish(&store, "m", &SAT, 2000, NOW + 20), Ok(false));
         // A finish frees one slot in the same epoch: one token, and the next tick releases one.
-        let live = Capacity { epoch: 1, slots: 1, saturated: false };
+        let live = Capacity { epoch: 1, slots: 1, saturated: false, reserve: None };
         assert_eq!(credit_finish(&store, "m", &live, 2000, NOW + 30), Ok(true));
         assert_eq!(record(&store, "m").left, 1);
         // A second credit with still one slot of headroom does not exceed it.
@@ -1342,7 +1596,10 @@ mod tests {
         let mut q = FlowQueue::new(&cfg(), "m", 1);
         assert!(held(&q.admit(&s, &t(1, 0, "a"), &SAT, 0)));
         let rec = Record::decode(&s.inner.get(&shared_key("m")).unwrap().unwrap().0);
-        assert_eq!(rec.workers, vec![WorkerEntry { id: 1, hb: 0, q: vec![(0, 1)] }]);
+        assert_eq!(
+            rec.workers,
+            vec![WorkerEntry { id: 1, hb: 0, q: vec![(0, 1)], t: vec![(0, fairshare::bucket("a"))] }]
+        );
     }
 
     #[test]
@@ -1391,7 +1648,10 @@ mod tests {
         assert_eq!(a[0], Action::Release { id: 2, priority: 7, waited_ms: 95 });
         assert!(w1.is_empty() && !w1.needs_tick());
         // W1's summary is withdrawn; W2's stays.
-        assert_eq!(record(&s, "m").workers, vec![WorkerEntry { id: 2, hb: 0, q: vec![(0, 1)] }]);
+        assert_eq!(
+            record(&s, "m").workers,
+            vec![WorkerEntry { id: 2, hb: 0, q: vec![(0, 1)], t: vec![(0, fairshare::bucket("a"))] }]
+        );
         assert_eq!(w1.global_waiting(), &[(0, 1)]);
         // The ledger was not touched, and nothing is left to time out.
         assert_eq!(record(&s, "m").left, 0);
@@ -1424,19 +1684,150 @@ mod tests {
         assert_eq!(q.take_stats().by_priority[&3].cancelled, 1);
     }
 
+    /// W1 holds six requests of tenant h; W2 holds two of tenant l, held later. Every finish is
+    /// seen on W1 (h's requests run there), which credits one token and runs its release check
+    /// at once; W2 runs its check at its next tick, 10 ms later. Returns the release order.
+    fn heavy_vs_light(w2_ticks: bool) -> Vec<(u8, u32)> {
+        let s = MemStore::new();
+        let c = FlowControlConfig { max_wait_ms: 60_000, ..cfg() };
+        let mut w1 = FlowQueue::new(&c, "m", 1);
+        let mut w2 = FlowQueue::new(&c, "m", 2);
+        for id in 1..=6 {
+            assert!(held(&w1.admit(&s, &t(id, 0, "h"), &SAT, 0)));
+        }
+        for id in 11..=12 {
+            assert!(held(&w2.admit(&s, &t(id, 0, "l"), &SAT, 5)));
+        }
+        let mut order = Vec::new();
+        for round in 1..=12u64 {
+            let now = 100 * round;
+            credit_finish(&s, "m", &room(1, 1), c.worker_ttl_ms, now).unwrap();
+            order.extend(released(&w1.on_tick(&s, &room(1, 1), now)).into_iter().map(|id| (1, id)));
+            if w2_ticks {
+                order.extend(released(&w2.on_tick(&s, &room(1, 1), now + 10)).into_iter().map(|id| (2, id)));
+            }
+        }
+        order
+    }
+
+    #[test]
+    fn a_heavy_tenant_on_one_worker_cannot_starve_a_light_one_on_another() {
+        // Without the shared counts W1 would spend every token it credits itself (its share of
+        // one token is one): h1..h6, then l's two. With them h may run SLACK = 1 release ahead
+        // of l, then W1 leaves the token to W2.
+        assert_eq!(
+            heavy_vs_light(true),
+            vec![(1, 1), (1, 2), (2, 11), (1, 3), (2, 12), (1, 4), (1, 5), (1, 6)]
+        );
+    }
+
+    #[test]
+    fn fairness_waits_for_a_silent_worker_only_for_the_grace_period() {
+        // W2 never ticks (slow, or its VM is gone but not yet expired). W1 releases h1 and h2,
+        // is refused at 300 ms, and the refusal is waived GRACE_MS (200 ms) later: at 500 ms.
+        // After each release the grace clock restarts, so h goes every third round (500, 800,
+        // 1100 ms) until W2 expires (worker_ttl_ms) or ticks again.
+        let order = heavy_vs_light(false);
+        assert_eq!(order, vec![(1, 1), (1, 2), (1, 3), (1, 4), (1, 5)]);
+        let s = MemStore::new();
+        let mut w1 = FlowQueue::new(&cfg(), "m", 1);
+        let mut w2 = FlowQueue::new(&cfg(), "m", 2);
+        for id in 1..=3 {
+            assert!(held(&w1.admit(&s, &t(id, 0, "h"), &SAT, 0)));
+        }
+        assert!(held(&w2.admit(&s, &t(11, 0, "l"), &SAT, 0)));
+        let mut at = Vec::new();
+        for now in (100..=700).step_by(50) {
+            credit_finish(&s, "m", &room(1, 1), 2000, now).unwrap();
+            if !released(&w1.on_tick(&s, &room(1, 1), now)).is_empty() {
+                at.push(now);
+            }
+        }
+        assert_eq!(at, vec![100, 150, 400], "h1 and h2 at once, h3 after the 200 ms grace from 200 ms");
+        assert_eq!(record(&s, "m").declined_ms, 0, "the grace clock stopped when h3 went");
+    }
+
+    #[test]
+    fn fairness_counts_are_bounded_and_go_with_the_tenants() {
+        let s = MemStore::new();
+        let mut w1 = FlowQueue::new(&cfg(), "m", 1);
+        for id in 1..=80u32 {
+            let flow = format!("tenant-{id}");
+            assert!(held(&w1.admit(&s, &t(id, 0, &flow), &SAT, 0)));
+        }
+        let rec = record(&s, "m");
+        assert_eq!(rec.workers[0].t.len(), fairshare::MAX_PUBLISHED);
+        assert!(rec.served.0.len() <= fairshare::MAX_PUBLISHED);
+        // Everything released: no worker, no counts, no grace clock.
+        let mut n = 0;
+        for epoch in 2..20 {
+            n += w1.on_tick(&s, &room(epoch, 10), 10 * epoch).len();
+        }
+        assert_eq!(n, 80);
+        let rec = record(&s, "m");
+        assert!(rec.workers.is_empty() && rec.served.is_empty() && rec.declined_ms == 0, "{rec:?}");
+    }
+
+    #[test]
+    fn a_reserve_keeps_headroom_for_high_priorities() {
+        let s = MemStore::new();
+        let mut q = FlowQueue::new(&cfg(), "m", 1);
+        // Room for all (2 slots), but below priority 10 the reduced thresholds are reached.
+        let low_full =
+            Capacity { reserve: Some(Reserve { min_priority: 10, slots: 0, saturated: true }), ..room(1, 2) };
+        assert!(held(&q.admit(&s, &t(1, 0, "a"), &low_full, 0)), "standard waits");
+        assert_eq!(q.admit(&s, &t(2, 15, "a"), &low_full, 0), Admission::Pass, "premium takes the reserve");
+        // A sheddable request is held too (it is shed only when every endpoint is full).
+        assert!(held(&q.admit(&s, &t(3, -5, "a"), &low_full, 0)));
+        assert!(held(&q.admit(&s, &t(4, 0, "a"), &low_full, 0)));
+        // Ticks release nothing below 10 while the reduced thresholds are reached...
+        assert!(q.on_tick(&s, &Capacity { epoch: 2, ..low_full }, 10).is_empty());
+        // ...and at most the reduced headroom once they are not (3 tokens, 1 low slot).
+        let one_low = Capacity {
+            epoch: 3,
+            reserve: Some(Reserve { min_priority: 10, slots: 1, saturated: false }),
+            ..room(3, 3)
+        };
+        assert_eq!(released(&q.on_tick(&s, &one_low, 20)), vec![1]);
+        assert_eq!(record(&s, "m").left, 2, "unused tokens stay for higher priorities");
+        // A premium request arriving now passes on one of them (lower ones wait: it takes a token).
+        assert_eq!(q.admit(&s, &t(5, 15, "a"), &one_low, 21), Admission::Pass);
+        assert_eq!(record(&s, "m").left, 1);
+    }
+
     #[test]
     fn config_defaults_and_validation() {
         let c: FlowControlConfig = serde_json::from_str("{}").unwrap();
         assert_eq!(c, FlowControlConfig::default());
         assert_eq!((c.max_wait_ms, c.max_queue, c.retry_after_s, c.worker_ttl_ms), (30_000, 1024, 1, 2000));
         assert!(serde_json::from_str::<FlowControlConfig>(r#"{"max_wait":1}"#).is_err());
-        let bad = FlowControlConfig { max_wait_ms: 0, max_queue: 0, worker_ttl_ms: 100, ..c };
+        let bad = FlowControlConfig {
+            max_wait_ms: 0,
+            max_queue: 0,
+            worker_ttl_ms: 100,
+            reserve: Some(ReserveConfig { min_priority: 10, fraction: 1.0 }),
+            ..c
+        };
         let mut errs = Vec::new();
         bad.validate("flow_control", &mut errs);
         let paths: Vec<&str> = errs.iter().map(|e| e.path.as_str()).collect();
         assert_eq!(
             paths,
-            vec!["flow_control.max_wait_ms", "flow_control.max_queue", "flow_control.worker_ttl_ms"]
+            vec![
+                "flow_control.max_wait_ms",
+                "flow_control.max_queue",
+                "flow_control.reserve.fraction",
+                "flow_control.worker_ttl_ms"
+            ]
         );
+        assert!(errs[2].reason.contains("must be > 0 and < 1"), "{}", errs[2].reason);
+        let r: FlowControlConfig =
+            serde_json::from_str(r#"{"reserve":{"min_priority":10,"fraction":0.4}}"#).unwrap();
+        assert_eq!(r.reserve, Some(ReserveConfig { min_priority: 10, fraction: 0.4 }));
+        assert!(serde_json::from_str::<FlowControlConfig>(r#"{"reserve":{"min_priority":10}}"#).is_err());
+        assert!(serde_json::from_str::<FlowControlConfig>(
+            r#"{"reserve":{"min_priority":1,"fraction":0.4,"x":1}}"#
+        )
+        .is_err());
     }
 }

@@ -288,7 +288,7 @@ pub fn flow(data: &[u8]) {
     let store = MemStore::new();
     store.set(&flow::shared_key("g"), data, 0).unwrap();
     let mut q = FlowQueue::new(&cfg, "g", 7);
-    let full = Capacity { epoch: 1, slots: 0, saturated: true };
+    let full = Capacity { epoch: 1, slots: 0, saturated: true, reserve: None };
     let mut held: Vec<u32> = Vec::new();
     let mut gone: Vec<u32> = Vec::new();
     let mut now = 1_000;
@@ -306,7 +306,7 @@ pub fn flow(data: &[u8]) {
     if q.cancel(3, now) {
         gone.push(3);
     }
-    let open = Capacity { epoch: 2, slots: 2, saturated: false };
+    let open = Capacity { epoch: 2, slots: 2, saturated: false, reserve: None };
     for action in q.on_tick(&store, &open, now + 1) {
         gone.push(action_id(&action));
     }

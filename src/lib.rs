@@ -16,6 +16,7 @@ pub mod body;
 pub mod config;
 pub mod discovery;
 pub mod errors;
+pub mod fairshare;
 pub mod flow;
 #[cfg(not(target_family = "wasm"))]
 #[doc(hidden)]

@@ -126,6 +126,8 @@ def test_premium_overtakes_a_standard_burst_and_free_is_shed(burst_pool):
     assert "retry-after" in r.headers
 
     std_ends = sorted(end for *_, end in std)
+    print("premium requests finished ahead of", sorted(sum(1 for e in std_ends if e > end) for *_, end in prem),
+          "of the 12 standard requests")
     for _, tag, r, end in prem:
         overtaken = sum(1 for e in std_ends if e > end)
         assert overtaken >= 4, (

@@ -10,9 +10,12 @@
 //! - [`text`]: pseudo-text, chat bodies and server-side block hashes;
 //! - [`strategy`]: the strategies and their configurations; [`sglang`]: SGLang's cache-aware
 //!   policy; [`dynamo`]: Dynamo's KV router; [`oracle`]: the perfect-information picker;
+//! - [`arrivals`]: bursty re-timings of a trace; [`bursts`]: the burst study (`--bursts`);
 //! - [`replay`]: the event loop; [`stats`]: measurements; [`suite`]: the default benchmark set
 //!   and the report.
 
+pub mod arrivals;
+pub mod bursts;
 pub mod dynamo;
 pub mod oracle;
 pub mod replay;

@@ -78,6 +78,13 @@ struct Args {
     /// to measure a proposed default, e.g. '{"weights":{"inflight":3}}'.
     #[arg(long)]
     ours_scheduler: Option<String>,
+    /// Run the burst study instead (issue #15; `replay_bench::bursts`): premium TTFT p90 of
+    /// `ours-tiers` at 1.5× overload on Mooncake's tier mix, with plain, grouped and on/off
+    /// arrivals, against the same premium requests alone. Reads --scale, --seeds, --jobs,
+    /// --strategies (default ours-tiers), --loads (first value; default 6.75) and --out
+    /// (writes bursts.md there).
+    #[arg(long)]
+    bursts: bool,
     /// JSON object of top-level configuration sections replacing those of ours and its variants,
     /// e.g. '{"saturation":{"kv_threshold":1.5}}'.
     #[arg(long)]
@@ -163,6 +170,9 @@ fn real_main() -> Result<(), String> {
         seeds: (args.seed..args.seed + args.seeds).collect(),
         ours_overrides,
     };
+    if args.bursts {
+        return bursts_main(&args, &common, started);
+    }
     let tasks = suite::main_tasks(&workloads, &common);
     eprintln!("replay-bench: {} runs on {} threads", tasks.len(), args.jobs);
     let progress = |r: &RunResult| {
@@ -215,6 +225,43 @@ fn real_main() -> Result<(), String> {
     }
     if !failed.is_empty() {
         return Err(format!("no SUMMARY for: {}", failed.join("; ")));
+    }
+    Ok(())
+}
+
+/// `--bursts`: the burst study (see `replay_bench::bursts`).
+fn bursts_main(args: &Args, common: &Common, started: std::time::Instant) -> Result<(), String> {
+    use replay_bench::bursts;
+    let data = args.data.clone().unwrap_or_else(suite::data_dir);
+    let load = args.loads.first().copied().unwrap_or_else(bursts::default_load);
+    let strategies: Vec<Policy> = if args.strategies.is_empty() {
+        vec![Policy::OursTiers]
+    } else {
+        args.strategies.iter().map(|s| Policy::parse(s)).collect::<Result<_, _>>()?
+    };
+    let workloads = bursts::workloads(&data, args.scale, load, &strategies)?;
+    let tasks = suite::main_tasks(&workloads, common);
+    eprintln!("replay-bench --bursts: {} runs on {} threads", tasks.len(), args.jobs);
+    let progress = |r: &RunResult| {
+        let p = r.tiers.iter().find(|t| t.tier == "premium").map_or(f64::NAN, |t| t.ttft_p90_s);
+        eprintln!(
+            "  {:<24} {:<12} seed {}  premium TTFT p90 {:>7.2} s  ({:.1} s)",
+            r.trace, r.strategy, r.seed, p, r.wall_s
+        );
+    };
+    let mut results = suite::empty_results(&workloads);
+    suite::execute(&workloads, &mut results, &tasks, common, args.jobs, &progress)?;
+    let rows = bursts::rows(&results, &strategies);
+    let cmd: Vec<String> = std::env::args().collect();
+    let md = bursts::section(&rows, load, args.scale, common.seeds.len(), &cmd.join(" "));
+    std::fs::create_dir_all(&args.out).map_err(|e| format!("{}: {e}", args.out.display()))?;
+    let path = args.out.join("bursts.md");
+    std::fs::write(&path, &md).map_err(|e| format!("{}: {e}", path.display()))?;
+    println!("{md}");
+    println!("wrote {} ({:.0} s)", path.display(), started.elapsed().as_secs_f64());
+    let verdicts = bursts::verdicts(&rows);
+    if verdicts.is_empty() {
+        return Err("no ours-tiers rows with bursts: pass ours-tiers in --strategies".into());
     }
     Ok(())
 }

@@ -121,6 +121,8 @@ struct Worker {
 struct Live {
     arrival: f64,
     replica: usize,
+    /// The worker the request arrived on (its `on_log` runs there).
+    worker: usize,
     server: usize,
     first: Option<f64>,
     done: bool,
@@ -296,6 +298,7 @@ impl Sim<'_> {
                 let wi = rng.below(rc.replicas * rc.workers) % self.workers.len();
                 self.live[idx].arrival = ta;
                 self.live[idx].replica = self.workers[wi].replica;
+                self.live[idx].worker = wi;
                 self.arrive(wi, idx, ta)?;
             }
         }
@@ -307,7 +310,39 @@ impl Sim<'_> {
         events.clear();
         self.servers[si].advance_into(t, &mut events);
         handle_events(&events, si, &mut self.live, &mut self.replicas, &self.addresses, &mut self.out);
+        // Release on completion, as the filter's `on_log` does (`Worker::on_finish`): the worker
+        // the request arrived on credits the freed room and runs its release check at once.
+        for e in &events {
+            if let Event::Finished { id, .. } | Event::Rejected { id, .. } = *e {
+                if let Some(wi) = self.live.get(id as usize).map(|l| l.worker) {
+                    let _ = self.finish(wi, t);
+                }
+            }
+        }
         self.events = events;
+    }
+
+    /// A request of worker `wi` finished: `flow::credit_finish`, then that worker's release
+    /// check when it holds requests.
+    fn finish(&mut self, wi: usize, t: f64) -> Result<(), String> {
+        if self.workers.get(wi).and_then(|w| w.flow.as_ref()).is_none() {
+            return Ok(());
+        }
+        let now_ms = EPOCH_MS + t as u64;
+        let cap = self.capacity(wi, now_ms)?;
+        let store = &self.replicas[self.workers[wi].replica].store;
+        let credited = inference_picker::flow::credit_finish(
+            store,
+            MODEL,
+            &cap,
+            self.cfg.flow_control.worker_ttl_ms,
+            now_ms,
+        )
+        .unwrap_or(false);
+        if credited && self.workers[wi].flow.as_ref().is_some_and(|f| !f.is_empty()) {
+            self.tick(wi, t)?;
+        }
+        Ok(())
     }
 
     fn poll(&mut self, ri: usize, t: f64) -> Result<(), String> {
@@ -373,7 +408,20 @@ impl Sim<'_> {
         let counts = rep.inflight.borrow_mut().read(&rep.store, now_ms).unwrap_or_default();
         let eps: Vec<&EndpointStatus> = snap.endpoints.iter().collect();
         let report = saturated(&self.sat, &eps, &|a| counts.get(a), now_ms);
-        Ok(Capacity::new(snap.version, &report))
+        let cap = Capacity::new(snap.version, &report);
+        // `flow_control.reserve`: the capacity left below it, as `admission::capacity_with`.
+        Ok(match &self.cfg.flow_control.reserve {
+            Some(r) => {
+                let low = saturated(
+                    &inference_picker::admission::reserved_params(&self.sat, r),
+                    &eps,
+                    &|a| counts.get(a),
+                    now_ms,
+                );
+                cap.with_reserve(r.min_priority, &low)
+            }
+            None => cap,
+        })
     }
 
     fn arrive(&mut self, wi: usize, idx: usize, t: f64) -> Result<(), String> {
