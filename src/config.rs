@@ -103,6 +103,11 @@ pub struct Config {
     /// Where endpoints come from besides `endpoints`. Default: none (only the static list).
     #[serde(default)]
     pub discovery: Option<DiscoveryConfig>,
+    /// This instance's pool on a gateway with several pools, and body-based routing between them
+    /// (see `crate::pools`). Default: none (one unnamed pool; every request reaching the filter
+    /// is its own).
+    #[serde(default)]
+    pub pool: Option<crate::pools::PoolConfig>,
 }
 
 /// One model server.
@@ -511,6 +516,9 @@ impl Config {
         }));
         if let Some(d) = &self.discovery {
             d.kubernetes.validate_into("discovery.kubernetes", &self.models, &mut errs.0);
+        }
+        if let Some(p) = &self.pool {
+            p.validate("pool", &mut errs.0);
         }
         if errs.0.is_empty() {
             Ok(())

@@ -26,6 +26,7 @@ pub mod lease;
 pub mod load;
 pub mod metrics;
 pub mod poller;
+pub mod pools;
 pub mod ports;
 pub mod priority;
 pub mod request;

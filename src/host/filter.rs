@@ -18,6 +18,7 @@ use super::{io, Worker};
 use crate::admission::{self, Decision};
 use crate::errors::Rejection;
 use crate::health::{self, HealthView};
+use crate::pools::{self, Claim, HeadStep};
 use crate::ports::SharedStore;
 use crate::priority::PriorityHeaders;
 use crate::request::{
@@ -95,8 +96,18 @@ impl Filter {
         };
         let mut prepared = match prepared {
             Ok(p) => p,
+            // Body-based routing: not this pool's model; the next pool's filter decides.
+            Err(rej) if pools::passes_on(cfg.pool.as_ref(), &rej) => {
+                self.ex.borrow_mut().passthrough = true;
+                return Action::Continue;
+            }
             Err(rej) => return self.reject(&rej),
         };
+        if let Claim::Claim { pool, model_header } = pools::claim(cfg.pool.as_ref(), &prepared.route.base) {
+            // Later pools' filters leave it alone; the header change makes Envoy re-match the route.
+            io::set_stream_property(pools::CLAIM_PROPERTY, pool.as_bytes());
+            io::set_request_header(pools::MODEL_HEADER, Some(model_header));
+        }
         // The model rewrite does not depend on the endpoint: apply it now, while the body is in
         // hand, whether or not the request is held. Taken, so a held request does not keep it.
         if let Some(new_body) = prepared.new_body.take() {
@@ -424,6 +435,20 @@ impl HttpContext for Filter {
     fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
         let worker = self.worker.clone();
         let cfg = &worker.cfg;
+        // Several pools, body-based routing: a request another pool claimed is not ours; any
+        // client-sent model header goes before anything else (crate::pools).
+        let routing = cfg.pool.as_ref().is_some_and(|p| p.route_by_model);
+        let claimed = if routing { io::stream_property(pools::CLAIM_PROPERTY) } else { None };
+        match pools::on_head(cfg.pool.as_ref(), claimed.as_deref()) {
+            HeadStep::PassThrough => {
+                self.ex.borrow_mut().passthrough = true;
+                return Action::Continue;
+            }
+            HeadStep::Handle { strip_model_header: true } => {
+                io::set_request_header(pools::MODEL_HEADER, None)
+            }
+            HeadStep::Handle { strip_model_header: false } => {}
+        }
         // Trusted priority headers are read first; then the priority headers and any
         // client-chosen destination are removed, on every path.
         let priority = PriorityHeaders::read(&cfg.priority, &|h: &str| io::request_header(h));

@@ -314,7 +314,9 @@ impl RootContext for Root {
                 scheduler: RefCell::new(scheduler),
                 snapshots: RefCell::new(SnapshotCache::new()),
                 rng: RefCell::new(rng),
-                metrics: RefCell::new(io::Metrics::default()),
+                metrics: RefCell::new(io::Metrics::with_suffix(crate::pools::metric_suffix(
+                    cfg.pool.as_ref(),
+                ))),
                 gate: RefCell::new(Gate::new(&cfg, worker_id)),
                 pending: RefCell::new(HashMap::new()),
                 health: RefCell::new(Recorder::new()),
