@@ -23,6 +23,7 @@ pub mod fuzzing;
 pub mod health;
 pub mod inflight;
 pub mod lease;
+pub mod live_config;
 pub mod load;
 pub mod metrics;
 pub mod poller;
