@@ -263,3 +263,30 @@ def test_consistency_catches_a_data_cluster_without_fallbacks(tmp_path):
     errs = consistency_errors(d)
     assert any("override_host" in e for e in errs), errs
     assert any("no retry_policy" in e for e in errs), errs
+
+
+def test_consistency_catches_an_unscoped_filter(tmp_path):
+    # Issue 13: a picker inserted on the whole listener acts on every route of a shared gateway.
+    d = copy_dir(tmp_path, "ingress")
+    assert consistency_errors(d) == []
+
+    def unscoped(doc):
+        for p in doc["spec"]["configPatches"]:
+            value = p["patch"].get("value", {})
+            value.pop("disabled", None)
+            value.pop("typed_per_filter_config", None)
+    edit_yaml(d / "envoyfilter.yaml", 0, unscoped)
+    errs = consistency_errors(d)
+    assert any("is not disabled on the listener" in e for e in errs), errs
+    assert any("no HTTP_ROUTE patch enables 'istio-system/inference-picker'" in e for e in errs), errs
+
+
+def test_assembled_gateway_runs_the_picker_only_on_the_inference_route(tmp_path):
+    proxy = vm.collect(vm.MANIFESTS / "gateway-api")
+    boot = vm.assemble(proxy, wasm=tmp_path / "m.wasm", ca=tmp_path / "ca.crt")
+    hcm = boot["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    picker = next(f for f in hcm["http_filters"] if f["name"] == "inference/inference-picker")
+    assert picker["disabled"] is True
+    for r in hcm["route_config"]["virtual_hosts"][0]["routes"]:
+        per = r.get("typed_per_filter_config", {}).get("inference/inference-picker")
+        assert (per is not None) == (r["name"] == "inference.llm-route.0"), r["name"]
