@@ -334,6 +334,24 @@ def check_scoping(proxy: Proxy, report: Report):
                 report.error(where, f"no HTTP_ROUTE patch enables {name!r} (typed_per_filter_config FilterConfig)")
 
 
+# The tag names the module's metric names carry (`crate::telemetry::TAGS`).
+STATS_TAGS = ("pool", "model", "endpoint", "outcome", "reason", "priority")
+
+
+def check_stats_tags(proxy: Proxy, report: Report):
+    """Issue 13: the filter's metric labels are extracted on Istio too: a bootstrap override
+    (custom_bootstrap.json) adds a stats tag for each, with the regex envoy/envoy.yaml uses."""
+    have = {}
+    for boot in proxy.bootstrap_overrides:
+        for t in (boot.get("stats_config") or {}).get("stats_tags", []):
+            have[t.get("tag_name")] = t.get("regex")
+    for tag in STATS_TAGS:
+        want = f"(;{tag}=([^;]*))"
+        if have.get(tag) != want:
+            report.error(rel(proxy.directory), f"no stats tag {tag!r} with regex {want!r} in a bootstrap override "
+                                               "(custom_bootstrap.json stats_config.stats_tags): the metric label is lost")
+
+
 def check_consistency(proxy: Proxy, report: Report):
     where = rel(proxy.directory)
     cluster_names = {p["value"]["name"] for a, _, p in proxy.patches if a == "CLUSTER" and p["operation"] == "ADD"}
@@ -382,6 +400,7 @@ def check_consistency(proxy: Proxy, report: Report):
         if any(f != s for f in same_pool):
             report.error(where, "the singleton's configuration differs from the filter's: both roles must read the same document")
     check_scoping(proxy, report)
+    check_stats_tags(proxy, report)
     for apply_to, _, patch in proxy.patches:
         if apply_to == "HTTP_FILTER" and "config_discovery" in patch.get("value", {}):
             name = patch["value"]["name"]
@@ -513,6 +532,13 @@ def assemble(proxy: Proxy, wasm: Path, ca: Path = TEST_CA) -> dict:
             name = match.get("routeConfiguration", {}).get("vhost", {}).get("route", {}).get("name")
             for r in routes:
                 if r["name"] == name:
+                    # The route action is a protobuf oneof: Istio's MERGE of one member
+                    # (direct_response) replaces another (route), as proto.Merge does.
+                    actions = ("route", "redirect", "direct_response")
+                    if any(a in value for a in actions):
+                        for a in actions:
+                            if a not in value:
+                                r.pop(a, None)
                     merge(r, value)
         else:
             raise ValueError(f"{apply_to} {op} is not modelled by the validator")
