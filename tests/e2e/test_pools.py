@@ -9,9 +9,9 @@ import json
 import subprocess
 import tempfile
 import threading
-import time
 from pathlib import Path
 
+import pytest
 import requests
 import yaml
 
@@ -58,9 +58,10 @@ class EchoApp:
         self.server.server_close()
 
 
-def pool_config(pool: str, sims: list[Sim], model: str, **sections) -> dict:
-    cfg = picker_config([endpoint(s, model) for s in sims], **sections)
+def pool_config(pool: str, sims: list[Sim], model: str, mode: str = "singleton") -> dict:
+    cfg = picker_config([endpoint(s, model) for s in sims])
     cfg["pool"] = {"name": pool, "route_by_model": True}
+    cfg["poller"]["mode"] = mode
     return cfg
 
 
@@ -69,7 +70,7 @@ class MultiPoolEnvoy(Envoy):
     configurations (by vm_id: pool-llama, pool-qwen) and cluster members replaced, and the app
     cluster pointed at `app_port`."""
 
-    def __init__(self, configs: dict[str, dict], app_port: int, concurrency: int = 2):
+    def __init__(self, configs: dict[str, dict], app_port: int, concurrency: int = 2, singleton: bool = True):
         self.port = free_port()
         self.admin_port = free_port()
         self.tmp = tempfile.TemporaryDirectory(prefix="picker-envoy-pools-")
@@ -89,6 +90,9 @@ class MultiPoolEnvoy(Envoy):
                     visit(v)
 
         visit(doc)
+        if not singleton:
+            # Lease mode (as on an Istio gateway): each pool's filter roots elect its poller.
+            doc.pop("bootstrap_extensions", None)
         members = {"pool_llama": configs["pool-llama"], "pool_qwen": configs["pool-qwen"]}
         for c in doc["static_resources"]["clusters"]:
             if c["name"] in members:
@@ -198,15 +202,16 @@ def test_single_pool_other_virtual_host_is_untouched():
             s.stop()
 
 
-def test_two_pools_body_based_routing_and_a_plain_route():
+@pytest.mark.parametrize("mode", ["singleton", "lease"])
+def test_two_pools_body_based_routing_and_a_plain_route(mode):
     llama = [Sim("llama-0", models=(LLAMA,), loras=("sql-lora",)), Sim("llama-1", models=(LLAMA,), loras=("sql-lora",))]
     qwen = [Sim("qwen-0", models=(QWEN,))]
     app = EchoApp()
-    configs = {"pool-llama": pool_config("llama", llama, LLAMA),
-               "pool-qwen": pool_config("qwen", qwen, QWEN)}
+    configs = {"pool-llama": pool_config("llama", llama, LLAMA, mode),
+               "pool-qwen": pool_config("qwen", qwen, QWEN, mode)}
     configs["pool-llama"]["models"] = [{"name": LLAMA, "adapters": ["sql-lora"]}]
     configs["pool-qwen"]["models"] = [{"name": QWEN}]
-    envoy = MultiPoolEnvoy(configs, app.port)
+    envoy = MultiPoolEnvoy(configs, app.port, singleton=(mode == "singleton"))
     llama_names = {s.name for s in llama}
     try:
         envoy.wait_routable(LLAMA)
