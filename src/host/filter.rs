@@ -104,8 +104,16 @@ impl Filter {
             Err(rej) => return self.reject(&rej),
         };
         if let Claim::Claim { pool, model_header } = pools::claim(cfg.pool.as_ref(), &prepared.route.base) {
-            // Later pools' filters leave it alone; the header change makes Envoy re-match the route.
-            io::set_stream_property(pools::CLAIM_PROPERTY, pool.as_bytes());
+            // Later pools' filters leave it alone; the header change makes Envoy re-match the
+            // route. Without the claim a later pool's filter would remove the header: fail closed.
+            if !io::set_stream_property(pools::CLAIM_PROPERTY, pool.as_bytes()) {
+                return self.reject(&Rejection::new(
+                    500,
+                    "internal_error",
+                    "pool_claim_failed",
+                    "could not record the pool that serves this request",
+                ));
+            }
             io::set_request_header(pools::MODEL_HEADER, Some(model_header));
         }
         // The model rewrite does not depend on the endpoint: apply it now, while the body is in
