@@ -16,9 +16,11 @@
 //!    filter state `inference_picker_pool` is set; a client cannot set filter state), lets it
 //!    through untouched. Otherwise removes any `x-gateway-model-name` (a client's copy must never
 //!    choose a pool) and reads the body as usual;
-//! 2. once the body is read (parsed once, by the instance that claims it): if its pool does not
-//!    serve the requested model (the scheduler answers `model_not_found`), lets the request on to
-//!    the next instance, untouched. Otherwise it claims the request (sets the filter state), sets
+//! 2. once the body is read: takes the parsed body an earlier instance handed over (filter state
+//!    `inference_picker_parsed`, [`encode_parsed`]), else parses it, so the body is parsed once
+//!    per request whatever the number of pools. If its pool does not serve the requested model
+//!    (the scheduler answers `model_not_found`), lets the request on to the next instance,
+//!    untouched, handing over the parsed body. Otherwise it claims the request (sets the filter state), sets
 //!    `x-gateway-model-name` to the **base model** the request will be served by (after any
 //!    rewrite rule, and an adapter's base: one header-match per base model routes all its
 //!    adapters) and picks the endpoint in its own pool. Changing a request header makes Envoy
@@ -37,6 +39,7 @@
 //! address is not a member of the route's cluster and `override_host` refuses it (503): a request
 //! never reaches a pod of another pool.
 
+use crate::body::{ApiKind, ParsedRequest};
 use crate::config::ConfigError;
 use crate::errors::Rejection;
 
@@ -44,6 +47,9 @@ use crate::errors::Rejection;
 pub const MODEL_HEADER: &str = "x-gateway-model-name";
 /// Stream filter-state key (`set_property`) naming the pool that claimed the request.
 pub const CLAIM_PROPERTY: &str = "inference_picker_pool";
+/// Stream filter-state key holding the parsed body a pool's filter passed on
+/// ([`encode_parsed`]), so that the next pool's filter does not parse the body again.
+pub const PARSED_PROPERTY: &str = "inference_picker_parsed";
 /// Longest pool name.
 pub const MAX_POOL_NAME: usize = 63;
 
@@ -127,6 +133,76 @@ pub fn passes_on(pool: Option<&PoolConfig>, rejection: &Rejection) -> bool {
     matches!(pool, Some(p) if p.route_by_model) && rejection.code == "model_not_found"
 }
 
+/// The parsed body a filter passes on with the request, for the next pool's filter: the model,
+/// the stream flag, the cache salt and the canonical prompt, length-prefixed (the API kind
+/// follows from the path, which the next filter sees too). Filter state is set only by filters,
+/// never by the client.
+pub fn encode_parsed(p: &ParsedRequest) -> Vec<u8> {
+    let mut out = Vec::with_capacity(16 + p.model.len() + p.prompt.len());
+    out.push(1); // format version
+    out.push(u8::from(p.stream));
+    put(&mut out, p.model.as_bytes());
+    match &p.cache_salt {
+        Some(salt) => {
+            out.push(1);
+            put(&mut out, salt.as_bytes());
+        }
+        None => out.push(0),
+    }
+    put(&mut out, p.prompt.as_bytes());
+    out
+}
+
+fn put(out: &mut Vec<u8>, bytes: &[u8]) {
+    out.extend_from_slice(&u32::try_from(bytes.len()).unwrap_or(u32::MAX).to_le_bytes());
+    out.extend_from_slice(bytes);
+}
+
+/// Reads what [`encode_parsed`] wrote; `None` for anything else (then the filter parses the body
+/// itself). `kind` comes from the request path.
+pub fn decode_parsed(bytes: &[u8], kind: ApiKind) -> Option<ParsedRequest> {
+    let mut r = Reader(bytes);
+    if r.byte()? != 1 {
+        return None;
+    }
+    let stream = match r.byte()? {
+        0 => false,
+        1 => true,
+        _ => return None,
+    };
+    let model = r.string()?;
+    let cache_salt = match r.byte()? {
+        0 => None,
+        1 => Some(r.string()?),
+        _ => return None,
+    };
+    let prompt = r.string()?;
+    if !r.0.is_empty() || model.is_empty() {
+        return None;
+    }
+    Some(ParsedRequest { kind, model, stream, cache_salt, prompt })
+}
+
+struct Reader<'a>(&'a [u8]);
+
+impl Reader<'_> {
+    fn byte(&mut self) -> Option<u8> {
+        let (b, rest) = self.0.split_first()?;
+        self.0 = rest;
+        Some(*b)
+    }
+    fn string(&mut self) -> Option<String> {
+        let (len, rest) = self.0.split_first_chunk::<4>()?;
+        let len = usize::try_from(u32::from_le_bytes(*len)).ok()?;
+        if rest.len() < len {
+            return None;
+        }
+        let (s, rest) = rest.split_at(len);
+        self.0 = rest;
+        String::from_utf8(s.to_vec()).ok()
+    }
+}
+
 /// The suffix every metric name of this instance carries (`;pool=<name>`), empty for a single
 /// unnamed pool.
 pub fn metric_suffix(pool: Option<&PoolConfig>) -> String {
@@ -196,6 +272,39 @@ mod tests {
         );
         assert_eq!(claim(Some(&pool("llama", false)), "m"), Claim::NotRouting);
         assert_eq!(claim(None, "m"), Claim::NotRouting);
+    }
+
+    #[test]
+    fn parsed_body_round_trips_and_garbage_is_refused() {
+        let p = ParsedRequest {
+            kind: ApiKind::ChatCompletions,
+            model: "Qwen/Qwen2.5-7B-Instruct".into(),
+            stream: true,
+            cache_salt: Some("tenant-1".into()),
+            prompt: "system: you are\nuser: héllo".into(),
+        };
+        let b = encode_parsed(&p);
+        assert_eq!(decode_parsed(&b, ApiKind::ChatCompletions), Some(p.clone()));
+        let no_salt = ParsedRequest { cache_salt: None, stream: false, prompt: String::new(), ..p.clone() };
+        assert_eq!(decode_parsed(&encode_parsed(&no_salt), ApiKind::ChatCompletions), Some(no_salt));
+        // Every truncation, a trailing byte, another version, a bad flag: refused, never a panic.
+        for n in 0..b.len() {
+            assert_eq!(decode_parsed(&b[..n], ApiKind::ChatCompletions), None, "cut at {n}");
+        }
+        let mut longer = b.clone();
+        longer.push(0);
+        assert_eq!(decode_parsed(&longer, ApiKind::ChatCompletions), None);
+        let mut other = b.clone();
+        other[0] = 2;
+        assert_eq!(decode_parsed(&other, ApiKind::ChatCompletions), None);
+        let mut flag = b.clone();
+        flag[1] = 7;
+        assert_eq!(decode_parsed(&flag, ApiKind::ChatCompletions), None);
+        // A length past the end.
+        assert_eq!(decode_parsed(&[1, 0, 255, 255, 255, 255, b'a'], ApiKind::Other), None);
+        // An empty model is not a parsed request (the parser refuses it too).
+        let empty = ParsedRequest { model: String::new(), ..p };
+        assert_eq!(decode_parsed(&encode_parsed(&empty), ApiKind::ChatCompletions), None);
     }
 
     #[test]

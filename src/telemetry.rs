@@ -66,6 +66,13 @@ pub const CONFIG_VERSION: &str = "inference_picker_config_version";
 /// `inference_picker_config_version` once the poller followed a change.
 pub const POLLER_CONFIG_VERSION: &str = "inference_picker_poller_config_version";
 
+/// Body-based routing: requests this pool's filter passed on to the next pool's (a model it does
+/// not serve).
+pub const POOL_PASSED_ON: &str = "inference_picker_pool_passed_on_total";
+/// Body-based routing: requests this pool's filter took with the body an earlier pool's filter
+/// had parsed (not parsed again).
+pub const POOL_PARSE_REUSED: &str = "inference_picker_pool_parse_reused_total";
+
 /// Most distinct metric names one VM defines. Past it, new names are not defined (and not
 /// updated): the names already defined keep working, and the host logs once. With
 /// `filter.endpoint_metrics` off the names are bounded far below this by the configuration.

@@ -92,12 +92,25 @@ impl Filter {
             let scheduler = worker.scheduler.borrow();
             let mut rng = worker.rng.borrow_mut();
             let ex = self.ex.borrow();
-            request::prepare(cfg, &scheduler, &mut *rng, &ex.head, &body, &resolving)
+            if cfg.pool.as_ref().is_some_and(|p| p.route_by_model) {
+                let (prepared, reused) =
+                    prepare_by_model(cfg, &scheduler, &mut *rng, &ex.head, &body, &resolving);
+                let mut metrics = worker.metrics.borrow_mut();
+                if reused {
+                    metrics.count(telemetry::name(telemetry::POOL_PARSE_REUSED, &[]));
+                }
+                if matches!(prepared, Ok(None)) {
+                    metrics.count(telemetry::name(telemetry::POOL_PASSED_ON, &[]));
+                }
+                prepared
+            } else {
+                request::prepare(cfg, &scheduler, &mut *rng, &ex.head, &body, &resolving).map(Some)
+            }
         };
         let mut prepared = match prepared {
-            Ok(p) => p,
+            Ok(Some(p)) => p,
             // Body-based routing: not this pool's model; the next pool's filter decides.
-            Err(rej) if pools::passes_on(cfg.pool.as_ref(), &rej) => {
+            Ok(None) => {
                 self.ex.borrow_mut().passthrough = true;
                 return Action::Continue;
             }
@@ -178,6 +191,42 @@ impl Filter {
             }
         }
     }
+}
+
+/// Body-based routing (`crate::pools`): [`request::prepare`] with the body parsed once across
+/// the pools' filters. A body an earlier pool's filter parsed comes from the stream's filter
+/// state; a model this pool does not serve is passed on (`Ok(None)`) with the parsed body, for
+/// the next pool's filter. Also says whether the body came parsed.
+fn prepare_by_model(
+    cfg: &crate::config::Config,
+    scheduler: &crate::scheduler::Scheduler,
+    rng: &mut dyn crate::ports::Rng,
+    head: &RequestHead,
+    body: &[u8],
+    snapshot: &crate::snapshot::Snapshot,
+) -> (Result<Option<Prepared>, Rejection>, bool) {
+    let kind = crate::body::ApiKind::from_path(&head.path);
+    let handed = io::stream_property(pools::PARSED_PROPERTY).and_then(|b| pools::decode_parsed(&b, kind));
+    let reused = handed.is_some();
+    let parsed = match handed {
+        Some(p) => p,
+        None => match crate::body::parse_request(&head.path, body) {
+            Ok(p) => p,
+            Err(rej) => return (Err(rej), false),
+        },
+    };
+    let prepared = match scheduler.route_model(&parsed.model, head.session_id.as_deref(), snapshot, rng) {
+        Ok(route) => request::prepare_routed(cfg, head, parsed, route, body).map(Some),
+        Err(rej) if pools::passes_on(cfg.pool.as_ref(), &rej) => {
+            if !reused {
+                // If this fails the next pool's filter parses the body itself.
+                io::set_stream_property(pools::PARSED_PROPERTY, &pools::encode_parsed(&parsed));
+            }
+            Ok(None)
+        }
+        Err(rej) => Err(rej),
+    };
+    (prepared, reused)
 }
 
 /// Counts a rejection and answers it on the current (or effective) context, with the time

@@ -233,6 +233,20 @@ def test_two_pools_body_based_routing_and_a_plain_route(mode):
             r = post(envoy, chat_body(QWEN, f"forged {i}"), headers={"x-gateway-model-name": LLAMA})
             assert served(r) == "qwen-0"
         assert qwen[0].requests_total() == 18
+        # The body is parsed once: the Llama pool's filter passes a Qwen request on with its
+        # parsed body, and the Qwen pool's filter uses it instead of parsing again.
+        def counts():
+            text = envoy.stats_prometheus()
+            return (metric_value(text, "inference_picker_pool_passed_on_total", pool="llama"),
+                    metric_value(text, "inference_picker_pool_parse_reused_total", pool="qwen"),
+                    metric_value(text, "inference_picker_pool_passed_on_total", pool="qwen"))
+        before = counts()
+        for i in range(5):
+            assert served(post(envoy, chat_body(QWEN, f"once {i}"))) == "qwen-0"
+        for i in range(3):
+            assert served(post(envoy, chat_body(LLAMA, f"once {i}"))) in llama_names
+        after = counts()
+        assert (after[0] - before[0], after[1] - before[1], after[2] - before[2]) == (5, 5, 0), (before, after)
         # A model no pool serves: the JSON 404, from the catch-all route; no pod sees it.
         before = [s.requests_total() for s in llama + qwen]
         r = post(envoy, chat_body("no-such-model"), headers={"x-gateway-model-name": LLAMA})
