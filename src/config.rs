@@ -108,6 +108,11 @@ pub struct Config {
     /// configured models, each pod assumed to serve what `endpoints` or discovery says).
     #[serde(default)]
     pub pod_models: Option<crate::pod_models::PodModelsConfig>,
+    /// This instance's pool on a gateway with several pools, and body-based routing between them
+    /// (see `crate::pools`). Default: none (one unnamed pool; every request reaching the filter
+    /// is its own).
+    #[serde(default)]
+    pub pool: Option<crate::pools::PoolConfig>,
 }
 
 /// One model server.
@@ -532,6 +537,9 @@ impl Config {
         }
         if let Some(p) = &self.pod_models {
             p.validate("pod_models", &mut errs.0);
+        }
+        if let Some(p) = &self.pool {
+            p.validate("pool", &mut errs.0);
         }
         if errs.0.is_empty() {
             Ok(())

@@ -411,6 +411,20 @@ pub fn prepare(
     }
     let parsed = parse_request(&head.path, body)?;
     let route = scheduler.route_model(&parsed.model, head.session_id.as_deref(), snapshot, rng)?;
+    prepare_routed(cfg, head, parsed, route, body)
+}
+
+/// The rest of [`prepare`] once the body is parsed and its model resolved: body rewrite,
+/// priority, the prompt kept for the prefix scorer. Body-based routing between pools
+/// (`crate::pools`) calls the steps separately, so that a body another pool's filter already
+/// parsed is not parsed again; `body` is read again only for a model rewrite.
+pub fn prepare_routed(
+    cfg: &Config,
+    head: &RequestHead,
+    parsed: crate::body::ParsedRequest,
+    route: ModelRoute,
+    body: &[u8],
+) -> Result<Prepared, Rejection> {
     let new_body = if route.model_rewritten { Some(rewrite_model(body, &route.target_model)?) } else { None };
     let criticality = criticality_of(cfg, &parsed.model, &route.base);
     let priority = head.priority.resolve(&cfg.priority, criticality);

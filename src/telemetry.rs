@@ -62,6 +62,20 @@ pub const DISCOVERY_FAILURES: &str = "inference_picker_discovery_failures_total"
 /// `status`, `too_large`, `parse` (see `crate::pod_models::ModelsError`).
 pub const MODEL_LIST_FAILURES: &str = "inference_picker_model_list_failures_total";
 
+/// The active configuration of the HTTP filter (gauge): its version, `crate::live_config::digest`
+/// of the document, also logged when it becomes active.
+pub const CONFIG_VERSION: &str = "inference_picker_config_version";
+/// The configuration the singleton poller runs (gauge), same digest: equal to
+/// `inference_picker_config_version` once the poller followed a change.
+pub const POLLER_CONFIG_VERSION: &str = "inference_picker_poller_config_version";
+
+/// Body-based routing: requests this pool's filter passed on to the next pool's (a model it does
+/// not serve).
+pub const POOL_PASSED_ON: &str = "inference_picker_pool_passed_on_total";
+/// Body-based routing: requests this pool's filter took with the body an earlier pool's filter
+/// had parsed (not parsed again).
+pub const POOL_PARSE_REUSED: &str = "inference_picker_pool_parse_reused_total";
+
 /// Most distinct metric names one VM defines. Past it, new names are not defined (and not
 /// updated): the names already defined keep working, and the host logs once. With
 /// `filter.endpoint_metrics` off the names are bounded far below this by the configuration.
@@ -118,7 +132,7 @@ impl LogLimiter {
 }
 
 /// The tag names the Envoy config must extract.
-pub const TAGS: [&str; 5] = ["model", "endpoint", "outcome", "reason", "priority"];
+pub const TAGS: [&str; 6] = ["pool", "model", "endpoint", "outcome", "reason", "priority"];
 
 /// Builds `base;k=v;k=v`.
 pub fn name(base: &str, tags: &[(&str, &str)]) -> String {

@@ -600,3 +600,18 @@ fn endpoint_metrics_is_off_by_default() {
         parse(&with(base(), "/filter", json!({"endpoint_metrics": true}))).unwrap().filter.endpoint_metrics
     );
 }
+
+#[test]
+fn pool_is_optional_named_and_strict() {
+    assert_eq!(parse(&base()).unwrap().pool, None);
+    let cfg = parse(&with(base(), "/pool", json!({"name": "llama", "route_by_model": true}))).unwrap();
+    let p = cfg.pool.unwrap();
+    assert_eq!((p.name.as_str(), p.route_by_model), ("llama", true));
+    // route_by_model defaults to false.
+    assert!(!parse(&with(base(), "/pool", json!({"name": "a"}))).unwrap().pool.unwrap().route_by_model);
+    let v = with(base(), "/pool", json!({"name": "Llama Pool"}));
+    assert_only(&errors(&v), "pool.name", "not a pool name");
+    // A typo is an unknown field, not a silent default.
+    assert!(parse(&with(base(), "/pool", json!({"name": "a", "route_by_models": true}))).is_err());
+    assert!(parse(&with(base(), "/pool", json!({"route_by_model": true}))).is_err());
+}

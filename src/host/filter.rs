@@ -18,6 +18,7 @@ use super::{io, Worker};
 use crate::admission::{self, Decision};
 use crate::errors::Rejection;
 use crate::health::{self, HealthView};
+use crate::pools::{self, Claim, HeadStep};
 use crate::ports::SharedStore;
 use crate::priority::PriorityHeaders;
 use crate::request::{
@@ -91,12 +92,43 @@ impl Filter {
             let scheduler = worker.scheduler.borrow();
             let mut rng = worker.rng.borrow_mut();
             let ex = self.ex.borrow();
-            request::prepare(cfg, &scheduler, &mut *rng, &ex.head, &body, &resolving)
+            if cfg.pool.as_ref().is_some_and(|p| p.route_by_model) {
+                let (prepared, reused) =
+                    prepare_by_model(cfg, &scheduler, &mut *rng, &ex.head, &body, &resolving);
+                let mut metrics = worker.metrics.borrow_mut();
+                if reused {
+                    metrics.count(telemetry::name(telemetry::POOL_PARSE_REUSED, &[]));
+                }
+                if matches!(prepared, Ok(None)) {
+                    metrics.count(telemetry::name(telemetry::POOL_PASSED_ON, &[]));
+                }
+                prepared
+            } else {
+                request::prepare(cfg, &scheduler, &mut *rng, &ex.head, &body, &resolving).map(Some)
+            }
         };
         let mut prepared = match prepared {
-            Ok(p) => p,
+            Ok(Some(p)) => p,
+            // Body-based routing: not this pool's model; the next pool's filter decides.
+            Ok(None) => {
+                self.ex.borrow_mut().passthrough = true;
+                return Action::Continue;
+            }
             Err(rej) => return self.reject(&rej),
         };
+        if let Claim::Claim { pool, model_header } = pools::claim(cfg.pool.as_ref(), &prepared.route.base) {
+            // Later pools' filters leave it alone; the header change makes Envoy re-match the
+            // route. Without the claim a later pool's filter would remove the header: fail closed.
+            if !io::set_stream_property(pools::CLAIM_PROPERTY, pool.as_bytes()) {
+                return self.reject(&Rejection::new(
+                    500,
+                    "internal_error",
+                    "pool_claim_failed",
+                    "could not record the pool that serves this request",
+                ));
+            }
+            io::set_request_header(pools::MODEL_HEADER, Some(model_header));
+        }
         // The model rewrite does not depend on the endpoint: apply it now, while the body is in
         // hand, whether or not the request is held. Taken, so a held request does not keep it.
         if let Some(new_body) = prepared.new_body.take() {
@@ -159,6 +191,42 @@ impl Filter {
             }
         }
     }
+}
+
+/// Body-based routing (`crate::pools`): [`request::prepare`] with the body parsed once across
+/// the pools' filters. A body an earlier pool's filter parsed comes from the stream's filter
+/// state; a model this pool does not serve is passed on (`Ok(None)`) with the parsed body, for
+/// the next pool's filter. Also says whether the body came parsed.
+fn prepare_by_model(
+    cfg: &crate::config::Config,
+    scheduler: &crate::scheduler::Scheduler,
+    rng: &mut dyn crate::ports::Rng,
+    head: &RequestHead,
+    body: &[u8],
+    snapshot: &crate::snapshot::Snapshot,
+) -> (Result<Option<Prepared>, Rejection>, bool) {
+    let kind = crate::body::ApiKind::from_path(&head.path);
+    let handed = io::stream_property(pools::PARSED_PROPERTY).and_then(|b| pools::decode_parsed(&b, kind));
+    let reused = handed.is_some();
+    let parsed = match handed {
+        Some(p) => p,
+        None => match crate::body::parse_request(&head.path, body) {
+            Ok(p) => p,
+            Err(rej) => return (Err(rej), false),
+        },
+    };
+    let prepared = match scheduler.route_model(&parsed.model, head.session_id.as_deref(), snapshot, rng) {
+        Ok(route) => request::prepare_routed(cfg, head, parsed, route, body).map(Some),
+        Err(rej) if pools::passes_on(cfg.pool.as_ref(), &rej) => {
+            if !reused {
+                // If this fails the next pool's filter parses the body itself.
+                io::set_stream_property(pools::PARSED_PROPERTY, &pools::encode_parsed(&parsed));
+            }
+            Ok(None)
+        }
+        Err(rej) => Err(rej),
+    };
+    (prepared, reused)
 }
 
 /// Counts a rejection and answers it on the current (or effective) context, with the time
@@ -424,6 +492,20 @@ impl HttpContext for Filter {
     fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
         let worker = self.worker.clone();
         let cfg = &worker.cfg;
+        // Several pools, body-based routing: a request another pool claimed is not ours; any
+        // client-sent model header goes before anything else (crate::pools).
+        let routing = cfg.pool.as_ref().is_some_and(|p| p.route_by_model);
+        let claimed = if routing { io::stream_property(pools::CLAIM_PROPERTY) } else { None };
+        match pools::on_head(cfg.pool.as_ref(), claimed.as_deref()) {
+            HeadStep::PassThrough => {
+                self.ex.borrow_mut().passthrough = true;
+                return Action::Continue;
+            }
+            HeadStep::Handle { strip_model_header: true } => {
+                io::set_request_header(pools::MODEL_HEADER, None)
+            }
+            HeadStep::Handle { strip_model_header: false } => {}
+        }
         // Trusted priority headers are read first; then the priority headers and any
         // client-chosen destination are removed, on every path.
         let priority = PriorityHeaders::read(&cfg.priority, &|h: &str| io::request_header(h));

@@ -63,6 +63,12 @@ mod abi {
             return_value_data: *mut *mut u8,
             return_value_size: *mut usize,
         ) -> Status;
+        fn proxy_set_property(
+            path_data: *const u8,
+            path_size: usize,
+            value_data: *const u8,
+            value_size: usize,
+        ) -> Status;
         fn proxy_get_shared_data(
             key_data: *const u8,
             key_size: usize,
@@ -180,6 +186,13 @@ mod abi {
         }
     }
 
+    /// Sets a stream property (Envoy keeps it in the stream's filter state as `wasm.<path>`,
+    /// readable by every later filter of the stream, never by the client).
+    pub fn set_property(path: &str, value: &[u8]) -> Status {
+        // SAFETY: both pointers are valid for their lengths for the duration of the call.
+        unsafe { proxy_set_property(path.as_ptr(), path.len(), value.as_ptr(), value.len()) }
+    }
+
     /// A shared-data value and its CAS: `Ok(None)` when the key is absent.
     pub fn shared_data(key: &str) -> Result<Option<(Vec<u8>, u32)>, Status> {
         let (mut data, mut size, mut cas) = (null_mut(), 0usize, 0u32);
@@ -271,6 +284,21 @@ pub fn set_tick_period_ms(ms: u64) {
     if s != Status::Ok {
         warn!("set_tick_period failed: {s:?}");
     }
+}
+
+/// A stream property as bytes (`None` when absent or unreadable).
+pub fn stream_property(name: &str) -> Option<Vec<u8>> {
+    abi::property(&[name]).ok().flatten()
+}
+
+/// Sets a stream property (filter state) for the later filters of this stream; a host refusal
+/// is logged and reported.
+pub fn set_stream_property(name: &str, value: &[u8]) -> bool {
+    let s = abi::set_property(name, value);
+    if s != Status::Ok {
+        warn!("setting property {name} failed: {s:?}");
+    }
+    s == Status::Ok
 }
 
 /// A string property such as `plugin_root_id` (`None` if absent or not UTF-8).
@@ -538,6 +566,8 @@ mod tests {
 #[derive(Default)]
 pub struct Metrics {
     ids: hashbrown::HashMap<String, u32>,
+    /// Appended to every name defined (`;pool=<name>` with `pool.name`, else empty).
+    suffix: String,
     /// The name limit was hit and logged.
     full_logged: bool,
     /// This VM's linear memory last added to the memory gauge, in bytes.
@@ -557,6 +587,11 @@ fn vm_memory_bytes() -> u64 {
 }
 
 impl Metrics {
+    /// Metrics whose every name ends with `suffix` (`crate::pools::metric_suffix`).
+    pub fn with_suffix(suffix: String) -> Self {
+        Metrics { suffix, ..Metrics::default() }
+    }
+
     /// Keeps `inference_picker_vm_memory_bytes` equal to the sum of every filter VM's linear
     /// memory: each VM adds the growth since its last report (a gauge set by several VMs would
     /// only show the last writer's value).
@@ -588,7 +623,8 @@ impl Metrics {
             }
             return None;
         }
-        match abi::define_metric(kind, &name) {
+        let defined = if self.suffix.is_empty() { name.clone() } else { format!("{name}{}", self.suffix) };
+        match abi::define_metric(kind, &defined) {
             Ok(id) => {
                 self.ids.insert(name, id);
                 Some(id)

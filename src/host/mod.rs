@@ -24,6 +24,7 @@ use crate::config::{Config, PollerMode};
 use crate::flow;
 use crate::health::Recorder;
 use crate::inflight;
+use crate::live_config::{self, Follow, Follower};
 use crate::ports::{Rng, SplitMix64};
 use crate::scheduler::Scheduler;
 use crate::snapshot::{Snapshot, SnapshotCache};
@@ -201,12 +202,66 @@ struct Root {
     role: Role,
     /// `poller.mode: lease`: this filter root's part in electing and running the poller.
     leased: Option<Box<poller::LeasedPoller>>,
+    /// The singleton poller: which configuration it runs, and the filter's published one it
+    /// follows (`crate::live_config`).
+    follower: Option<Follower>,
+    /// The singleton's own gauges (its configuration version).
+    root_metrics: io::Metrics,
 }
 
 impl Root {
     fn new(context_id: u32) -> Self {
-        Root { context_id, role: Role::Unconfigured, leased: None }
+        Root {
+            context_id,
+            role: Role::Unconfigured,
+            leased: None,
+            follower: None,
+            root_metrics: io::Metrics::default(),
+        }
     }
+
+    /// The singleton's role for a configuration: the poller, or idle when the configuration
+    /// says another mode polls.
+    fn poller_role(&mut self, cfg: Rc<Config>, version: u32) -> Role {
+        self.root_metrics = io::Metrics::with_suffix(crate::pools::metric_suffix(cfg.pool.as_ref()));
+        self.root_metrics.gauge(telemetry::name(telemetry::POLLER_CONFIG_VERSION, &[]), u64::from(version));
+        if cfg.poller.mode != PollerMode::Singleton {
+            warn!("inference-picker-poller: poller.mode is not singleton; this singleton stays idle");
+            return Role::Unconfigured;
+        }
+        info!(
+            "inference-picker-poller: configuration version {version:08x} active{}, {} static endpoints",
+            pool_label(&cfg),
+            cfg.endpoints.len()
+        );
+        io::set_tick_period_ms(cfg.poller.interval_ms);
+        Role::Poller(Box::new(poller::PollerRole::new(cfg)))
+    }
+
+    /// Singleton mode: adopt the configuration the filter's roots published, if it changed.
+    fn follow_published_config(&mut self) {
+        let Some(f) = &mut self.follower else {
+            return;
+        };
+        match f.check(&io::HostStore) {
+            Ok(Follow::Same) => {}
+            Ok(Follow::Adopt { config, version }) => {
+                info!("inference-picker-poller: following the filter's configuration version {version:08x}");
+                self.role = self.poller_role(Rc::new(*config), version);
+            }
+            Ok(Follow::Refused { version, reason }) => error!(
+                "inference-picker-poller: published configuration version {version:08x} refused, keeping \
+                 version {:08x}: {reason}",
+                f.current()
+            ),
+            Err(e) => warn!("inference-picker-poller: reading the published configuration failed: {e:?}"),
+        }
+    }
+}
+
+/// ` (pool NAME)`, or nothing without `pool`.
+fn pool_label(cfg: &Config) -> String {
+    cfg.pool.as_ref().map(|p| format!(" (pool {})", p.name)).unwrap_or_default()
 }
 
 impl Context for Root {
@@ -256,15 +311,26 @@ impl RootContext for Root {
                 return false;
             }
         };
+        let version = live_config::digest(&raw);
         self.role = if root_id == POLLER_ROOT_ID {
-            if cfg.poller.mode != PollerMode::Singleton {
-                warn!("inference-picker-poller: poller.mode is not singleton; this singleton stays idle");
-                return true;
-            }
-            info!("inference-picker: poller singleton configured, {} static endpoints", cfg.endpoints.len());
+            // Ticks even while idle, to follow the filter's published configuration.
             io::set_tick_period_ms(cfg.poller.interval_ms);
-            Role::Poller(Box::new(poller::PollerRole::new(cfg)))
+            self.follower = Some(Follower::new(&raw));
+            self.poller_role(cfg, version)
         } else {
+            // Singleton mode: the poller follows this configuration (crate::live_config). Only a
+            // valid document gets here; an invalid one was refused above and the previous
+            // filter keeps serving.
+            if cfg.poller.mode == PollerMode::Singleton {
+                if let Err(e) = live_config::publish(&io::HostStore, &raw) {
+                    warn!("inference-picker: publishing the configuration for the poller failed: {e:?}");
+                }
+            }
+            info!(
+                "inference-picker: configuration version {version:08x} active{}, {} static endpoints",
+                pool_label(&cfg),
+                cfg.endpoints.len()
+            );
             if cfg.poller.mode == PollerMode::Lease {
                 self.leased = Some(Box::new(poller::LeasedPoller::new(cfg.clone(), self.context_id)));
             }
@@ -310,11 +376,13 @@ impl RootContext for Root {
                 _ => FILTER_TICK_MS,
             };
             io::set_tick_period_ms(period);
+            let mut metrics = io::Metrics::with_suffix(crate::pools::metric_suffix(cfg.pool.as_ref()));
+            metrics.gauge(telemetry::name(telemetry::CONFIG_VERSION, &[]), u64::from(version));
             Role::Filter(Rc::new(Worker {
                 scheduler: RefCell::new(scheduler),
                 snapshots: RefCell::new(SnapshotCache::new()),
                 rng: RefCell::new(rng),
-                metrics: RefCell::new(io::Metrics::default()),
+                metrics: RefCell::new(metrics),
                 gate: RefCell::new(Gate::new(&cfg, worker_id)),
                 pending: RefCell::new(HashMap::new()),
                 health: RefCell::new(Recorder::new()),
@@ -329,6 +397,7 @@ impl RootContext for Root {
     }
 
     fn on_tick(&mut self) {
+        self.follow_published_config();
         let now = io::now_ms();
         match &self.role {
             Role::Poller(_) | Role::Unconfigured => {}

@@ -48,13 +48,14 @@ pub(crate) struct PollerRole {
 impl PollerRole {
     pub fn new(cfg: Rc<Config>) -> Self {
         let core = Poller::new(&cfg);
+        let metrics = io::Metrics::with_suffix(crate::pools::metric_suffix(cfg.pool.as_ref()));
         let mut p = PollerRole {
             cfg,
             core,
             calls: HashMap::new(),
             discovery_call: None,
             dirty: false,
-            metrics: io::Metrics::default(),
+            metrics,
             errors: LogLimiter::new(telemetry::ERROR_LOG_EVERY_MS),
             inflight: InflightTable::new(io::entropy()),
             models: None,

@@ -2,6 +2,7 @@
 catches the mistakes it is meant to catch."""
 
 import copy
+import json
 import os
 import shutil
 import sys
@@ -263,3 +264,64 @@ def test_consistency_catches_a_data_cluster_without_fallbacks(tmp_path):
     errs = consistency_errors(d)
     assert any("override_host" in e for e in errs), errs
     assert any("no retry_policy" in e for e in errs), errs
+
+
+def test_consistency_catches_an_unscoped_filter(tmp_path):
+    # Issue 13: a picker inserted on the whole listener acts on every route of a shared gateway.
+    d = copy_dir(tmp_path, "ingress")
+    assert consistency_errors(d) == []
+
+    def unscoped(doc):
+        for p in doc["spec"]["configPatches"]:
+            value = p["patch"].get("value", {})
+            value.pop("disabled", None)
+            value.pop("typed_per_filter_config", None)
+    edit_yaml(d / "envoyfilter.yaml", 0, unscoped)
+    errs = consistency_errors(d)
+    assert any("is not disabled on the listener" in e for e in errs), errs
+    assert any("no HTTP_ROUTE patch enables 'istio-system/inference-picker'" in e for e in errs), errs
+
+
+def test_assembled_gateway_runs_the_picker_only_on_the_inference_route(tmp_path):
+    proxy = vm.collect(vm.MANIFESTS / "gateway-api")
+    boot = vm.assemble(proxy, wasm=tmp_path / "m.wasm", ca=tmp_path / "ca.crt")
+    hcm = boot["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    picker = next(f for f in hcm["http_filters"] if f["name"] == "inference/inference-picker")
+    assert picker["disabled"] is True
+    for r in hcm["route_config"]["virtual_hosts"][0]["routes"]:
+        per = r.get("typed_per_filter_config", {}).get("inference/inference-picker")
+        assert (per is not None) == (r["name"] == "inference.llm-route.0"), r["name"]
+
+
+def test_consistency_catches_missing_stats_tags(tmp_path):
+    # Issue 13: without the stats tags the module's metric labels stay inside the names on Istio.
+    d = copy_dir(tmp_path, "gateway-api")
+    assert consistency_errors(d) == []
+    (d / "stats-bootstrap.yaml").unlink()
+    errs = consistency_errors(d)
+    assert any("no stats tag 'model'" in e for e in errs), errs
+    assert any("no stats tag 'pool'" in e for e in errs), errs
+
+
+def test_pools_gateway_routes_each_model_to_its_pool_and_the_rest_to_a_json_404(tmp_path):
+    proxy = vm.collect(vm.MANIFESTS / "gateway-api-pools")
+    boot = vm.assemble(proxy, wasm=tmp_path / "m.wasm", ca=tmp_path / "ca.crt")
+    hcm = boot["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    names = [f["name"] for f in hcm["http_filters"]]
+    assert names == ["inference/picker-llama", "inference/picker-qwen", "envoy.filters.http.router"]
+    assert all(f.get("disabled") for f in hcm["http_filters"][:2])
+    routes = {r["name"]: r for r in hcm["route_config"]["virtual_hosts"][0]["routes"]}
+    assert routes["inference.llm-route.0"]["route"]["cluster"] == "inference_pool_llama"
+    assert routes["inference.llm-route.1"]["route"]["cluster"] == "inference_pool_qwen"
+    nf = routes["inference.llm-route.2"]
+    assert "route" not in nf and nf["direct_response"]["status"] == 404
+    assert json.loads(nf["direct_response"]["body"]["inline_string"])["error"]["code"] == "model_not_found"
+    for r in routes.values():
+        assert set(r["typed_per_filter_config"]) == {"inference/picker-llama", "inference/picker-qwen"}
+    # Each pool: its own vm_id and pool name.
+    vms = {}
+    for f in hcm["http_filters"][:2]:
+        cfg = f["config_discovery"]["default_config"]["config"]
+        vms[cfg["vm_config"]["vm_id"]] = json.loads(cfg["configuration"]["value"])["pool"]["name"]
+    assert vms == {"inference-picker-vllm-llama3-8b-instruct": "vllm-llama3-8b-instruct",
+                   "inference-picker-qwen2-5-7b-instruct": "qwen2-5-7b-instruct"}

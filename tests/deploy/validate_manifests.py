@@ -309,6 +309,49 @@ def module_configs(proxy: Proxy):
                 yield f"bootstrap {ext.get('name')}", tc["config"], "singleton"
 
 
+FILTER_CONFIG_TYPE = "type.googleapis.com/envoy.config.route.v3.FilterConfig"
+
+
+def check_scoping(proxy: Proxy, report: Report):
+    """Scoped insertion (issue 13): every picker filter the manifests insert is disabled on the
+    listener and enabled by at least one HTTP_ROUTE patch, so that routes that do not point at an
+    inference pool never reach the module. (A WasmPlugin has no such switch: see its file.)"""
+    where = rel(proxy.directory)
+    enabled = set()
+    for apply_to, _, patch in proxy.patches:
+        if apply_to == "HTTP_ROUTE":
+            for name, fc in (patch.get("value", {}).get("typed_per_filter_config") or {}).items():
+                if fc.get("@type") == FILTER_CONFIG_TYPE and not fc.get("disabled", False):
+                    enabled.add(name)
+    for apply_to, _, patch in proxy.patches:
+        value = patch.get("value", {})
+        if apply_to == "HTTP_FILTER" and value.get("name") in proxy.extension_configs:
+            name = value["name"]
+            if value.get("disabled") is not True:
+                report.error(where, f"HTTP_FILTER {name!r} is not disabled on the listener: it would act on "
+                                    "every route (scoped insertion: disabled: true, enabled per route)")
+            if name not in enabled:
+                report.error(where, f"no HTTP_ROUTE patch enables {name!r} (typed_per_filter_config FilterConfig)")
+
+
+# The tag names the module's metric names carry (`crate::telemetry::TAGS`).
+STATS_TAGS = ("pool", "model", "endpoint", "outcome", "reason", "priority")
+
+
+def check_stats_tags(proxy: Proxy, report: Report):
+    """Issue 13: the filter's metric labels are extracted on Istio too: a bootstrap override
+    (custom_bootstrap.json) adds a stats tag for each, with the regex envoy/envoy.yaml uses."""
+    have = {}
+    for boot in proxy.bootstrap_overrides:
+        for t in (boot.get("stats_config") or {}).get("stats_tags", []):
+            have[t.get("tag_name")] = t.get("regex")
+    for tag in STATS_TAGS:
+        want = f"(;{tag}=([^;]*))"
+        if have.get(tag) != want:
+            report.error(rel(proxy.directory), f"no stats tag {tag!r} with regex {want!r} in a bootstrap override "
+                                               "(custom_bootstrap.json stats_config.stats_tags): the metric label is lost")
+
+
 def check_consistency(proxy: Proxy, report: Report):
     where = rel(proxy.directory)
     cluster_names = {p["value"]["name"] for a, _, p in proxy.patches if a == "CLUSTER" and p["operation"] == "ADD"}
@@ -327,8 +370,11 @@ def check_consistency(proxy: Proxy, report: Report):
             if mode != "lease":
                 report.error(f"{where} {what}", "a WasmPlugin cannot be paired with the singleton (no vm_id): use poller.mode lease")
             continue
-        if cfg.get("vm_config", {}).get("vm_id") != VM_ID:
-            report.error(f"{where} {what}", f"vm_config.vm_id must be {VM_ID!r} (shared data is per vm_id)")
+        # Several pools: each its own vm_id (its own shared data and poller), named after it.
+        pool = doc.get("pool") or {}
+        want_vm = f"{VM_ID}-{pool['name']}" if pool.get("name") else VM_ID
+        if cfg.get("vm_config", {}).get("vm_id") != want_vm:
+            report.error(f"{where} {what}", f"vm_config.vm_id must be {want_vm!r} (shared data is per vm_id)")
         if role == "filter":
             if cfg.get("allow_on_headers_stop_iteration") is not True:
                 report.error(f"{where} {what}", "allow_on_headers_stop_iteration must be true (body-based routing)")
@@ -350,18 +396,24 @@ def check_consistency(proxy: Proxy, report: Report):
     filters = [doc for doc, role in parsed.values() if role == "filter"]
     singletons = [doc for doc, role in parsed.values() if role == "singleton"]
     for s in singletons:
-        if any(f != s for f in filters):
+        same_pool = [f for f in filters if (f.get("pool") or {}).get("name") == (s.get("pool") or {}).get("name")]
+        if any(f != s for f in same_pool):
             report.error(where, "the singleton's configuration differs from the filter's: both roles must read the same document")
+    check_scoping(proxy, report)
+    check_stats_tags(proxy, report)
     for apply_to, _, patch in proxy.patches:
         if apply_to == "HTTP_FILTER" and "config_discovery" in patch.get("value", {}):
             name = patch["value"]["name"]
             if name not in proxy.extension_configs:
                 report.error(where, f"HTTP_FILTER {name!r} discovers a config that no EXTENSION_CONFIG defines")
-    if "inference_pool" not in cluster_names:
+    # The data clusters: inference_pool, or one inference_pool_<pool> per pool.
+    data_clusters = {n for n in cluster_names if n == "inference_pool"
+                     or (n.startswith("inference_pool_") and n not in ("inference_pool_metrics",))}
+    if not data_clusters:
         report.error(where, "no CLUSTER patch adds the data cluster inference_pool")
     for apply_to, _, patch in proxy.patches:
         value = patch.get("value", {})
-        if apply_to == "CLUSTER" and value.get("name") == "inference_pool":
+        if apply_to == "CLUSTER" and value.get("name") in data_clusters:
             policies = value.get("load_balancing_policy", {}).get("policies", [])
             lb = policies[0].get("typed_extension_config", {}) if policies else {}
             if lb.get("name") != "envoy.load_balancing_policies.override_host":
@@ -371,7 +423,7 @@ def check_consistency(proxy: Proxy, report: Report):
                 if fb.get("typed_extension_config", {}).get("typed_config", {}).get("fallback_policy") != "NO_FALLBACK":
                     report.error(where, "inference_pool's fallback policy must find no host (a NO_FALLBACK subset): "
                                         "never a pod the picker did not list")
-        if apply_to == "HTTP_ROUTE" and value.get("route", {}).get("cluster") == "inference_pool":
+        if apply_to == "HTTP_ROUTE" and value.get("route", {}).get("cluster") in data_clusters:
             if "retry_policy" not in value["route"]:
                 report.error(where, "the route to inference_pool has no retry_policy: fallbacks are never tried")
     if not any(a == "HTTP_ROUTE" for a, _, _ in proxy.patches):
@@ -480,6 +532,13 @@ def assemble(proxy: Proxy, wasm: Path, ca: Path = TEST_CA) -> dict:
             name = match.get("routeConfiguration", {}).get("vhost", {}).get("route", {}).get("name")
             for r in routes:
                 if r["name"] == name:
+                    # The route action is a protobuf oneof: Istio's MERGE of one member
+                    # (direct_response) replaces another (route), as proto.Merge does.
+                    actions = ("route", "redirect", "direct_response")
+                    if any(a in value for a in actions):
+                        for a in actions:
+                            if a not in value:
+                                r.pop(a, None)
                     merge(r, value)
         else:
             raise ValueError(f"{apply_to} {op} is not modelled by the validator")

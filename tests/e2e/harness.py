@@ -339,13 +339,18 @@ class LdsEnvoy(Envoy):
     dict and moves the new file into place (Envoy watches the file). The old listener drains for
     `drain_s` seconds (`--drain-time-s`), then Envoy closes its connections."""
 
-    def __init__(self, config: dict, concurrency: int = 1, drain_s: int = 1):
+    def __init__(self, config: dict, concurrency: int = 1, drain_s: int = 1,
+                 pool_hosts: list[str] | None = None, singleton: bool = True):
         self.port = free_port()
         self.admin_port = free_port()
         self.tmp = tempfile.TemporaryDirectory(prefix="picker-envoy-lds-")
         self.lds_path = Path(self.tmp.name) / "lds.yaml"
         self._version = 0
-        doc = render(yaml.safe_load(ENVOY_YAML.read_text()), config, self.port, self.admin_port)
+        doc = render(yaml.safe_load(ENVOY_YAML.read_text()), config, self.port, self.admin_port,
+                     pool_hosts=pool_hosts)
+        if not singleton:
+            # Lease mode: no bootstrap extension; the filter's roots elect the poller.
+            doc.pop("bootstrap_extensions", None)
         self.listener = doc["static_resources"].pop("listeners")[0]
         doc["dynamic_resources"] = {"lds_config": {"resource_api_version": "V3",
                                                    "path_config_source": {"path": str(self.lds_path)}}}
@@ -388,6 +393,24 @@ class LdsEnvoy(Envoy):
     def replace_listener(self, mutate) -> None:
         mutate(self.listener)
         self._write_listener()
+
+    def set_picker_config(self, config: dict) -> None:
+        """Replaces the listener with one whose filter has `config` (the module reconfigured
+        through LDS, as an ECDS or control-plane update would)."""
+        def mutate(listener):
+            hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
+            for f in hcm["http_filters"]:
+                plugin = f.get("typed_config", {}).get("config", {})
+                if "configuration" in plugin:
+                    plugin["configuration"]["value"] = json.dumps(config)
+        self.replace_listener(mutate)
+
+    def lds_counter(self, name: str) -> int:
+        """A `listener_manager.lds.*` counter (`update_success`, `update_rejected`)."""
+        for line in requests.get(self.admin + "/stats", timeout=5).text.splitlines():
+            if line.startswith(f"listener_manager.lds.{name}:"):
+                return int(line.split(":")[1])
+        return 0
 
     def lds_updates(self) -> int:
         """Listener updates Envoy accepted (`listener_manager.lds.update_success`)."""

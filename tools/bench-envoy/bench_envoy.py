@@ -54,6 +54,9 @@ LLAMA = "meta-llama/Llama-3.1-8B-Instruct"
 METRICS_FIXTURE = REPO / "tests/fixtures/metrics/vllm_v1_0.33_dp2_lora_constructed.prom"
 MARK = "QQQQBENCHMARKQQQ"  # 16 letters: no Lua pattern characters
 VARIANTS = ("plain", "pass", "module")
+# Top-level sections added to the module's configuration (--module-extra), e.g. body-based
+# routing: {"pool": {"name": "bench", "route_by_model": true}}.
+MODULE_EXTRA: dict = {}
 CHAT_RESPONSE = json.dumps({
     "id": "chatcmpl-bench", "object": "chat.completion", "created": 0, "model": LLAMA,
     "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}],
@@ -241,7 +244,7 @@ def front_config(variant: str, base: dict, addresses: list[str], pod_port: int, 
     if variant == "module":
         picker = json.dumps({"version": 1,
                              "endpoints": [{"address": f"{a}:{pod_port}", "models": [LLAMA]} for a in addresses],
-                             "models": [{"name": LLAMA}]})
+                             "models": [{"name": LLAMA}], **MODULE_EXTRA})
 
         def visit(node):
             if isinstance(node, dict):
@@ -456,7 +459,11 @@ def main() -> int:
     ap.add_argument("--combine", nargs="+", metavar="RESULTS_JSON",
                     help="measure nothing: write one report from the results.json of several runs "
                          "(medians over all their repetitions)")
+    ap.add_argument("--module-extra", default="{}",
+                    help="JSON object of top-level sections added to the module's configuration "
+                         "(e.g. '{\"pool\": {\"name\": \"bench\", \"route_by_model\": true}}')")
     args = ap.parse_args()
+    MODULE_EXTRA.update(json.loads(args.module_extra))
     if args.combine:
         return combine(args.combine, Path(args.out))
 

@@ -101,7 +101,7 @@ def test_front_configs_share_the_listener_and_differ_only_in_filters():
     names = {v: [f["name"] for f in h["http_filters"]] for v, h in hcm.items()}
     assert names["plain"] == ["envoy.filters.http.router"]
     assert names["pass"] == ["envoy.filters.http.wasm", "envoy.filters.http.router"]
-    assert names["module"] == ["envoy.filters.http.wasm", "envoy.filters.http.router"]
+    assert names["module"] == ["inference-picker", "envoy.filters.http.router"]
     assert "bootstrap_extensions" not in docs["plain"] and "bootstrap_extensions" in docs["module"]
     pool = docs["plain"]["static_resources"]["clusters"][0]
     assert pool["lb_policy"] == "ROUND_ROBIN" and len(pool["load_assignment"]["endpoints"][0]["lb_endpoints"]) == 3

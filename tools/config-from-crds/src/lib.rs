@@ -10,6 +10,7 @@
 //! | InferencePool | `spec.endpointPickerRef.failureMode` (default FailClose) | `filter.failure_mode` |
 //! | InferenceModelRewrite | `spec.rules[]` (resources by creation time, then name) | `scheduler.rewrites[]` |
 //! | InferenceObjective | `metadata.name` → `spec.priority` (unset = 0) | `priority.objectives[]` (by name) |
+//! | InferencePool | `metadata.name`, with `--route-by-model` | `pool.name` (and `pool.route_by_model: true`) |
 //!
 //! Not mapped: `endpointPickerRef` name and port (this module is the picker, inside the proxy),
 //! and `appProtocol` (the data cluster's protocol is Envoy configuration; `kubernetes.io/h2c` gets a
@@ -45,6 +46,9 @@ pub struct Options {
     /// `poller.mode`, `scheduler.rewrites` and `priority.objectives` (when the input has any), and
     /// `models` (when `models` is not empty) are replaced.
     pub base: Option<serde_json::Value>,
+    /// Several pools on one gateway with body-based routing: sets `pool` to
+    /// `{"name": <the InferencePool's name>, "route_by_model": true}`.
+    pub route_by_model: bool,
 }
 
 impl Default for Options {
@@ -56,6 +60,7 @@ impl Default for Options {
             poller_mode: PollerMode::Lease,
             token_env: Some("K8S_TOKEN".into()),
             base: None,
+            route_by_model: false,
         }
     }
 }
@@ -381,6 +386,9 @@ pub fn convert(docs: &[serde_yaml::Value], opts: &Options) -> Result<Output, Vec
             &["scheduler", "rewrites"],
             serde_json::to_value(&rewrites).map_err(|e| vec![e.to_string()])?,
         );
+    }
+    if opts.route_by_model {
+        obj.insert("pool".into(), serde_json::json!({"name": pool.metadata.name, "route_by_model": true}));
     }
     if !objective_configs.is_empty() {
         set_path(

@@ -50,6 +50,11 @@ struct Args {
     /// its own.
     #[arg(long)]
     base: Option<PathBuf>,
+    /// Several pools on one gateway, chosen by the request's model (body-based routing): name
+    /// the pool after the InferencePool and let requests for other models pass on to the next
+    /// pool's filter. Run once per pool (`--pool`).
+    #[arg(long)]
+    route_by_model: bool,
     /// Write here instead of stdout.
     #[arg(short, long)]
     output: Option<PathBuf>,
@@ -90,6 +95,7 @@ fn run(args: Args) -> Result<(), Vec<String>> {
         },
         token_env: Some(args.token_env).filter(|t| !t.is_empty()),
         base,
+        route_by_model: args.route_by_model,
     };
     let out = convert(&docs, &opts)?;
     for w in &out.warnings {

@@ -166,3 +166,31 @@ fn command_line_writes_a_valid_document() {
     assert!(!bad.status.success());
     assert!(String::from_utf8_lossy(&bad.stderr).contains("error: models"));
 }
+
+#[test]
+fn route_by_model_names_each_pool_of_a_two_pool_gateway() {
+    let docs = example("two-pools.yaml");
+    // Without the flag: one unnamed pool, as before.
+    assert_eq!(
+        convert(&docs, &Options { pool: Some("vllm-llama3-8b-instruct".into()), ..llama_opts() })
+            .unwrap()
+            .config
+            .pool,
+        None
+    );
+    let llama =
+        Options { pool: Some("vllm-llama3-8b-instruct".into()), route_by_model: true, ..llama_opts() };
+    let qwen = Options {
+        pool: Some("qwen-dp2".into()),
+        models: vec![parse_model_arg("Qwen/Qwen2.5-7B-Instruct").unwrap()],
+        route_by_model: true,
+        ..Options::default()
+    };
+    let a = convert(&docs, &llama).unwrap().config;
+    let b = convert(&docs, &qwen).unwrap().config;
+    let pa = a.pool.unwrap();
+    let pb = b.pool.unwrap();
+    assert_eq!((pa.name.as_str(), pa.route_by_model), ("vllm-llama3-8b-instruct", true));
+    assert_eq!((pb.name.as_str(), pb.route_by_model), ("qwen-dp2", true));
+    assert_eq!(b.discovery.unwrap().kubernetes.target_ports, [30000, 30001]);
+}

@@ -67,6 +67,7 @@ fn every_embedded_configuration_is_valid() {
             }
         }
     }
-    // gateway-api, ingress, sidecar, sidecar-singleton (filter + singleton), wasmplugin.
-    assert_eq!(checked, 6);
+    // gateway-api, gateway-api-pools (two pools), ingress, sidecar, sidecar-singleton (filter +
+    // singleton), wasmplugin.
+    assert_eq!(checked, 8);
 }
