@@ -378,7 +378,8 @@ pub fn truncate_prompt(prompt: &mut String, max_bytes: usize) {
     prompt.shrink_to_fit();
 }
 
-/// Picks the endpoint for a prepared request, with the inputs of the moment it goes on.
+/// Picks the endpoint for a prepared request, with the inputs of the moment it goes on, and no
+/// passive-health information ([`route_with`] with an empty view).
 pub fn route(
     scheduler: &mut Scheduler,
     rng: &mut dyn Rng,
@@ -386,22 +387,7 @@ pub fn route(
     prepared: &Prepared,
     inputs: &BodyInputs<'_>,
 ) -> Result<Pick, Rejection> {
-    let req = PickRequest {
-        model: &prepared.requested_model,
-        prompt: &prepared.prompt,
-        cache_salt: prepared.cache_salt.as_deref(),
-        session_id: head.session_id.as_deref(),
-        session_token: head.session_token.as_deref(),
-    };
-    scheduler.pick_for(
-        &prepared.route,
-        &req,
-        inputs.snapshot,
-        inputs.inflight,
-        inputs.store,
-        rng,
-        inputs.now_ms,
-    )
+    route_with(scheduler, rng, head, prepared, inputs, &crate::health::HealthView::default())
 }
 
 /// [`prepare`] then [`route`] at once, for a request that is never held.
