@@ -431,6 +431,20 @@ mod tests {
     }
 
     #[test]
+    fn the_binary_fuzz_seed_is_a_valid_snapshot() {
+        // fuzz/corpus/snapshot/binary_two_endpoints was written by hand from the codec comment:
+        // the format and its description agree.
+        let s = decode(include_bytes!("../fuzz/corpus/snapshot/binary_two_endpoints")).unwrap();
+        assert_eq!((s.version, s.published_ms, s.endpoints.len()), (3, 1000, 2));
+        let m = s.endpoints[0].metrics.as_ref().unwrap();
+        assert_eq!((m.engine, m.queue, m.running, m.kv_usage), (Engine::Vllm, Some(2.0), None, Some(0.44)));
+        assert_eq!(m.running_adapters, ["lora-a"]);
+        assert_eq!(s.endpoints[0].inflight_at_scrape, Some(2));
+        assert_eq!((s.endpoints[1].models.len(), s.endpoints[1].failures), (2, 3));
+        assert!(s.endpoints[1].metrics.is_none());
+    }
+
+    #[test]
     fn the_binary_form_is_smaller_than_json() {
         let s = full();
         assert!(encode(&s).len() < serde_json::to_vec(&s).unwrap().len());
