@@ -107,7 +107,10 @@ impl SnapshotCache {
 //   str = u32 length · UTF-8 bytes; opt x = u8 0 | u8 1 · x; integers little-endian; f64 as bits.
 //
 // Adding a field to `EndpointStatus` or `EndpointMetrics`: the destructuring in `put_endpoint`
-// and `put_metrics` stops compiling until the field is encoded here too (and decoded).
+// and `put_metrics` stops compiling until the field is encoded here too (and decoded). Any change
+// of the layout takes a new `MAGIC` ("IPS2", ...), so a filter VM and a poller of different
+// builds (shared data outlives a configuration reload) never read each other's values as their
+// own: the reader keeps its last snapshot until one it knows arrives.
 
 const MAGIC: &[u8; 4] = b"IPS1";
 
