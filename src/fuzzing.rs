@@ -190,6 +190,17 @@ pub fn snapshot(data: &[u8]) {
     store.set(SNAPSHOT_KEY, data, 0).unwrap();
     let mut cache = SnapshotCache::new();
     let _ = cache.refresh(&store);
+    // The binary form (what the poller writes): whatever decodes re-encodes to the same bytes.
+    if let Some(s) = crate::snapshot::decode(data) {
+        let bytes = crate::snapshot::encode(&s);
+        let again = crate::snapshot::decode(&bytes).expect("encoded snapshot decodes");
+        assert_eq!(crate::snapshot::encode(&again), bytes, "decode(encode(snapshot)) differs");
+        if data.first() != Some(&b'{') {
+            let cached = crate::snapshot::encode(&cache.current());
+            assert_eq!(cached, bytes, "the cache holds another snapshot than the stored one");
+        }
+    }
+    // The JSON form older builds wrote, still read.
     if let Ok(s) = serde_json::from_slice::<Snapshot>(data) {
         let bytes = serde_json::to_vec(&s).expect("snapshot serialises");
         let again: Snapshot = serde_json::from_slice(&bytes).expect("encoded snapshot decodes");

@@ -700,16 +700,25 @@ impl Recorder {
         self.local.retain(|_, e| e.ejected(now_ms));
         let mut last = StoreError::CasMismatch;
         for _ in 0..MAX_CAS_ATTEMPTS {
-            let (mut view, cas) = match store.get(HEALTH_KEY)? {
-                Some((v, cas)) => (HealthView::decode(&v), cas),
-                None => (HealthView::default(), 0),
+            let (stored, mut view, cas) = match store.get(HEALTH_KEY)? {
+                Some((v, cas)) => {
+                    let view = HealthView::decode(&v);
+                    (Some(v), view, cas)
+                }
+                None => (None, HealthView::default(), 0),
             };
             view.merge_local(&self.local, now_ms);
             let entry = view.entries.entry(addr.to_string()).or_default();
             let ejection = entry.apply(outcome, now_ms, cfg);
             let snapshot = *entry;
             view.prune(now_ms, cfg);
-            match store.set(HEALTH_KEY, &view.encode(), cas) {
+            let encoded = view.encode();
+            // Most outcomes change nothing stored (a success on an endpoint with no history is
+            // pruned at once): skip the write, the hot path's most common shared-data store.
+            if ejection.is_none() && stored.as_deref() == Some(encoded.as_slice()) {
+                return Ok(None);
+            }
+            match store.set(HEALTH_KEY, &encoded, cas) {
                 Ok(()) => {
                     if ejection.is_some() {
                         self.local.insert(addr.to_string(), snapshot);
@@ -738,6 +747,29 @@ mod tests {
 
     fn cfg() -> HealthConfig {
         HealthConfig { base_ejection_ms: 1000, max_ejection_ms: 8000, ..HealthConfig::default() }
+    }
+
+    #[test]
+    fn an_outcome_that_changes_nothing_stored_is_not_written() {
+        let store = MemStore::new();
+        let mut r = Recorder::new();
+        let c = cfg();
+        // The first record creates the key; successes on endpoints with no history leave it as
+        // it is (pruned at once), so its CAS token does not move.
+        r.record(&store, &c, A, Outcome::Success, T0).unwrap();
+        let (_, cas) = store.get(HEALTH_KEY).unwrap().unwrap();
+        for (i, addr) in [A, B, C, A].into_iter().enumerate() {
+            assert_eq!(r.record(&store, &c, addr, Outcome::Success, T0 + i as u64).unwrap(), None);
+        }
+        assert_eq!(store.get(HEALTH_KEY).unwrap().unwrap().1, cas);
+        // A failure changes the view: written.
+        r.record(&store, &c, B, FAIL, T0 + 10).unwrap();
+        let (v, cas2) = store.get(HEALTH_KEY).unwrap().unwrap();
+        assert_ne!(cas2, cas);
+        assert!(HealthView::decode(&v).entry(B).is_some());
+        // A success on B now resets its streak: a change, written.
+        r.record(&store, &c, B, Outcome::Success, T0 + 20).unwrap();
+        assert_ne!(store.get(HEALTH_KEY).unwrap().unwrap().1, cas2);
     }
 
     /// A fake clock: every call moves time on by 10 ms.

@@ -487,7 +487,8 @@ pub fn truncate_prompt(prompt: &mut String, max_bytes: usize) {
     prompt.shrink_to_fit();
 }
 
-/// Picks the endpoint for a prepared request, with the inputs of the moment it goes on.
+/// Picks the endpoint for a prepared request, with the inputs of the moment it goes on, and no
+/// passive-health information ([`route_with`] with an empty view).
 pub fn route(
     scheduler: &mut Scheduler,
     rng: &mut dyn Rng,
@@ -495,26 +496,7 @@ pub fn route(
     prepared: &Prepared,
     inputs: &BodyInputs<'_>,
 ) -> Result<Pick, Rejection> {
-    let req = PickRequest {
-        model: &prepared.requested_model,
-        prompt: &prepared.prompt,
-        cache_salt: prepared.cache_salt.as_deref(),
-        session_id: head.session_id.as_deref(),
-        session_token: head.session_token.as_deref(),
-    };
-    let restricted = match &head.test_selection {
-        Some(sel) => Some(restrict_to_selection(inputs.snapshot, sel)?),
-        None => None,
-    };
-    scheduler.pick_for(
-        &prepared.route,
-        &req,
-        restricted.as_ref().unwrap_or(inputs.snapshot),
-        inputs.inflight,
-        inputs.store,
-        rng,
-        inputs.now_ms,
-    )
+    route_with(scheduler, rng, head, prepared, inputs, &crate::health::HealthView::default())
 }
 
 /// [`prepare`] then [`route`] at once, for a request that is never held.

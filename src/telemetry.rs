@@ -137,6 +137,13 @@ pub const TAGS: [&str; 6] = ["pool", "model", "endpoint", "outcome", "reason", "
 /// Builds `base;k=v;k=v`.
 pub fn name(base: &str, tags: &[(&str, &str)]) -> String {
     let mut out = String::with_capacity(base.len() + tags.len() * 24);
+    name_into(&mut out, base, tags);
+    out
+}
+
+/// [`name`] written into `out` (cleared first), so a caller can reuse one buffer.
+pub fn name_into(out: &mut String, base: &str, tags: &[(&str, &str)]) {
+    out.clear();
     out.push_str(base);
     for (k, v) in tags {
         out.push(';');
@@ -144,7 +151,6 @@ pub fn name(base: &str, tags: &[(&str, &str)]) -> String {
         out.push('=');
         out.extend(v.chars().map(|c| if c == ';' || c == '=' { '_' } else { c }));
     }
-    out
 }
 
 #[cfg(test)]

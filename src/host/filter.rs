@@ -275,23 +275,23 @@ fn go(
     }
     let mut metrics = worker.metrics.borrow_mut();
     let per_endpoint = worker.cfg.filter.endpoint_metrics;
+    // Names built in the metrics' reused buffer: no allocation per request.
+    let model = ("model", pick.target_model.as_str());
+    let outcome = ("outcome", pick.reason.as_str());
     if per_endpoint {
-        metrics.gauge(
-            telemetry::name(telemetry::ENDPOINT_INFLIGHT, &[("endpoint", &pick.primary)]),
+        metrics.gauge_tagged(
+            telemetry::ENDPOINT_INFLIGHT,
+            &[("endpoint", &pick.primary)],
             u64::from(inputs.inflight.get(&pick.primary)).saturating_add(1),
         );
     }
-    let tags: Vec<(&str, &str)> = [
-        Some(("model", pick.target_model.as_str())),
-        telemetry::endpoint_tag(per_endpoint, &pick.primary),
-        Some(("outcome", pick.reason.as_str())),
-    ]
-    .into_iter()
-    .flatten()
-    .collect();
-    metrics.count(telemetry::name(telemetry::REQUESTS, &tags));
-    metrics.gauge(
-        telemetry::name(telemetry::SNAPSHOT_AGE, &[]),
+    match telemetry::endpoint_tag(per_endpoint, &pick.primary) {
+        Some(ep) => metrics.count_tagged(telemetry::REQUESTS, &[model, ep, outcome]),
+        None => metrics.count_tagged(telemetry::REQUESTS, &[model, outcome]),
+    }
+    metrics.gauge_tagged(
+        telemetry::SNAPSHOT_AGE,
+        &[],
         inputs.now_ms.saturating_sub(inputs.snapshot.published_ms),
     );
     ex.destinations = std::iter::once(pick.primary.clone()).chain(pick.fallbacks.iter().cloned()).collect();
@@ -447,7 +447,7 @@ impl Filter {
                 health::Outcome::Failure { gateway: true } => "gateway_failure",
                 health::Outcome::Load => "load",
             };
-            metrics.count(telemetry::name(telemetry::HEALTH_RESULTS, &[("outcome", kind)]));
+            metrics.count_tagged(telemetry::HEALTH_RESULTS, &[("outcome", kind)]);
             match worker.health.borrow_mut().record(&store, cfg, addr, o, now_ms) {
                 Ok(Some(e)) => {
                     warn!(
@@ -508,24 +508,28 @@ impl HttpContext for Filter {
         }
         // Trusted priority headers are read first; then the priority headers and any
         // client-chosen destination are removed, on every path.
-        let priority = PriorityHeaders::read(&cfg.priority, &|h: &str| io::request_header(h));
+        // One host call reads them all; only the headers present are removed.
+        let headers = io::RequestHeaders::read();
+        let priority = PriorityHeaders::read(&cfg.priority, &|h: &str| headers.get(h));
         let test_selection = request::conformance_selection(
             cfg,
             cfg.filter
                 .conformance_mode
-                .then(|| io::request_header(request::CONFORMANCE_SELECTION_HEADER))
+                .then(|| headers.get(request::CONFORMANCE_SELECTION_HEADER))
                 .flatten()
                 .as_deref(),
         );
         for h in request::headers_to_remove(cfg) {
-            io::set_request_header(h, None);
+            if headers.contains(h) {
+                io::set_request_header(h, None);
+            }
         }
         let head = RequestHead {
-            method: io::request_header(":method").unwrap_or_default(),
-            path: io::request_header(":path").unwrap_or_default(),
-            content_length: io::request_header("content-length").and_then(|v| v.trim().parse().ok()),
-            session_id: io::request_header(&cfg.scheduler.session.header),
-            session_token: io::request_header(&cfg.scheduler.session.token_header),
+            method: headers.get(":method").unwrap_or_default(),
+            path: headers.get(":path").unwrap_or_default(),
+            content_length: headers.get("content-length").and_then(|v| v.trim().parse().ok()),
+            session_id: headers.get(&cfg.scheduler.session.header),
+            session_token: headers.get(&cfg.scheduler.session.token_header),
             priority,
             test_selection,
         };

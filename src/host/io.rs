@@ -35,6 +35,11 @@ mod abi {
             return_value_data: *mut *mut u8,
             return_value_size: *mut usize,
         ) -> Status;
+        fn proxy_get_header_map_pairs(
+            map_type: MapType,
+            return_map_data: *mut *mut u8,
+            return_map_size: *mut usize,
+        ) -> Status;
         fn proxy_replace_header_map_value(
             map_type: MapType,
             key_data: *const u8,
@@ -129,6 +134,16 @@ mod abi {
         match unsafe { proxy_get_header_map_value(map, key.as_ptr(), key.len(), &mut data, &mut size) } {
             Status::Ok => Ok(Some(unsafe { owned(data, size) })),
             Status::NotFound => Ok(None),
+            s => Err(s),
+        }
+    }
+
+    /// A whole header map, serialised (see `super::parse_header_map`).
+    pub fn map_pairs(map: MapType) -> Result<Vec<u8>, Status> {
+        let (mut data, mut size) = (null_mut(), 0usize);
+        // SAFETY: as in `map_value`.
+        match unsafe { proxy_get_header_map_pairs(map, &mut data, &mut size) } {
+            Status::Ok => Ok(unsafe { owned(data, size) }),
             s => Err(s),
         }
     }
@@ -358,6 +373,98 @@ pub fn request_header_bytes(name: &str) -> Option<Vec<u8>> {
     }
 }
 
+/// The request headers, read in one host call instead of one per header (the request-headers
+/// callback needs about ten: the trusted priority headers, the method, path, length and session
+/// headers, and which client routing headers to strip). If the host cannot give the map, every
+/// lookup falls back to its own host call and every header counts as present (so the strip
+/// still removes them all).
+pub struct RequestHeaders {
+    map: Option<HeaderMap>,
+}
+
+impl RequestHeaders {
+    pub fn read() -> Self {
+        let map = match abi::map_pairs(MapType::HttpRequestHeaders) {
+            Ok(bytes) => parse_header_map(&bytes),
+            Err(s) => {
+                warn!("reading the request headers failed: {s:?}");
+                None
+            }
+        };
+        RequestHeaders { map }
+    }
+
+    /// The first value of `name` as text (`None` when absent or not UTF-8, as [`request_header`]).
+    pub fn get(&self, name: &str) -> Option<String> {
+        match &self.map {
+            Some(m) => m.get(name).map(str::to_string),
+            None => request_header(name),
+        }
+    }
+
+    /// Is `name` present (with any value, UTF-8 or not)? True when the map could not be read.
+    pub fn contains(&self, name: &str) -> bool {
+        self.map.as_ref().is_none_or(|m| m.contains(name))
+    }
+}
+
+/// A parsed header map: (name, value) pairs in host order; a value that is not UTF-8 is kept
+/// as `None` (present, but read as absent).
+pub struct HeaderMap {
+    pairs: Vec<(String, Option<String>)>,
+}
+
+impl HeaderMap {
+    /// First value of `name` (names compared ASCII case-insensitively; Envoy stores them lower
+    /// case).
+    pub fn get(&self, name: &str) -> Option<&str> {
+        self.pairs.iter().find(|(k, _)| k.eq_ignore_ascii_case(name)).and_then(|(_, v)| v.as_deref())
+    }
+
+    pub fn contains(&self, name: &str) -> bool {
+        self.pairs.iter().any(|(k, _)| k.eq_ignore_ascii_case(name))
+    }
+}
+
+/// Parses the proxy-wasm map format (count, then (key len, value len) pairs, then each key and
+/// value NUL-terminated). `None` on anything malformed (bounds-checked; never panics).
+pub fn parse_header_map(bytes: &[u8]) -> Option<HeaderMap> {
+    let word = |at: usize| -> Option<usize> {
+        let b: [u8; 4] = bytes.get(at..at.checked_add(4)?)?.try_into().ok()?;
+        usize::try_from(u32::from_le_bytes(b)).ok()
+    };
+    if bytes.is_empty() {
+        return Some(HeaderMap { pairs: Vec::new() });
+    }
+    let n = word(0)?;
+    // Each pair takes at least 8 bytes of sizes and 2 NULs: a count beyond that is garbage.
+    if n > bytes.len() / 10 {
+        return None;
+    }
+    let mut pos = 4usize.checked_add(n.checked_mul(8)?)?;
+    let mut pairs = Vec::with_capacity(n);
+    for i in 0..n {
+        let klen = word(4 + i * 8)?;
+        let vlen = word(8 + i * 8)?;
+        let mut field = |len: usize| -> Option<&[u8]> {
+            let end = pos.checked_add(len)?;
+            // Each key and value is followed by a NUL.
+            if bytes.get(end) != Some(&0) {
+                return None;
+            }
+            let f = bytes.get(pos..end)?;
+            pos = end.checked_add(1)?;
+            Some(f)
+        };
+        let key = field(klen)?;
+        let value = field(vlen)?;
+        let key = std::str::from_utf8(key).ok()?.to_string();
+        let value = std::str::from_utf8(value).ok().map(str::to_string);
+        pairs.push((key, value));
+    }
+    Some(HeaderMap { pairs })
+}
+
 /// A request header as text. A value that is not UTF-8 (obs-text, legal in HTTP/1.1 and carried
 /// by HTTP/2) is treated as absent.
 pub fn request_header(name: &str) -> Option<String> {
@@ -559,6 +666,42 @@ mod tests {
         let b = serialize_headers(&[("a", "bc")]);
         assert_eq!(b, [1, 0, 0, 0, 1, 0, 0, 0, 2, 0, 0, 0, b'a', 0, b'b', b'c', 0]);
     }
+
+    #[test]
+    fn a_header_map_parses_back_and_reads_first_values() {
+        let b =
+            serialize_headers(&[(":path", "/v1/chat/completions"), ("x-a", "1"), ("x-a", "2"), ("e", "")]);
+        let m = parse_header_map(&b).unwrap();
+        assert_eq!(m.get(":path"), Some("/v1/chat/completions"));
+        assert_eq!(m.get("X-A"), Some("1"));
+        assert_eq!(m.get("e"), Some(""));
+        assert!(m.contains("x-a") && !m.contains("x-b"));
+        assert_eq!(m.get("x-b"), None);
+        assert!(parse_header_map(&[]).unwrap().pairs.is_empty());
+    }
+
+    #[test]
+    fn a_non_utf8_value_is_present_but_reads_as_absent() {
+        let mut b = serialize_headers(&[("x-v", "ab")]);
+        let at = b.len() - 3;
+        b[at] = 0xff;
+        let m = parse_header_map(&b).unwrap();
+        assert!(m.contains("x-v"));
+        assert_eq!(m.get("x-v"), None);
+    }
+
+    #[test]
+    fn a_malformed_header_map_is_rejected_without_panicking() {
+        let good = serialize_headers(&[("key", "value"), ("k2", "v2")]);
+        for cut in 1..good.len() {
+            assert!(parse_header_map(&good[..cut]).is_none(), "cut at {cut}");
+        }
+        // Sizes that point past the end, and an absurd count.
+        let mut long = good.clone();
+        long[4] = 200;
+        assert!(parse_header_map(&long).is_none());
+        assert!(parse_header_map(&[0xff, 0xff, 0xff, 0xff]).is_none());
+    }
 }
 
 /// The filter's own Prometheus metrics. Each distinct name is defined once per VM and its id
@@ -572,6 +715,8 @@ pub struct Metrics {
     full_logged: bool,
     /// This VM's linear memory last added to the memory gauge, in bytes.
     memory_reported: u64,
+    /// Reused buffer for tagged names.
+    name_buf: String,
 }
 
 /// This VM's linear memory in bytes (wasm memory only grows; it is never given back).
@@ -607,8 +752,9 @@ impl Metrics {
         }
     }
 
-    fn id(&mut self, kind: MetricType, name: String) -> Option<u32> {
-        if let Some(id) = self.ids.get(&name) {
+    /// The id of `name`, defined on first use. Allocates only when a name is new.
+    fn id(&mut self, kind: MetricType, name: &str) -> Option<u32> {
+        if let Some(id) = self.ids.get(name) {
             return Some(*id);
         }
         // Bounded: a VM never defines more than MAX_METRIC_NAMES names (logged once).
@@ -623,16 +769,40 @@ impl Metrics {
             }
             return None;
         }
-        let defined = if self.suffix.is_empty() { name.clone() } else { format!("{name}{}", self.suffix) };
+        let defined = if self.suffix.is_empty() { name.to_string() } else { format!("{name}{}", self.suffix) };
         match abi::define_metric(kind, &defined) {
             Ok(id) => {
-                self.ids.insert(name, id);
+                self.ids.insert(name.to_string(), id);
                 Some(id)
             }
             Err(s) => {
                 warn!("define_metric {name} failed: {s:?}");
                 None
             }
+        }
+    }
+
+    /// The id of `base` with `tags` (`crate::telemetry::name`), the name built in a reused
+    /// buffer: the per-request counters cost no allocation once their names are defined.
+    fn tagged_id(&mut self, kind: MetricType, base: &str, tags: &[(&str, &str)]) -> Option<u32> {
+        let mut buf = std::mem::take(&mut self.name_buf);
+        crate::telemetry::name_into(&mut buf, base, tags);
+        let id = self.id(kind, &buf);
+        self.name_buf = buf;
+        id
+    }
+
+    /// Adds 1 to the counter `base` with `tags`, without building a `String` per call.
+    pub fn count_tagged(&mut self, base: &str, tags: &[(&str, &str)]) {
+        if let Some(id) = self.tagged_id(MetricType::Counter, base, tags) {
+            let _ = abi::increment_metric(id, 1);
+        }
+    }
+
+    /// Sets the gauge `base` with `tags`, without building a `String` per call.
+    pub fn gauge_tagged(&mut self, base: &str, tags: &[(&str, &str)], value: u64) {
+        if let Some(id) = self.tagged_id(MetricType::Gauge, base, tags) {
+            let _ = abi::record_metric(id, value);
         }
     }
 
@@ -645,7 +815,7 @@ impl Metrics {
         if delta == 0 {
             return;
         }
-        if let Some(id) = self.id(MetricType::Counter, name) {
+        if let Some(id) = self.id(MetricType::Counter, &name) {
             let _ = abi::increment_metric(id, i64::try_from(delta).unwrap_or(i64::MAX));
         }
     }
@@ -656,20 +826,20 @@ impl Metrics {
         if delta == 0 {
             return;
         }
-        if let Some(id) = self.id(MetricType::Gauge, name) {
+        if let Some(id) = self.id(MetricType::Gauge, &name) {
             let _ = abi::increment_metric(id, delta);
         }
     }
 
     /// Records one histogram sample.
     pub fn sample(&mut self, name: String, value: u64) {
-        if let Some(id) = self.id(MetricType::Histogram, name) {
+        if let Some(id) = self.id(MetricType::Histogram, &name) {
             let _ = abi::record_metric(id, value);
         }
     }
 
     pub fn gauge(&mut self, name: String, value: u64) {
-        if let Some(id) = self.id(MetricType::Gauge, name) {
+        if let Some(id) = self.id(MetricType::Gauge, &name) {
             let _ = abi::record_metric(id, value);
         }
     }

@@ -44,6 +44,13 @@ proxy_wasm::main! {{
 }}
 
 /// Per-VM state shared by the filter root and its HTTP contexts. Built once per configuration.
+/// Flow control's inputs of one moment (see [`Worker::flow_inputs`]).
+struct FlowInputs {
+    snapshot: Rc<Snapshot>,
+    counts: inflight::InflightCounts,
+    now_ms: u64,
+}
+
 pub(crate) struct Worker {
     pub cfg: Rc<Config>,
     pub scheduler: RefCell<Scheduler>,
@@ -98,7 +105,7 @@ impl Worker {
             self.release_startup(root_id);
         }
         if needs_tick {
-            self.run_flow(root_id);
+            self.run_flow(root_id, &self.flow_inputs());
         }
         self.flush_gate_metrics();
     }
@@ -111,45 +118,47 @@ impl Worker {
         if !self.cfg.flow_control.enabled {
             return;
         }
+        let inputs = self.flow_inputs();
+        let credited = self.gate.borrow_mut().on_finish(
+            &io::HostStore,
+            &inputs.snapshot,
+            &inputs.counts,
+            address,
+            inputs.now_ms,
+        );
+        // The release check reuses what the credit just read: nothing it reads changed since.
+        if credited && self.gate.borrow().held() > 0 {
+            self.run_flow(own_context, &inputs);
+        }
+    }
+
+    /// What flow control judges capacity with, read once: the snapshot without the endpoints
+    /// passive health ejected (as at admission), and every live VM's in-flight counts.
+    fn flow_inputs(&self) -> FlowInputs {
         let store = io::HostStore;
         let snapshot = self.snapshot();
         let now_ms = io::now_ms();
         let counts = self.inflight_counts(now_ms);
         let health = filter::health_view(self, &store, now_ms);
-        let judged = crate::health::without_ejected(&snapshot, &health, now_ms, &self.cfg.health);
-        let credited = self.gate.borrow_mut().on_finish(
-            &store,
-            judged.as_ref().unwrap_or(&snapshot),
-            &counts,
-            address,
-            now_ms,
-        );
-        if credited && self.gate.borrow().held() > 0 {
-            self.run_flow(own_context);
-        }
+        let snapshot = match crate::health::without_ejected(&snapshot, &health, now_ms, &self.cfg.health) {
+            Some(judged) => Rc::new(judged),
+            None => snapshot,
+        };
+        FlowInputs { snapshot, counts, now_ms }
     }
 
     /// Flow control's release check for this worker's queues: release or reject held requests.
-    fn run_flow(&self, own_context: u32) {
-        let root_id = own_context;
-        {
-            let store = io::HostStore;
-            let snapshot = self.snapshot();
-            let now_ms = io::now_ms();
-            let counts = self.inflight_counts(now_ms);
-            // Capacity without the endpoints passive health ejected, as at admission.
-            let health = filter::health_view(self, &store, now_ms);
-            let judged = crate::health::without_ejected(&snapshot, &health, now_ms, &self.cfg.health);
-            let actions =
-                self.gate.borrow_mut().tick(&store, judged.as_ref().unwrap_or(&snapshot), &counts, now_ms);
-            for a in actions {
-                match a {
-                    flow::Action::Release { id, waited_ms, .. } => {
-                        filter::release_held(self, id, waited_ms, root_id)
-                    }
-                    flow::Action::Reject { id, waited_ms, rejection, .. } => {
-                        filter::answer_held(self, id, &rejection, Some(waited_ms), root_id)
-                    }
+    /// `own_context` is the calling context, restored after acting on held requests.
+    fn run_flow(&self, own_context: u32, inputs: &FlowInputs) {
+        let actions =
+            self.gate.borrow_mut().tick(&io::HostStore, &inputs.snapshot, &inputs.counts, inputs.now_ms);
+        for a in actions {
+            match a {
+                flow::Action::Release { id, waited_ms, .. } => {
+                    filter::release_held(self, id, waited_ms, own_context)
+                }
+                flow::Action::Reject { id, waited_ms, rejection, .. } => {
+                    filter::answer_held(self, id, &rejection, Some(waited_ms), own_context)
                 }
             }
         }

@@ -241,6 +241,20 @@ def front_config(variant: str, base: dict, addresses: list[str], pod_port: int, 
     listener = doc["static_resources"]["listeners"][0]
     listener["address"]["socket_address"]["port_value"] = port
     hcm_cfg = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    # Every front uses the shipped route (retry policy included) and the shipped pool cluster
+    # (STATIC, override_host), listing these pods: only the filters differ. The shipped cluster
+    # routes only to addresses its members list in x-gateway-destination-endpoint; `plain` and
+    # `pass` send no such header, so their override_host falls back to round robin over the pods.
+    for cluster in doc["static_resources"]["clusters"]:
+        if cluster["name"] == "inference_pool" and "load_assignment" in cluster:
+            cluster["load_assignment"]["endpoints"] = [{"lb_endpoints": [
+                {"endpoint": {"address": sock(a, pod_port)}} for a in addresses]}]
+            if variant != "module":
+                policy = cluster["load_balancing_policy"]["policies"][0]["typed_extension_config"]
+                policy["typed_config"]["fallback_policy"] = {"policies": [{"typed_extension_config": {
+                    "name": "envoy.load_balancing_policies.round_robin",
+                    "typed_config": {"@type": "type.googleapis.com/envoy.extensions.load_balancing_policies"
+                                              ".round_robin.v3.RoundRobin"}}}]}
     if variant == "module":
         picker = json.dumps({"version": 1,
                              "endpoints": [{"address": f"{a}:{pod_port}", "models": [LLAMA]} for a in addresses],
@@ -258,17 +272,8 @@ def front_config(variant: str, base: dict, addresses: list[str], pod_port: int, 
                     visit(v)
 
         visit(doc)
-        # The shipped pool cluster is STATIC with override_host: it routes only to its members,
-        # so it must list these pods, as a deployment lists the module's endpoints.
-        for cluster in doc["static_resources"]["clusters"]:
-            if cluster["name"] == "inference_pool" and "load_assignment" in cluster:
-                cluster["load_assignment"]["endpoints"] = [{"lb_endpoints": [
-                    {"endpoint": {"address": {"socket_address": {"address": a, "port_value": pod_port}}}}
-                    for a in addresses]}]
         return doc
     doc.pop("bootstrap_extensions", None)
-    route = hcm_cfg["route_config"]["virtual_hosts"][0]["routes"][0]["route"]
-    route["cluster"] = "bench_pool"
     filters = [ROUTER]
     if variant == "pass":
         filters = [{"name": "envoy.filters.http.wasm", "typed_config": {
@@ -281,12 +286,6 @@ def front_config(variant: str, base: dict, addresses: list[str], pod_port: int, 
                 "failure_policy": "FAIL_CLOSED",
             }}}, ROUTER]
     hcm_cfg["http_filters"] = filters
-    doc["static_resources"]["clusters"] = [{
-        "name": "bench_pool", "type": "STATIC", "lb_policy": "ROUND_ROBIN", "connect_timeout": "2s",
-        "per_connection_buffer_limit_bytes": 16777216,
-        "load_assignment": {"cluster_name": "bench_pool", "endpoints": [{"lb_endpoints": [
-            {"endpoint": {"address": sock(a, pod_port)}} for a in addresses]}]},
-    }]
     return doc
 
 

@@ -103,8 +103,22 @@ def test_front_configs_share_the_listener_and_differ_only_in_filters():
     assert names["pass"] == ["envoy.filters.http.wasm", "envoy.filters.http.router"]
     assert names["module"] == ["inference-picker", "envoy.filters.http.router"]
     assert "bootstrap_extensions" not in docs["plain"] and "bootstrap_extensions" in docs["module"]
-    pool = docs["plain"]["static_resources"]["clusters"][0]
-    assert pool["lb_policy"] == "ROUND_ROBIN" and len(pool["load_assignment"]["endpoints"][0]["lb_endpoints"]) == 3
+    # Comparable upstream side: the shipped route (retries) and pool cluster for every front,
+    # listing the pods; only plain/pass fall back to round robin, as they name no pod.
+    routes = {v: h["route_config"]["virtual_hosts"][0]["routes"][0]["route"] for v, h in hcm.items()}
+    assert routes["plain"] == routes["pass"] == routes["module"]
+    assert "retry_policy" in routes["plain"] and routes["plain"]["cluster"] == "inference_pool"
+    pools = {v: next(c for c in d["static_resources"]["clusters"] if c["name"] == "inference_pool")
+             for v, d in docs.items()}
+    for v, pool in pools.items():
+        eps = pool["load_assignment"]["endpoints"][0]["lb_endpoints"]
+        assert [e["endpoint"]["address"]["socket_address"]["address"] for e in eps] == addrs, v
+    lb = {v: p["load_balancing_policy"]["policies"][0]["typed_extension_config"]["typed_config"]
+          for v, p in pools.items()}
+    assert lb["plain"] == lb["pass"] and lb["plain"]["override_host_sources"] == lb["module"]["override_host_sources"]
+    fallback = lb["plain"]["fallback_policy"]["policies"][0]["typed_extension_config"]["name"]
+    assert fallback == "envoy.load_balancing_policies.round_robin"
+    assert "NO_FALLBACK" in json.dumps(lb["module"])
     # The module runs with the shipped defaults: only version, endpoints and models are set.
     cfg = json.loads(hcm["module"]["http_filters"][0]["typed_config"]["config"]["configuration"]["value"])
     assert set(cfg) == {"version", "endpoints", "models"}
@@ -113,7 +127,7 @@ def test_front_configs_share_the_listener_and_differ_only_in_filters():
     assert json.loads(boot["configuration"]["value"]) == cfg
     assert boot["vm_config"]["code"]["local"]["filename"] == "/m.wasm"
     # The base file is not modified in place.
-    assert "bench_pool" not in json.dumps(base)
+    assert "127.88." not in json.dumps(base)
 
 
 def test_quick_run_writes_the_report_and_the_lines(tmp_path):
