@@ -25,6 +25,7 @@ pub mod inflight;
 pub mod lease;
 pub mod load;
 pub mod metrics;
+pub mod pd;
 pub mod poller;
 pub mod ports;
 pub mod priority;

@@ -21,9 +21,11 @@ use crate::priority::{self, Criticality, PriorityDecision, PriorityHeaders};
 use crate::scheduler::{ModelRoute, Pick, PickRequest, Scheduler};
 use crate::snapshot::Snapshot;
 
-/// Request headers a client could use to choose the destination itself. Removed from every
-/// request before anything else happens; only the filter sets them.
-pub const CLIENT_ROUTING_HEADERS: [&str; 2] = ["x-gateway-destination-endpoint", "x-envoy-original-dst-host"];
+/// Request headers a client could use to choose the destination (or, through llm-d's routing
+/// sidecar, the prefill pod: `crate::pd::PREFILLER_HEADER`) itself. Removed from every request
+/// before anything else happens; only the filter sets them.
+pub const CLIENT_ROUTING_HEADERS: [&str; 3] =
+    ["x-gateway-destination-endpoint", "x-envoy-original-dst-host", crate::pd::PREFILLER_HEADER];
 
 /// GIE destination header: primary first, then fallbacks.
 pub const DESTINATION_HEADER: &str = "x-gateway-destination-endpoint";
@@ -520,6 +522,7 @@ mod tests {
             scraped_ms: 1000,
             failures: 0,
             inflight_at_scrape: None,
+            role: Default::default(),
         };
         Snapshot {
             version: 1,
@@ -546,6 +549,7 @@ mod tests {
             vec![
                 "x-gateway-destination-endpoint",
                 "x-envoy-original-dst-host",
+                "x-prefiller-host-port",
                 "x-gateway-inference-objective",
                 "x-gateway-inference-fairness-id",
                 // Configured but untrusted: still removed.

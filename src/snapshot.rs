@@ -42,6 +42,9 @@ pub struct EndpointStatus {
     /// load estimate (`crate::load`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub inflight_at_scrape: Option<u32>,
+    /// Its prefill/decode role (`crate::pd`), from the configuration or discovery.
+    #[serde(default, skip_serializing_if = "crate::pd::Role::is_decode")]
+    pub role: crate::pd::Role,
 }
 
 use crate::ports::{SharedStore, StoreError};
@@ -117,6 +120,7 @@ mod tests {
                 scraped_ms: 990,
                 failures: 0,
                 inflight_at_scrape: None,
+                role: Default::default(),
             }],
         }
     }

@@ -195,8 +195,18 @@ fn go(
     let pick = {
         let mut scheduler = worker.scheduler.borrow_mut();
         let mut rng = worker.rng.borrow_mut();
-        request::route_with(&mut scheduler, &mut *rng, &ex.head, &prepared, inputs, health)?
+        crate::pd::route(&worker.cfg, &mut scheduler, &mut *rng, &ex.head, &prepared, inputs, health)?
     };
+    if let Some(prefiller) = &pick.prefiller {
+        io::set_request_header(crate::pd::PREFILLER_HEADER, Some(prefiller));
+    }
+    if worker.cfg.pd.is_some() {
+        worker
+            .metrics
+            .borrow_mut()
+            .count(telemetry::name(telemetry::PD_DECISIONS, &[("decision", pick.decision.as_str())]));
+    }
+    let pick = pick.pick;
     io::set_request_header(DESTINATION_HEADER, Some(&pick.destination_header()));
     io::set_request_header(ORIGINAL_DST_HEADER, Some(&pick.primary));
     // The +1 counts locally even if publishing it fails (the next tick publishes it), so the
