@@ -20,6 +20,7 @@ fn app(engine: Engine) -> Router {
         engine,
         default_max_tokens: 3,
         max_model_len: 1000,
+        role: Default::default(),
     };
     let cfg = ServerConfig {
         enable_lora: true,
