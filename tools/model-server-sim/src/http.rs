@@ -872,14 +872,12 @@ async fn remote_prefill(host_port: &str, path: &str, body: &Value) -> Result<(),
         o.remove("stream_options");
         o.insert("max_tokens".into(), json!(1));
         o.insert("stream".into(), json!(false));
-        o.insert(
-            "kv_transfer_params".into(),
-            json!({"do_remote_decode": true, "do_remote_prefill": false}),
-        );
+        o.insert("kv_transfer_params".into(), json!({"do_remote_decode": true, "do_remote_prefill": false}));
     }
     let payload = serde_json::to_vec(&req).map_err(|e| e.to_string())?;
     let call = async {
-        let mut conn = tokio::net::TcpStream::connect(host_port).await.map_err(|e| format!("connect: {e}"))?;
+        let mut conn =
+            tokio::net::TcpStream::connect(host_port).await.map_err(|e| format!("connect: {e}"))?;
         let head = format!(
             "POST {path} HTTP/1.1\r\nhost: {host_port}\r\ncontent-type: application/json\r\n\
              content-length: {}\r\nconnection: close\r\n\r\n",

@@ -15,6 +15,7 @@
 
 pub mod dynamo;
 pub mod oracle;
+pub mod pd;
 pub mod replay;
 pub mod report;
 pub mod sglang;
