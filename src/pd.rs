@@ -337,7 +337,7 @@ pub fn pick(
     let any = snapshot
         .endpoints
         .iter()
-        .any(|e| e.role.prefills() && e.address != decode_pod && e.models.iter().any(|m| *m == route.base));
+        .any(|e| e.role.prefills() && e.address != decode_pod && e.models.contains(&route.base));
     if !any {
         return no(Decision::NoPrefillPods);
     }

@@ -181,10 +181,10 @@ pub fn run(trace: &Trace, run: &PdRun) -> Result<PdResult, String> {
         let Some(t) = [ta, ts, tl].into_iter().flatten().min_by(f64::total_cmp) else { break };
         let t = t.min(next_poll);
         // 1. Servers.
-        for si in 0..servers.len() {
-            if servers[si].next_wakeup().is_some_and(|w| w <= t) {
+        for (si, server) in servers.iter_mut().enumerate() {
+            if server.next_wakeup().is_some_and(|w| w <= t) {
                 events.clear();
-                servers[si].advance_into(t, &mut events);
+                server.advance_into(t, &mut events);
                 for ev in &events {
                     let idx = ev.id() as usize;
                     let Some(l) = live.get_mut(idx) else { continue };
