@@ -62,6 +62,10 @@ pub struct PdRun {
     pub kv_bytes_per_token: f64,
     /// Transfer bandwidth, GB/s.
     pub kv_gbps: f64,
+    /// Count a split request in flight on its prefill pod until its prefill finishes (what a
+    /// filter would get by counting the prefill pod from the pick to the response headers).
+    /// Off: as the module does today, prefill pods have no in-flight count.
+    pub prefill_inflight: bool,
 }
 
 /// What one replay measured.
@@ -195,6 +199,9 @@ pub fn run(trace: &Trace, run: &PdRun) -> Result<PdResult, String> {
                         }
                         Event::Finished { t_ms, .. } if l.prefill == Some(si) => {
                             // The prefill is done: the KV travels to the decode pod.
+                            if run.prefill_inflight {
+                                inflight[si] = inflight[si].saturating_sub(1);
+                            }
                             let tokens = f64::from(trace.requests[idx].prompt_tokens);
                             let ms = tokens * run.kv_bytes_per_token / (run.kv_gbps * 1e9) * 1000.0;
                             landings.push(Landing { at: t_ms + ms, idx });
@@ -209,8 +216,9 @@ pub fn run(trace: &Trace, run: &PdRun) -> Result<PdResult, String> {
                         Event::Rejected { .. } if !l.done => {
                             l.done = true;
                             rejected += 1;
-                            if l.prefill.is_none() {
-                                inflight[l.decode] = inflight[l.decode].saturating_sub(1);
+                            inflight[l.decode] = inflight[l.decode].saturating_sub(1);
+                            if l.prefill == Some(si) && run.prefill_inflight {
+                                inflight[si] = inflight[si].saturating_sub(1);
                             }
                         }
                         _ => {}
@@ -292,6 +300,9 @@ pub fn run(trace: &Trace, run: &PdRun) -> Result<PdResult, String> {
             let (target, output) = match pre {
                 Some(p) => {
                     split += 1;
+                    if run.prefill_inflight {
+                        inflight[p] += 1;
+                    }
                     (p, 1)
                 }
                 None => (d, req.output_tokens),
@@ -308,6 +319,9 @@ pub fn run(trace: &Trace, run: &PdRun) -> Result<PdResult, String> {
                 rejected += 1;
                 live[idx].done = true;
                 inflight[d] = inflight[d].saturating_sub(1);
+                if target != d && run.prefill_inflight {
+                    inflight[target] = inflight[target].saturating_sub(1);
+                }
             }
         }
         if next_req >= n && landings.is_empty() && servers.iter().all(Server::is_idle) {

@@ -45,6 +45,10 @@ struct Args {
     /// KV transfer bandwidth, GB/s.
     #[arg(long, default_value_t = 25.0)]
     kv_gbps: f64,
+    /// Count split requests in flight on their prefill pod until the prefill ends (see
+    /// `PdRun::prefill_inflight`).
+    #[arg(long)]
+    prefill_inflight: bool,
     /// KV bytes per token (Llama-3-8B fp16: 131072).
     #[arg(long, default_value_t = 131_072.0)]
     kv_bytes_per_token: f64,
@@ -104,6 +108,7 @@ fn run(args: Args) -> Result<(), String> {
                     seed,
                     kv_bytes_per_token: args.kv_bytes_per_token,
                     kv_gbps: args.kv_gbps,
+                    prefill_inflight: args.prefill_inflight,
                 };
                 let res = pd::run(&t, &r)?;
                 eprintln!(
