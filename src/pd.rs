@@ -27,7 +27,9 @@
 //! **Prefill pick.** The same pipeline among the prefill-capable endpoints (`prefill`, `both`)
 //! other than the chosen decode pod and not ejected by passive health (even the last one),
 //! with the weights reduced to prefix affinity, queue and
-//! in-flight count (the prefill queue: polled, and the router-local count between polls); no
+//! in-flight count (the prefill queue: polled, and the router-local count between polls: the
+//! filter counts a split request on its prefill pod from the pick until the decode pod's
+//! response headers, by which time the remote prefill is over); no
 //! session, no fail open (a stale or ejected prefill pod is never named), and the prompt's
 //! blocks recorded in this worker's index only (the cross-worker table keeps naming the decode
 //! pod). The result is the request header `x-prefiller-host-port: ip:port`, read by llm-d's

@@ -9,8 +9,9 @@
 //! `request::prepare`, then `pd::route` (decode pick, llm-d's split rule, prefill pick) with a
 //! snapshot the module's `Poller` builds from every server's rendered vLLM metrics every
 //! `poll_ms` (delivered at once: the P/D comparison is about the pool, not about metric lag) and
-//! exact in-flight counts for the decode pods (what the module counts: it never sees the
-//! prefill call, so prefill pods get no in-flight count).
+//! exact in-flight counts: a decode pod from the pick to the request's last token, a prefill
+//! pod from the pick to the decode pod's first token (the module holds it until the response
+//! headers; `prefill_inflight: false` measures without it).
 //!
 //! **A split request** (llm-d's protocol): the prefill pod runs the prompt with one output token;
 //! when that finishes, the KV is transferred (`prompt_tokens × kv_bytes_per_token ÷ kv_gbps`;
@@ -62,9 +63,9 @@ pub struct PdRun {
     pub kv_bytes_per_token: f64,
     /// Transfer bandwidth, GB/s.
     pub kv_gbps: f64,
-    /// Count a split request in flight on its prefill pod until its prefill finishes (what a
-    /// filter would get by counting the prefill pod from the pick to the response headers).
-    /// Off: as the module does today, prefill pods have no in-flight count.
+    /// Count a split request in flight on its prefill pod from the pick until the decode pod's
+    /// first token (the module counts it until the response headers). Off: prefill pods get no
+    /// in-flight count (only their polled queue).
     pub prefill_inflight: bool,
 }
 
@@ -89,6 +90,8 @@ struct Live {
     decode: usize,
     /// Set while the request's prefill runs on a prefill pod.
     prefill: Option<usize>,
+    /// The prefill pod of a split request (kept after its prefill, for the in-flight count).
+    prefilled_by: Option<usize>,
     first: Option<f64>,
     done: bool,
 }
@@ -196,12 +199,12 @@ pub fn run(trace: &Trace, run: &PdRun) -> Result<PdResult, String> {
                         Event::FirstToken { t_ms, .. } if l.prefill.is_none() && l.first.is_none() => {
                             l.first = Some(t_ms);
                             ttft.push(t_ms - l.arrival);
+                            if let (Some(p), true) = (l.prefilled_by.take(), run.prefill_inflight) {
+                                inflight[p] = inflight[p].saturating_sub(1);
+                            }
                         }
                         Event::Finished { t_ms, .. } if l.prefill == Some(si) => {
                             // The prefill is done: the KV travels to the decode pod.
-                            if run.prefill_inflight {
-                                inflight[si] = inflight[si].saturating_sub(1);
-                            }
                             let tokens = f64::from(trace.requests[idx].prompt_tokens);
                             let ms = tokens * run.kv_bytes_per_token / (run.kv_gbps * 1e9) * 1000.0;
                             landings.push(Landing { at: t_ms + ms, idx });
@@ -217,8 +220,8 @@ pub fn run(trace: &Trace, run: &PdRun) -> Result<PdResult, String> {
                             l.done = true;
                             rejected += 1;
                             inflight[l.decode] = inflight[l.decode].saturating_sub(1);
-                            if l.prefill == Some(si) && run.prefill_inflight {
-                                inflight[si] = inflight[si].saturating_sub(1);
+                            if let (Some(p), true) = (l.prefilled_by.take(), run.prefill_inflight) {
+                                inflight[p] = inflight[p].saturating_sub(1);
                             }
                         }
                         _ => {}
@@ -249,6 +252,9 @@ pub fn run(trace: &Trace, run: &PdRun) -> Result<PdResult, String> {
                 l.done = true;
                 rejected += 1;
                 inflight[d] = inflight[d].saturating_sub(1);
+                if let (Some(p), true) = (l.prefilled_by.take(), run.prefill_inflight) {
+                    inflight[p] = inflight[p].saturating_sub(1);
+                }
             }
         }
         // 3. Poll.
@@ -295,7 +301,8 @@ pub fn run(trace: &Trace, run: &PdRun) -> Result<PdResult, String> {
             };
             let hashes = text::server_hashes(&msgs, trace.tokens_per_hash);
             let pre = pre.filter(|_| pick.decision == Decision::Split);
-            live[idx] = Live { arrival: ta, decode: d, prefill: pre, first: None, done: false };
+            live[idx] =
+                Live { arrival: ta, decode: d, prefill: pre, prefilled_by: pre, first: None, done: false };
             inflight[d] += 1;
             let (target, output) = match pre {
                 Some(p) => {

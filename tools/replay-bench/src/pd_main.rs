@@ -45,9 +45,9 @@ struct Args {
     /// KV transfer bandwidth, GB/s.
     #[arg(long, default_value_t = 25.0)]
     kv_gbps: f64,
-    /// Count split requests in flight on their prefill pod until the prefill ends (see
-    /// `PdRun::prefill_inflight`).
-    #[arg(long)]
+    /// Count split requests in flight on their prefill pod until the decode pod's first token,
+    /// as the module does (see `PdRun::prefill_inflight`); `false` to measure without it.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     prefill_inflight: bool,
     /// KV bytes per token (Llama-3-8B fp16: 131072).
     #[arg(long, default_value_t = 131_072.0)]

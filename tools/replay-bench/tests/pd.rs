@@ -32,7 +32,7 @@ fn pd_run(prefill: usize, threshold: u64) -> PdRun {
         seed: 1,
         kv_bytes_per_token: 131_072.0,
         kv_gbps: 25.0,
-        prefill_inflight: false,
+        prefill_inflight: true,
     }
 }
 
