@@ -50,6 +50,9 @@ use crate::snapshot::{EndpointStatus, Snapshot};
 
 /// The request header naming the prefill pod, read by llm-d's routing sidecar.
 pub const PREFILLER_HEADER: &str = "x-prefiller-host-port";
+/// The prefill header of older llm-d routing sidecars (a URL). The filter never sets it, and
+/// removes a client-sent one.
+pub const LEGACY_PREFILLER_HEADER: &str = "x-prefiller-url";
 /// The pod label llm-d puts the role in.
 pub const LLMD_ROLE_LABEL: &str = "llm-d.ai/role";
 /// Largest `pd.pd_threshold_tokens` (a prompt longer than this is beyond any model's context).

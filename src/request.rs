@@ -22,10 +22,15 @@ use crate::scheduler::{ModelRoute, Pick, PickRequest, Scheduler};
 use crate::snapshot::Snapshot;
 
 /// Request headers a client could use to choose the destination (or, through llm-d's routing
-/// sidecar, the prefill pod: `crate::pd::PREFILLER_HEADER`) itself. Removed from every request
-/// before anything else happens; only the filter sets them.
-pub const CLIENT_ROUTING_HEADERS: [&str; 3] =
-    ["x-gateway-destination-endpoint", "x-envoy-original-dst-host", crate::pd::PREFILLER_HEADER];
+/// sidecar, the prefill pod: `crate::pd::PREFILLER_HEADER`, and `x-prefiller-url`, which older
+/// sidecars read) itself. Removed from every request before anything else happens; only the
+/// filter sets them.
+pub const CLIENT_ROUTING_HEADERS: [&str; 4] = [
+    "x-gateway-destination-endpoint",
+    "x-envoy-original-dst-host",
+    crate::pd::PREFILLER_HEADER,
+    crate::pd::LEGACY_PREFILLER_HEADER,
+];
 
 /// GIE destination header: primary first, then fallbacks.
 pub const DESTINATION_HEADER: &str = "x-gateway-destination-endpoint";
@@ -550,6 +555,7 @@ mod tests {
                 "x-gateway-destination-endpoint",
                 "x-envoy-original-dst-host",
                 "x-prefiller-host-port",
+                "x-prefiller-url",
                 "x-gateway-inference-objective",
                 "x-gateway-inference-fairness-id",
                 // Configured but untrusted: still removed.

@@ -96,12 +96,14 @@ def test_long_prompt_is_split_short_and_cached_are_not_and_forged_headers_are_st
         assert pre.requests_total() == before + 1
         assert envoy.metric(PD_DECISIONS, decision="below_threshold") >= 1
 
-        # Short prompt with a forged header: stripped, and not set (below the threshold).
-        r = chat(envoy, "Hello there", headers={PREFILLER: "10.9.9.9:1"})
+        # Short prompt with a forged header (and the older sidecars' URL form): stripped, and not
+        # set (below the threshold).
+        r = chat(envoy, "Hello there", headers={PREFILLER: "10.9.9.9:1", "x-prefiller-url": "http://10.9.9.9:1"})
         assert r.status_code == 200, r.text
         assert "x-sim-prefilled-by" not in r.headers
         got = decoders[r.headers["x-sim-server"]].stats()
         assert PREFILLER not in got["last_request_headers"], got["last_request_headers"]
+        assert "x-prefiller-url" not in got["last_request_headers"], got["last_request_headers"]
         assert got["last_prefiller"] != "10.9.9.9:1"
 
         # Long prompt with a forged header: the real prefill pod replaces it.
