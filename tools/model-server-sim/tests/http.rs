@@ -400,7 +400,7 @@ async fn post_with(
     let status = resp.status();
     let by = resp.headers().get(http::PREFILLED_BY_HEADER).map(|v| v.to_str().unwrap().to_string());
     let bytes = to_bytes(resp.into_body(), usize::MAX).await.unwrap();
-    (status, by, parse(&String::from_utf8(bytes.to_vec()).unwrap()))
+    (status, by, parse(std::str::from_utf8(&bytes).unwrap()))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
