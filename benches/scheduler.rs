@@ -76,6 +76,7 @@ fn snapshot(n: usize) -> (Snapshot, InflightCounts) {
             scraped_ms: NOW - 50,
             failures: 0,
             inflight_at_scrape: None,
+            role: Default::default(),
         })
         .collect::<Vec<_>>();
     let inflight =

@@ -113,6 +113,10 @@ pub struct Config {
     /// is its own).
     #[serde(default)]
     pub pool: Option<crate::pools::PoolConfig>,
+    /// Disaggregated prefill/decode, llm-d's protocol (see `crate::pd` and `docs/pd.md`).
+    /// Default: none (endpoint roles are ignored and no request is split).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pd: Option<crate::pd::PdConfig>,
 }
 
 /// One model server.
@@ -129,6 +133,11 @@ pub struct EndpointConfig {
     /// least one.
     #[cfg_attr(feature = "schema", schemars(length(min = 1), inner(length(min = 1))))]
     pub models: Vec<String>,
+    /// Its role in a disaggregated prefill/decode pool (see `pd`): `decode`, `prefill` (never a
+    /// destination, only named in `x-prefiller-host-port`) or `both`. Read only when `pd` is
+    /// set. Default `decode`.
+    #[serde(default = "crate::pd::Role::default", skip_serializing_if = "crate::pd::Role::is_decode")]
+    pub role: crate::pd::Role,
 }
 
 /// One base model and its LoRA adapters.
@@ -381,6 +390,13 @@ pub struct KubernetesDiscoveryConfig {
     /// Timeout of one list request, in ms: 1 to `refresh_ms`. Default 2000.
     #[serde(default = "default_list_timeout_ms")]
     pub timeout_ms: u64,
+    /// How a pod's role (for `pd`) is read from its labels. Default: llm-d's label
+    /// `llm-d.ai/role` with the values `prefill`, `decode`, `both` and `prefill-decode`.
+    #[serde(
+        default = "crate::pd::RoleSelectors::default",
+        skip_serializing_if = "crate::pd::RoleSelectors::is_default"
+    )]
+    pub roles: crate::pd::RoleSelectors,
 }
 
 fn default_api_cluster() -> String {
@@ -534,6 +550,10 @@ impl Config {
         }));
         if let Some(d) = &self.discovery {
             d.kubernetes.validate_into("discovery.kubernetes", &self.models, &mut errs.0);
+            d.kubernetes.roles.validate("discovery.kubernetes.roles", &mut errs.0);
+        }
+        if let Some(pd) = &self.pd {
+            pd.validate("pd", &mut errs.0);
         }
         if let Some(p) = &self.pod_models {
             p.validate("pod_models", &mut errs.0);

@@ -212,7 +212,7 @@ fn is_label_name(s: &str) -> bool {
 }
 
 /// An optional DNS-subdomain prefix and `/`, then a name.
-fn is_label_key(s: &str) -> bool {
+pub(crate) fn is_label_key(s: &str) -> bool {
     match s.split_once('/') {
         Some((prefix, name)) => {
             !prefix.is_empty()
@@ -225,7 +225,7 @@ fn is_label_key(s: &str) -> bool {
 }
 
 /// Empty, or a label name.
-fn is_label_value(s: &str) -> bool {
+pub(crate) fn is_label_value(s: &str) -> bool {
     s.is_empty() || is_label_name(s)
 }
 
@@ -236,6 +236,8 @@ pub struct DiscoveredEndpoint {
     pub address: String,
     /// The pod's name, for logs.
     pub pod: String,
+    /// From the pod's role label (`roles`); `decode` without one. Used only with `pd`.
+    pub role: crate::pd::Role,
 }
 
 /// How many pods were left out, and why.
@@ -272,7 +274,7 @@ impl Discovered {
     pub fn endpoint_configs(&self, models: &[String]) -> Vec<EndpointConfig> {
         self.endpoints
             .iter()
-            .map(|e| EndpointConfig { address: e.address.clone(), models: models.to_vec() })
+            .map(|e| EndpointConfig { address: e.address.clone(), models: models.to_vec(), role: e.role })
             .collect()
     }
 }
@@ -428,12 +430,13 @@ pub fn parse_pod_list(body: &[u8], cfg: &KubernetesDiscoveryConfig) -> Result<Di
             skipped.bad_ip += 1;
             continue;
         };
+        let role = cfg.roles.role_of(labels.get(&cfg.roles.label).map(String::as_str));
         for port in &cfg.target_ports {
             let address = match ip {
                 IpAddr::V4(v4) => format!("{v4}:{port}"),
                 IpAddr::V6(v6) => format!("[{v6}]:{port}"),
             };
-            endpoints.push(DiscoveredEndpoint { address, pod: pod.metadata.name.clone() });
+            endpoints.push(DiscoveredEndpoint { address, pod: pod.metadata.name.clone(), role });
         }
     }
     endpoints.sort();
@@ -474,6 +477,7 @@ mod tests {
             token_env: Some("K8S_TOKEN".into()),
             refresh_ms: 5000,
             timeout_ms: 2000,
+            roles: Default::default(),
         }
     }
 
@@ -590,7 +594,11 @@ mod tests {
         // Sorted by (address, pod): pod "a" comes first and is kept.
         assert_eq!(
             d.endpoints,
-            vec![DiscoveredEndpoint { address: "10.1.0.1:8000".into(), pod: "a".into() }]
+            vec![DiscoveredEndpoint {
+                address: "10.1.0.1:8000".into(),
+                pod: "a".into(),
+                role: crate::pd::Role::Decode
+            }]
         );
         assert_eq!(d.skipped.duplicate, 1);
 

@@ -172,6 +172,7 @@ pub fn discovery(data: &[u8]) {
         token_env: None,
         refresh_ms: 5000,
         timeout_ms: 2000,
+        roles: crate::pd::RoleSelectors::default(),
     };
     let Ok(d) = parse_pod_list(data, &cfg) else { return };
     assert!(d.endpoints.len() <= MAX_DISCOVERED_ENDPOINTS);
@@ -285,6 +286,7 @@ pub fn health(data: &[u8]) {
                 scraped_ms: now,
                 failures: 0,
                 inflight_at_scrape: None,
+                role: crate::pd::Role::Decode,
             })
             .collect(),
     };

@@ -28,6 +28,7 @@ pub mod live_config;
 pub mod load;
 pub mod metrics;
 pub mod pod_models;
+pub mod pd;
 pub mod poller;
 pub mod pools;
 pub mod ports;

@@ -90,6 +90,7 @@ mod tests {
             scraped_ms: NOW - age_ms,
             failures: 0,
             inflight_at_scrape: at_scrape,
+            role: Default::default(),
         }
     }
 

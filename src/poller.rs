@@ -22,7 +22,9 @@
 use crate::config::{Config, KubernetesDiscoveryConfig};
 use crate::discovery::{parse_pod_list_response, DiscoveryError};
 use crate::metrics::parse_metrics;
+use crate::pd::Role;
 use crate::snapshot::{EndpointStatus, Snapshot};
+use hashbrown::HashMap;
 
 /// How early a tick may fire and still start the next round (ms).
 pub const ROUND_JITTER_MS: u64 = 20;
@@ -119,6 +121,9 @@ pub struct Poller {
     discovery_timeout_ms: u64,
     /// Scrapes written off as lost (no callback), not yet reported.
     lost: u64,
+    /// Endpoint roles (`crate::pd`) other than `decode`, from the configuration and the last
+    /// pod list (static entries win).
+    roles: HashMap<String, Role>,
 }
 
 impl Poller {
@@ -143,6 +148,12 @@ impl Poller {
             discovery_outstanding_since: None,
             discovery_timeout_ms: k8s.map_or(0, |k| k.timeout_ms),
             lost: 0,
+            roles: cfg
+                .endpoints
+                .iter()
+                .filter(|e| !e.role.is_decode())
+                .map(|e| (e.address.clone(), e.role))
+                .collect(),
         };
         p.set_endpoints(static_endpoints);
         p
@@ -196,8 +207,12 @@ impl Poller {
         self.discovery_outstanding_since = None;
         let discovered = parse_pod_list_response(status.unwrap_or(0), body, k8s)?;
         let mut next = self.static_endpoints.clone();
+        self.roles.retain(|a, _| next.iter().any(|(s, _)| s == a));
         for e in discovered.endpoint_configs(&self.discovered_models) {
             if !next.iter().any(|(a, _)| *a == e.address) {
+                if !e.role.is_decode() {
+                    self.roles.insert(e.address.clone(), e.role);
+                }
                 next.push((e.address, e.models));
             }
         }
@@ -230,10 +245,12 @@ impl Poller {
                 Some(i) => {
                     let mut t = self.targets.swap_remove(i);
                     t.status.models = models;
+                    t.status.role = self.roles.get(&address).copied().unwrap_or_default();
                     t
                 }
                 None => Target {
                     status: EndpointStatus {
+                        role: self.roles.get(&address).copied().unwrap_or_default(),
                         address,
                         models,
                         metrics: None,

@@ -21,12 +21,6 @@ use crate::priority::{self, Criticality, PriorityDecision, PriorityHeaders};
 use crate::scheduler::{ModelRoute, Pick, PickRequest, Scheduler};
 use crate::snapshot::Snapshot;
 
-/// Request headers a client could use to choose the destination itself. Removed from every
-/// request before anything else happens; only the filter sets them. The conformance test header
-/// is among them: in conformance mode the host reads it first (see [`conformance_selection`]).
-pub const CLIENT_ROUTING_HEADERS: [&str; 3] =
-    ["x-gateway-destination-endpoint", "x-envoy-original-dst-host", CONFORMANCE_SELECTION_HEADER];
-
 /// GIE conformance suite: the request header with the endpoints the test wants (comma-separated
 /// `ip` or `ip:port`). Honoured only with `filter.conformance_mode`.
 pub const CONFORMANCE_SELECTION_HEADER: &str = "test-epp-endpoint-selection";
@@ -35,6 +29,18 @@ pub const CONFORMANCE_SELECTION_HEADER: &str = "test-epp-endpoint-selection";
 pub const CONFORMANCE_SERVED_HEADER: &str = "x-conformance-test-served-endpoint";
 /// Most entries read from the conformance selection header.
 pub const MAX_SELECTION_ENTRIES: usize = 64;
+/// Request headers a client could use to choose the destination (or, through llm-d's routing
+/// sidecar, the prefill pod: `crate::pd::PREFILLER_HEADER`, and `x-prefiller-url`, which older
+/// sidecars read) itself. Removed from every request before anything else happens; only the
+/// filter sets them. The conformance test header is among them: in conformance mode the host
+/// reads it first (see [`conformance_selection`]).
+pub const CLIENT_ROUTING_HEADERS: [&str; 5] = [
+    "x-gateway-destination-endpoint",
+    "x-envoy-original-dst-host",
+    crate::pd::PREFILLER_HEADER,
+    crate::pd::LEGACY_PREFILLER_HEADER,
+    CONFORMANCE_SELECTION_HEADER,
+];
 
 /// GIE destination header: primary first, then fallbacks.
 pub const DESTINATION_HEADER: &str = "x-gateway-destination-endpoint";
@@ -638,6 +644,7 @@ mod tests {
             scraped_ms: 1000,
             failures: 0,
             inflight_at_scrape: None,
+            role: Default::default(),
         };
         Snapshot {
             version: 1,
@@ -665,6 +672,8 @@ mod tests {
                 "x-gateway-destination-endpoint",
                 "x-envoy-original-dst-host",
                 "test-epp-endpoint-selection",
+                "x-prefiller-host-port",
+                "x-prefiller-url",
                 "x-gateway-inference-objective",
                 "x-gateway-inference-fairness-id",
                 // Configured but untrusted: still removed.

@@ -291,6 +291,7 @@ mod tests {
             scraped_ms: NOW - age_ms,
             failures: 0,
             inflight_at_scrape: None,
+            role: Default::default(),
         }
     }
 

@@ -44,6 +44,9 @@ pub struct EndpointStatus {
     /// load estimate (`crate::load`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub inflight_at_scrape: Option<u32>,
+    /// Its prefill/decode role (`crate::pd`), from the configuration or discovery.
+    #[serde(default, skip_serializing_if = "crate::pd::Role::is_decode")]
+    pub role: crate::pd::Role,
 }
 
 use crate::ports::{SharedStore, StoreError};
@@ -99,8 +102,8 @@ impl SnapshotCache {
 // and the poller encodes it; at 1,024 endpoints the JSON form cost milliseconds of V8 time per
 // version on every worker. This form is read field by field with bounds checks:
 //
-//   "IPS1" · u64 version · u64 published_ms · u32 endpoint count · endpoints
-//   endpoint: str address · u32 n · n × str model · u64 scraped_ms · u32 failures
+//   "IPS2" · u64 version · u64 published_ms · u32 endpoint count · endpoints
+//   endpoint: str address · u8 role (0 decode, 1 prefill, 2 both) · u32 n · n × str model · u64 scraped_ms · u32 failures
 //             · opt u32 inflight_at_scrape · u8 has metrics [· metrics]
 //   metrics:  u8 engine · opt f64 queue · opt f64 running · opt f64 kv_usage · opt u32 block_size
 //             · opt u64 num_gpu_blocks · opt u32 max_lora · strs running · strs waiting
@@ -108,11 +111,11 @@ impl SnapshotCache {
 //
 // Adding a field to `EndpointStatus` or `EndpointMetrics`: the destructuring in `put_endpoint`
 // and `put_metrics` stops compiling until the field is encoded here too (and decoded). Any change
-// of the layout takes a new `MAGIC` ("IPS2", ...), so a filter VM and a poller of different
+// of the layout takes a new `MAGIC` ("IPS3", ...), so a filter VM and a poller of different
 // builds (shared data outlives a configuration reload) never read each other's values as their
 // own: the reader keeps its last snapshot until one it knows arrives.
 
-const MAGIC: &[u8; 4] = b"IPS1";
+const MAGIC: &[u8; 4] = b"IPS2";
 
 /// The snapshot in its shared-data form (see the codec comment above).
 pub fn encode(snapshot: &Snapshot) -> Vec<u8> {
@@ -175,8 +178,13 @@ fn put_opt<T>(out: &mut Vec<u8>, v: Option<T>, put: impl FnOnce(&mut Vec<u8>, T)
 }
 
 fn put_endpoint(out: &mut Vec<u8>, e: &EndpointStatus) {
-    let EndpointStatus { address, models, metrics, scraped_ms, failures, inflight_at_scrape } = e;
+    let EndpointStatus { address, models, metrics, scraped_ms, failures, inflight_at_scrape, role } = e;
     put_str(out, address);
+    out.push(match role {
+        crate::pd::Role::Decode => 0,
+        crate::pd::Role::Prefill => 1,
+        crate::pd::Role::Both => 2,
+    });
     put_strs(out, models);
     out.extend_from_slice(&scraped_ms.to_le_bytes());
     out.extend_from_slice(&failures.to_le_bytes());
@@ -271,12 +279,18 @@ impl<'a> Reader<'a> {
 
     fn endpoint(&mut self) -> Option<EndpointStatus> {
         let address = self.string()?;
+        let role = match self.u8()? {
+            0 => crate::pd::Role::Decode,
+            1 => crate::pd::Role::Prefill,
+            2 => crate::pd::Role::Both,
+            _ => return None,
+        };
         let models = self.strings()?;
         let scraped_ms = self.u64()?;
         let failures = self.u32()?;
         let inflight_at_scrape = self.opt(Self::u32)?;
         let metrics = self.opt(Self::metrics)?;
-        Some(EndpointStatus { address, models, metrics, scraped_ms, failures, inflight_at_scrape })
+        Some(EndpointStatus { address, models, metrics, scraped_ms, failures, inflight_at_scrape, role })
     }
 
     fn metrics(&mut self) -> Option<EndpointMetrics> {
@@ -336,6 +350,7 @@ mod tests {
                 scraped_ms: 990,
                 failures: 0,
                 inflight_at_scrape: None,
+                role: Default::default(),
             }],
         }
     }
@@ -426,7 +441,7 @@ mod tests {
             }
         }
         // A huge count is refused before allocating.
-        let mut huge = b"IPS1".to_vec();
+        let mut huge = b"IPS2".to_vec();
         huge.extend_from_slice(&[0; 16]);
         huge.extend_from_slice(&u32::MAX.to_le_bytes());
         assert_eq!(decode(&huge), None);

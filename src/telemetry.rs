@@ -15,6 +15,9 @@
 /// Requests routed, by model (as sent upstream), endpoint and outcome (`scored`,
 /// `session_token`, `fail_open`).
 pub const REQUESTS: &str = "inference_picker_requests_total";
+/// Requests routed with the `pd` section, by split decision (`crate::pd::Decision`: `split`,
+/// `below_threshold`, `no_prefill_pods`, `no_healthy_prefill`, `fail_open`).
+pub const PD_DECISIONS: &str = "inference_picker_pd_decisions_total";
 /// Requests answered by the filter itself, by reason (the error `code`).
 pub const REJECTIONS: &str = "inference_picker_rejections_total";
 /// Age of the snapshot the last decision used, in milliseconds.

@@ -37,6 +37,9 @@ pub(crate) struct Exchange {
     held_at_ms: Option<u64>,
     /// Endpoint whose in-flight count this request holds (released in on_log).
     holding: Option<String>,
+    /// Prefill pod (`crate::pd`) whose in-flight count this request holds until its response
+    /// headers (the remote prefill is over before the decode pod answers) or on_log.
+    prefill_holding: Option<String>,
     primary: Option<String>,
     /// Primary then fallbacks, as sent (passive health attributes failed retries to them).
     destinations: Vec<String>,
@@ -263,8 +266,22 @@ fn go(
     let pick = {
         let mut scheduler = worker.scheduler.borrow_mut();
         let mut rng = worker.rng.borrow_mut();
-        request::route_with(&mut scheduler, &mut *rng, &ex.head, &prepared, inputs, health)?
+        crate::pd::route(&worker.cfg, &mut scheduler, &mut *rng, &ex.head, &prepared, inputs, health)?
     };
+    if let Some(prefiller) = &pick.prefiller {
+        io::set_request_header(crate::pd::PREFILLER_HEADER, Some(prefiller));
+        if let Err(e) = worker.inflight.borrow_mut().adjust(inputs.store, prefiller, 1, inputs.now_ms) {
+            warn!("inference-picker: publishing the prefill in-flight increment failed: {e:?}");
+        }
+        ex.prefill_holding = Some(prefiller.clone());
+    }
+    if worker.cfg.pd.is_some() {
+        worker
+            .metrics
+            .borrow_mut()
+            .count(telemetry::name(telemetry::PD_DECISIONS, &[("decision", pick.decision.as_str())]));
+    }
+    let pick = pick.pick;
     io::set_request_header(DESTINATION_HEADER, Some(&pick.destination_header()));
     io::set_request_header(ORIGINAL_DST_HEADER, Some(&pick.primary));
     // The +1 counts locally even if publishing it fails (the next tick publishes it), so the
@@ -480,6 +497,17 @@ impl Context for Filter {
 }
 
 impl Filter {
+    /// Gives back the prefill pod's in-flight count, if this request holds one. Idempotent.
+    fn release_prefill(&mut self) {
+        let held = self.ex.borrow_mut().prefill_holding.take();
+        if let Some(addr) = held {
+            let published = self.worker.inflight.borrow_mut().adjust(&io::HostStore, &addr, -1, io::now_ms());
+            if let Err(e) = published {
+                warn!("inference-picker: publishing the prefill in-flight release for {addr} failed: {e:?}");
+            }
+        }
+    }
+
     /// Takes this request out of flow control if it is held. Idempotent.
     fn forget(&mut self) {
         let worker = &self.worker;
@@ -603,6 +631,7 @@ impl HttpContext for Filter {
     }
 
     fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
+        self.release_prefill();
         let ex = self.ex.borrow();
         if ex.answered || ex.passthrough {
             return Action::Continue;
@@ -634,6 +663,7 @@ impl HttpContext for Filter {
 
     fn on_log(&mut self) {
         self.forget();
+        self.release_prefill();
         self.record_health();
         let holding = self.ex.borrow_mut().holding.take();
         if let Some(addr) = holding {

@@ -57,6 +57,7 @@ mod tests {
             scraped_ms,
             failures,
             inflight_at_scrape: None,
+            role: Default::default(),
         }
     }
 

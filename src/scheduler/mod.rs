@@ -153,6 +153,28 @@ impl Pick {
     }
 }
 
+/// Narrows one pick: the hook through which `crate::pd` makes its decode and prefill picks with
+/// the scheduler's own pipeline. The default scope changes nothing.
+#[derive(Clone, Copy, Default)]
+pub struct PickScope<'a> {
+    /// Only endpoints for which this returns true are candidates (`None`: every endpoint).
+    pub allow: Option<&'a dyn Fn(&EndpointStatus) -> bool>,
+    /// Maps the model's weights to the weights of this pick (`None`: unchanged).
+    pub weights: Option<&'a dyn Fn(Weights) -> Weights>,
+    /// When no allowed endpoint is healthy, answer 503 `no_healthy_endpoint` even under
+    /// `filter.failure_mode: FailOpen`.
+    pub no_fail_open: bool,
+    /// Record the primary's prefix blocks in this worker's index only, not in the cross-worker
+    /// table (whose entries name one endpoint per block, which should stay the decode pod).
+    pub skip_shared_record: bool,
+}
+
+impl PickScope<'_> {
+    fn allows(&self, e: &EndpointStatus) -> bool {
+        self.allow.is_none_or(|f| f(e))
+    }
+}
+
 /// One healthy endpoint as the scorers see it.
 #[derive(Debug, Clone, Copy)]
 pub struct Candidate<'a> {
@@ -342,16 +364,41 @@ impl Scheduler {
         rng: &mut dyn Rng,
         now_ms: u64,
     ) -> Result<Pick, Rejection> {
+        let scope = PickScope::default();
+        self.pick_scoped(route, req, snapshot, inflight, health, store, rng, now_ms, &scope)
+    }
+
+    /// [`Scheduler::pick_for_with`] narrowed by a [`PickScope`] (the hook of `crate::pd`, which
+    /// makes one decode pick and one prefill pick per request).
+    #[allow(clippy::too_many_arguments)]
+    pub fn pick_scoped(
+        &mut self,
+        route: &ModelRoute,
+        req: &PickRequest<'_>,
+        snapshot: &Snapshot,
+        inflight: &InflightCounts,
+        health: &HealthView,
+        store: &dyn SharedStore,
+        rng: &mut dyn Rng,
+        now_ms: u64,
+        scope: &PickScope<'_>,
+    ) -> Result<Pick, Rejection> {
         // 1. Model (resolved by `route_model`).
         let target = route.target_model.as_str();
         let resolved = models::Resolved { base: &route.base, adapter: route.adapter.as_deref() };
         let target_model = route.target_model.clone();
         let model_rewritten = route.model_rewritten;
-        let weights = self.weights_for(target, resolved.base);
+        let mut weights = self.weights_for(target, resolved.base);
+        if let Some(map) = scope.weights {
+            weights = map(weights);
+        }
 
         // 2. Filters.
-        let serving: Vec<&EndpointStatus> =
-            snapshot.endpoints.iter().filter(|e| filter::serves(e, resolved.base)).collect();
+        let serving: Vec<&EndpointStatus> = snapshot
+            .endpoints
+            .iter()
+            .filter(|e| filter::serves(e, resolved.base) && scope.allows(e))
+            .collect();
         if serving.is_empty() {
             return Err(Rejection::new(
                 503,
@@ -368,6 +415,15 @@ impl Scheduler {
         let healthy: Vec<&EndpointStatus> =
             serving.iter().copied().filter(|e| filter::healthy(e, now_ms, self.stale_after_ms)).collect();
         if healthy.is_empty() {
+            if scope.no_fail_open {
+                return Err(Rejection::new(
+                    503,
+                    "service_unavailable",
+                    "no_healthy_endpoint",
+                    format!("No healthy endpoint for the model `{target_model}`."),
+                )
+                .with_retry_after(1));
+            }
             return self.fail_open(&serving, &load, rng, target_model, model_rewritten);
         }
         let cands: Vec<Candidate<'_>> = healthy
@@ -461,7 +517,9 @@ impl Scheduler {
         if let Some(c) = primary_cand {
             let cap = prefix::capacity(&self.cfg.prefix, c.metrics, snapshot.endpoints.len());
             self.local.record(c.address, &hashes, cap);
-            self.shared.record(store, &hashes, endpoint_key(c.address), &mut lookup);
+            if !scope.skip_shared_record {
+                self.shared.record(store, &hashes, endpoint_key(c.address), &mut lookup);
+            }
         }
         let prefix_blocks = hashes.len();
         self.hashes = hashes;

@@ -367,6 +367,7 @@ pub fn convert(docs: &[serde_yaml::Value], opts: &Options) -> Result<Output, Vec
             token_env: opts.token_env.clone(),
             refresh_ms: 5000,
             timeout_ms: 2000,
+            roles: Default::default(),
         },
     };
     obj.insert("discovery".into(), serde_json::to_value(&discovery).map_err(|e| vec![e.to_string()])?);

@@ -79,6 +79,46 @@ pub struct ShellConfig {
     pub default_max_tokens: u32,
     /// Largest prompt + output, in tokens; longer requests get 400 like vLLM.
     pub max_model_len: u32,
+    /// Role in a disaggregated prefill/decode pool ([`SimRole`]).
+    pub role: SimRole,
+}
+
+/// Request header naming the prefill pod (`ip:port`), set by the gateway (llm-d's protocol).
+pub const PREFILLER_HEADER: &str = "x-prefiller-host-port";
+/// Response header of a decode-side request whose prompt was prefilled remotely: the prefill
+/// pod's `ip:port`.
+pub const PREFILLED_BY_HEADER: &str = "x-sim-prefilled-by";
+/// Largest answer read from a prefill pod.
+const PREFILL_RESPONSE_LIMIT: usize = 1024 * 1024;
+/// Longest wait for a prefill pod's answer.
+const PREFILL_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// What a simulated pod does in a disaggregated prefill/decode pool (`--role`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SimRole {
+    /// A prefill pod: serves every request itself (the gateway sends it only the decode
+    /// sidecar's `max_tokens: 1` prefill calls); ignores `x-prefiller-host-port`.
+    Prefill,
+    /// A decode pod with llm-d's routing sidecar in front: a request carrying
+    /// `x-prefiller-host-port` is first sent to that pod with `max_tokens: 1`, its KV is taken
+    /// as transferred (the prompt counts as cached here), then decoded locally.
+    Decode,
+    /// Both (the default): a plain server that also honours `x-prefiller-host-port`.
+    #[default]
+    Both,
+}
+
+impl std::str::FromStr for SimRole {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "prefill" => Ok(SimRole::Prefill),
+            "decode" => Ok(SimRole::Decode),
+            "both" => Ok(SimRole::Both),
+            other => Err(format!("unknown role {other:?} (prefill, decode or both)")),
+        }
+    }
 }
 
 /// Artificial load added to /metrics (POST /sim/fake-load): makes a server look busy.
@@ -246,6 +286,11 @@ struct Stats {
     metrics_scrapes_total: u64,
     last_request_headers: BTreeMap<String, String>,
     last_request_model: Option<String>,
+    /// Decode side: prompts prefilled by the named prefill pod, and calls to one that failed
+    /// (the prompt was then prefilled here).
+    remote_prefills_total: u64,
+    remote_prefill_failures_total: u64,
+    last_prefiller: Option<String>,
 }
 
 /// The model plus the channels of the requests it is serving.
@@ -515,6 +560,7 @@ async fn sim_stats(State(st): State<Arc<AppState>>) -> Response {
     };
     body.insert("name".into(), json!(st.cfg.name));
     body.insert("engine".into(), json!(st.cfg.engine.as_str()));
+    body.insert("role".into(), json!(st.cfg.role));
     body.insert("fake_load".into(), json!(fake));
     body.insert("chaos".into(), json!(*lock(&st.chaos)));
     body.insert("model".into(), serde_json::to_value(&snap).unwrap_or(Value::Null));
@@ -791,6 +837,38 @@ async fn inference(
             st.cfg.max_model_len, total, p.prompt_tokens, p.max_tokens
         ));
     }
+    let prefiller = match st.cfg.role {
+        SimRole::Prefill => None,
+        SimRole::Decode | SimRole::Both => headers
+            .get(PREFILLER_HEADER)
+            .and_then(|v| v.to_str().ok())
+            .map(str::trim)
+            .filter(|v| !v.is_empty())
+            .map(str::to_string),
+    };
+    let mut prefilled_by = None;
+    if let Some(pre) = prefiller {
+        let path = if api == Api::Chat { "/v1/chat/completions" } else { "/v1/completions" };
+        let ok = match remote_prefill(&pre, path, &value).await {
+            Ok(()) => {
+                let mut core = lock(&st.core);
+                core.server.import_prefix(&p.hashes, p.prompt_tokens, adapter.as_deref());
+                true
+            }
+            Err(e) => {
+                eprintln!("model-server-sim: remote prefill on {pre} failed, prefilling here: {e}");
+                false
+            }
+        };
+        let mut s = lock(&st.stats);
+        if ok {
+            s.remote_prefills_total += 1;
+            prefilled_by = Some(pre.clone());
+        } else {
+            s.remote_prefill_failures_total += 1;
+        }
+        s.last_prefiller = Some(pre);
+    }
 
     let id = st.next_id.fetch_add(1, Ordering::Relaxed);
     let (tx, rx) = mpsc::unbounded_channel();
@@ -829,11 +907,53 @@ async fn inference(
         include_usage: p.include_usage,
     };
     let guard = AbortGuard { state: st.clone(), id, armed: true };
-    if p.stream {
+    let mut resp = if p.stream {
         Sse::new(sse_stream(reply, rx, guard, cut_after)).into_response()
     } else {
         wait_for_completion(reply, rx, guard).await
+    };
+    if let Some(v) = prefilled_by.and_then(|p| HeaderValue::from_str(&p).ok()) {
+        resp.headers_mut().insert(HeaderName::from_static(PREFILLED_BY_HEADER), v);
     }
+    resp
+}
+
+/// The decode sidecar's remote prefill: the same request to `host_port` with one output token,
+/// no streaming, and llm-d's `kv_transfer_params` asking the prefill pod to keep the KV for a
+/// remote decode. Plain HTTP/1.1 over a fresh connection; any answer but 200 is a failure.
+async fn remote_prefill(host_port: &str, path: &str, body: &Value) -> Result<(), String> {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let mut req = body.clone();
+    if let Some(o) = req.as_object_mut() {
+        o.remove("max_completion_tokens");
+        o.remove("stream_options");
+        o.insert("max_tokens".into(), json!(1));
+        o.insert("stream".into(), json!(false));
+        o.insert("kv_transfer_params".into(), json!({"do_remote_decode": true, "do_remote_prefill": false}));
+    }
+    let payload = serde_json::to_vec(&req).map_err(|e| e.to_string())?;
+    let call = async {
+        let mut conn =
+            tokio::net::TcpStream::connect(host_port).await.map_err(|e| format!("connect: {e}"))?;
+        let head = format!(
+            "POST {path} HTTP/1.1\r\nhost: {host_port}\r\ncontent-type: application/json\r\n\
+             content-length: {}\r\nconnection: close\r\n\r\n",
+            payload.len()
+        );
+        conn.write_all(head.as_bytes()).await.map_err(|e| format!("write: {e}"))?;
+        conn.write_all(&payload).await.map_err(|e| format!("write: {e}"))?;
+        let mut answer = Vec::new();
+        let mut limited = conn.take(PREFILL_RESPONSE_LIMIT as u64);
+        limited.read_to_end(&mut answer).await.map_err(|e| format!("read: {e}"))?;
+        let status_line = answer.split(|&b| b == b'\n').next().unwrap_or(&[]);
+        let status = String::from_utf8_lossy(status_line);
+        match status.split_whitespace().nth(1) {
+            Some("200") => Ok(()),
+            Some(code) => Err(format!("status {code}")),
+            None => Err("no HTTP answer".to_string()),
+        }
+    };
+    tokio::time::timeout(PREFILL_TIMEOUT, call).await.map_err(|_| "timed out".to_string())?
 }
 
 async fn wait_for_completion(

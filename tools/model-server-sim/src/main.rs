@@ -61,6 +61,11 @@ struct Args {
     /// running request per step), for predictable tests.
     #[arg(long)]
     delay_per_token_ms: Option<f64>,
+    /// Role in a disaggregated prefill/decode pool: `decode` honours `x-prefiller-host-port`
+    /// like llm-d's routing sidecar (remote prefill with max_tokens 1, then local decode with the
+    /// prompt cached); `prefill` ignores it; `both` (default) honours it too.
+    #[arg(long, default_value = "both", value_parser = ["prefill", "decode", "both"])]
+    role: String,
 }
 
 fn main() -> ExitCode {
@@ -116,6 +121,7 @@ fn run(args: Args) -> Result<(), String> {
             engine,
             default_max_tokens: args.default_max_tokens.max(1),
             max_model_len: args.max_model_len,
+            role: args.role.parse()?,
         };
         let state = AppState::new(shell, model_cfg)?;
         tokio::spawn(http::engine_loop(state.clone()));

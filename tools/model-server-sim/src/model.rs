@@ -571,6 +571,45 @@ impl Server {
         Ok(())
     }
 
+    /// Receives a prompt's KV from a remote prefill (P/D disaggregation, as vLLM's KV
+    /// connector does on a decode pod): every full hash unit of the prompt that is not cached
+    /// yet is stored as a cached, unreferenced (evictable) unit, evicting least-recently-used
+    /// ones for room, so that the request submitted next finds the prompt cached. Stops at the
+    /// first unit that cannot get room. Returns the prompt tokens now held in whole units
+    /// (as [`Server::cached_prefix_tokens`]). Takes no engine time: the transfer is not modelled.
+    pub fn import_prefix(&mut self, block_hashes: &[u64], prompt_tokens: u32, adapter: Option<&str>) -> u64 {
+        let full_units = (u64::from(prompt_tokens.max(1)) / self.hash_tokens) as usize;
+        let salt = adapter.map(adapter_salt);
+        // Units of this prompt are held (referenced) until the end, so that making room for a
+        // later unit never evicts an earlier one.
+        let mut held: Vec<u32> = Vec::new();
+        for &h in block_hashes.iter().take(full_units) {
+            let key = match salt {
+                Some(s) => splitmix64(h ^ s),
+                None => h,
+            };
+            if self.kv.lookup_prefix(&[key]) == 1 {
+                if !self.kv.can_admit(&[key], 0) {
+                    break;
+                }
+                held.extend(self.kv.acquire(&[key]));
+                continue;
+            }
+            if !self.kv.allocate(self.blocks_per_unit) {
+                break;
+            }
+            match self.kv.register(key) {
+                Some(id) => held.push(id),
+                None => {
+                    self.kv.release_private(self.blocks_per_unit);
+                    break;
+                }
+            }
+        }
+        self.kv.release_units(held.into_iter().rev());
+        self.cached_prefix_tokens(block_hashes, prompt_tokens, adapter)
+    }
+
     /// Cancel a live request (client went away). Frees its KV and LoRA slot at once; it
     /// produces no further events. Returns false if the id is not live.
     pub fn abort(&mut self, id: u64) -> bool {

@@ -512,3 +512,27 @@ fn invariants_hold_across_seeds_configs_and_aborts() {
         assert!(!aborted.is_empty(), "seed {seed}: the abort path was not exercised");
     }
 }
+
+#[test]
+fn an_imported_prefix_is_served_from_the_cache() {
+    // Block size 4, one hash per block. Importing the 16-token prompt's 4 units (a remote
+    // prefill's KV) leaves them cached and evictable; the request then computes only what
+    // vLLM always computes (num_tokens − 1 caps the hit at 3 blocks = 12 tokens): 10 + 4 ms.
+    let mut s = Server::new(cfg(8, 100, 4)).unwrap();
+    assert_eq!(s.import_prefix(&[1, 2, 3, 4], 16, None), 16);
+    let m = s.metrics_snapshot();
+    assert_eq!((m.cached_units, m.kv_used_blocks, m.kv_cached_free_blocks), (4, 0, 4));
+    // Importing again changes nothing.
+    assert_eq!(s.import_prefix(&[1, 2, 3, 4], 16, None), 16);
+    assert_eq!(s.metrics_snapshot().cached_units, 4);
+    s.submit(req(1, 16, 1, &[1, 2, 3, 4], 0.0)).unwrap();
+    let ev = s.advance_to(1000.0);
+    assert_eq!(events_of(&ev, 1), vec![FirstToken { id: 1, t_ms: 14.0 }, fin(1, 14.0, 1, 12, 0)]);
+    // Room for one unit only (3 blocks, 2 held by a request mid-prefill): the first unit is
+    // imported, the import stops at the second.
+    let mut s = Server::new(cfg(8, 3, 4)).unwrap();
+    s.submit(req(2, 8, 1, &[], 0.0)).unwrap();
+    s.advance_to(5.0);
+    assert_eq!(s.metrics_snapshot().kv_used_blocks, 2);
+    assert_eq!(s.import_prefix(&[5, 6], 8, None), 4);
+}

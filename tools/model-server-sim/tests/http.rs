@@ -20,6 +20,7 @@ fn app(engine: Engine) -> Router {
         engine,
         default_max_tokens: 3,
         max_model_len: 1000,
+        role: Default::default(),
     };
     let cfg = ServerConfig {
         enable_lora: true,
@@ -394,4 +395,92 @@ async fn chaos_reset_closes_the_connection_without_a_response() {
     assert!(stats.starts_with(b"HTTP/1.1 200"));
     let got = raw_post(addr, "/v1/completions", &body).await;
     assert!(got.starts_with(b"HTTP/1.1 200"), "{}", String::from_utf8_lossy(&got));
+}
+
+fn role_app(name: &str, role: http::SimRole) -> Router {
+    let shell = ShellConfig {
+        name: name.into(),
+        models: vec!["base".into()],
+        loras: vec![],
+        engine: Engine::Vllm,
+        default_max_tokens: 3,
+        max_model_len: 100_000,
+        role,
+    };
+    let cfg = ServerConfig {
+        cost: StepCost::fixed(1.0),
+        speed: 1000.0,
+        num_gpu_blocks: 1000,
+        ..Default::default()
+    };
+    let state: Arc<AppState> = AppState::new(shell, cfg).unwrap();
+    tokio::spawn(http::engine_loop(state.clone()));
+    http::router(state)
+}
+
+async fn post_with(
+    app: &Router,
+    body: &Value,
+    headers: &[(&str, &str)],
+) -> (StatusCode, Option<String>, Value) {
+    let mut req = Request::builder()
+        .method("POST")
+        .uri("/v1/chat/completions")
+        .header("content-type", "application/json");
+    for (k, v) in headers {
+        req = req.header(*k, *v);
+    }
+    let resp = app.clone().oneshot(req.body(Body::from(body.to_string())).unwrap()).await.unwrap();
+    let status = resp.status();
+    let by = resp.headers().get(http::PREFILLED_BY_HEADER).map(|v| v.to_str().unwrap().to_string());
+    let bytes = to_bytes(resp.into_body(), usize::MAX).await.unwrap();
+    (status, by, parse(std::str::from_utf8(&bytes).unwrap()))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decode_pod_prefills_remotely_and_decodes_with_the_prompt_cached() {
+    // The prefill pod listens on a real port: the decode pod calls it over TCP.
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let prefill_addr = listener.local_addr().unwrap().to_string();
+    let prefill = role_app("prefill", http::SimRole::Prefill);
+    let server = prefill.clone();
+    tokio::spawn(async move { axum::serve(listener, server).await });
+    let decode = role_app("decode", http::SimRole::Decode);
+    // 64 blocks of 16 tokens and a bit: "user: " + 4100 chars ≈ 1027 tokens.
+    let body = json!({"model": "base", "messages": [{"role": "user", "content": "x".repeat(4100)}], "max_tokens": 5});
+    let (status, by, v) = post_with(&decode, &body, &[(http::PREFILLER_HEADER, &prefill_addr)]).await;
+    assert_eq!(status, StatusCode::OK, "{v}");
+    assert_eq!(by.as_deref(), Some(prefill_addr.as_str()));
+    assert_eq!(v["usage"]["completion_tokens"], 5);
+    // The prompt's KV came from the prefill pod: all but the last partial block is cached.
+    let cached = v["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap();
+    let prompt = v["usage"]["prompt_tokens"].as_u64().unwrap();
+    assert!(cached > 0 && prompt - cached < 32, "cached {cached} of {prompt}");
+    // The prefill pod ran it with one output token.
+    let (_, _, stats) = call(&prefill, "GET", "/sim/stats", "").await;
+    let stats = parse(&stats);
+    assert_eq!(stats["requests_total"], 1);
+    assert_eq!(stats["model"]["generation_tokens_total"], 1);
+    let (_, _, dstats) = call(&decode, "GET", "/sim/stats", "").await;
+    let dstats = parse(&dstats);
+    assert_eq!(
+        (dstats["remote_prefills_total"].as_u64(), dstats["role"].as_str()),
+        (Some(1), Some("decode"))
+    );
+
+    // A prefill pod that does not answer: the decode pod prefills the prompt itself.
+    let closed = {
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        l.local_addr().unwrap().to_string()
+    };
+    let body = json!({"model": "base", "messages": [{"role": "user", "content": "y".repeat(4100)}], "max_tokens": 2});
+    let (status, by, v) = post_with(&decode, &body, &[(http::PREFILLER_HEADER, &closed)]).await;
+    assert_eq!((status, by), (StatusCode::OK, None), "{v}");
+    assert_eq!(v["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+    let (_, _, dstats) = call(&decode, "GET", "/sim/stats", "").await;
+    assert_eq!(parse(&dstats)["remote_prefill_failures_total"], 1);
+
+    // A prefill pod ignores the header.
+    let (status, by, _) = post_with(&prefill, &body, &[(http::PREFILLER_HEADER, &closed)]).await;
+    assert_eq!((status, by), (StatusCode::OK, None));
 }

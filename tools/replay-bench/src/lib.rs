@@ -18,6 +18,7 @@ pub mod arrivals;
 pub mod bursts;
 pub mod dynamo;
 pub mod oracle;
+pub mod pd;
 pub mod replay;
 pub mod report;
 pub mod sglang;
