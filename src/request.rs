@@ -37,9 +37,9 @@ pub const MAX_SELECTION_ENTRIES: usize = 64;
 pub const CLIENT_ROUTING_HEADERS: [&str; 5] = [
     "x-gateway-destination-endpoint",
     "x-envoy-original-dst-host",
+    CONFORMANCE_SELECTION_HEADER,
     crate::pd::PREFILLER_HEADER,
     crate::pd::LEGACY_PREFILLER_HEADER,
-    CONFORMANCE_SELECTION_HEADER,
 ];
 
 /// GIE destination header: primary first, then fallbacks.

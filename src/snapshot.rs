@@ -393,6 +393,7 @@ mod tests {
             scraped_ms: 0,
             failures: 4,
             inflight_at_scrape: None,
+            role: crate::pd::Role::Prefill,
         });
         s
     }
@@ -460,6 +461,10 @@ mod tests {
         assert_eq!(s.endpoints[0].inflight_at_scrape, Some(2));
         assert_eq!((s.endpoints[1].models.len(), s.endpoints[1].failures), (2, 3));
         assert!(s.endpoints[1].metrics.is_none());
+        assert_eq!(
+            (s.endpoints[0].role, s.endpoints[1].role),
+            (crate::pd::Role::Decode, crate::pd::Role::Both)
+        );
     }
 
     #[test]
