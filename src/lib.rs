@@ -28,6 +28,7 @@ pub mod metrics;
 pub mod poller;
 pub mod ports;
 pub mod priority;
+pub mod rates;
 pub mod request;
 pub mod saturation;
 pub mod scheduler;

@@ -38,6 +38,7 @@ pub mod kv;
 pub mod lora;
 pub mod models;
 pub mod picker;
+pub mod predict;
 pub mod prefix;
 pub mod prefix_shared;
 pub mod queue;
@@ -55,7 +56,7 @@ use crate::metrics::EndpointMetrics;
 use crate::ports::{Rng, SharedStore};
 use crate::snapshot::{EndpointStatus, Snapshot};
 
-use self::config::{SchedulerConfig, Weights};
+use self::config::{Objective, SchedulerConfig, Weights};
 use self::models::ModelTable;
 use self::prefix::LocalIndex;
 use self::prefix_shared::{endpoint_key, SharedPrefix};
@@ -139,6 +140,11 @@ pub struct Pick {
     pub prefix_score: f64,
     /// Blocks hashed from the prompt (0 for a prompt shorter than one block).
     pub prefix_blocks: usize,
+    /// The primary's predicted TTFT in ms (objective `predicted_ttft`; `None` otherwise).
+    pub predicted_ms: Option<f64>,
+    /// Names this request in the worker's prefill ledger: the host reports its first response
+    /// byte ([`Scheduler::first_byte`]) and its end ([`Scheduler::request_done`]). 0: not tracked.
+    pub ticket: u64,
 }
 
 impl Pick {
@@ -176,6 +182,8 @@ pub struct Breakdown {
     pub session: f64,
     pub lora: f64,
     pub total: f64,
+    /// Predicted TTFT in ms (objective `predicted_ttft`; 0 otherwise).
+    pub predicted_ms: f64,
 }
 
 impl Breakdown {
@@ -215,6 +223,10 @@ pub struct Scheduler {
     hashes: Vec<u64>,
     /// Keys of the session token (`scheduler.session`); the host sets them from the secrets.
     session_keys: SessionKeys,
+    /// This worker's requests still in prefill (objective `predicted_ttft`).
+    ledger: predict::Ledger,
+    /// This worker's view of the learnt per-endpoint rates (`crate::rates`).
+    rates: crate::rates::RateCache,
 }
 
 impl Scheduler {
@@ -232,6 +244,8 @@ impl Scheduler {
             shared: SharedPrefix::new(sc.prefix.shared_shards, sc.prefix.shared_entries_per_shard),
             hashes: Vec::new(),
             session_keys: SessionKeys::default(),
+            ledger: predict::Ledger::default(),
+            rates: crate::rates::RateCache::default(),
             cfg: sc,
         }
     }
@@ -245,6 +259,45 @@ impl Scheduler {
     /// The session-token keys in use.
     pub fn session_keys(&self) -> &SessionKeys {
         &self.session_keys
+    }
+
+    /// The first response byte of the request `ticket` ([`Pick::ticket`]) arrived from `served`
+    /// (the endpoint that answered, when the host knows it): its prefill no longer counts as
+    /// work ahead, and the time since it was sent teaches the endpoint's rate to every worker
+    /// (`crate::rates::observe`, one CAS write). A ticket of 0, unknown or already reported does
+    /// nothing.
+    pub fn first_byte(
+        &mut self,
+        ticket: u64,
+        served: Option<&str>,
+        store: &dyn SharedStore,
+        now_ms: u64,
+    ) -> Result<(), crate::ports::StoreError> {
+        if ticket == 0 {
+            return Ok(());
+        }
+        match self.ledger.first_byte(ticket, served, now_ms) {
+            Some(o) => crate::rates::observe(
+                store,
+                endpoint_key(&o.address),
+                o.work,
+                o.ms,
+                self.cfg.predicted.prior_ms_per_token,
+            ),
+            None => Ok(()),
+        }
+    }
+
+    /// The request `ticket` ended (with or without a first byte): the ledger forgets it.
+    pub fn request_done(&mut self, ticket: u64) {
+        if ticket != 0 {
+            self.ledger.done(ticket);
+        }
+    }
+
+    /// Requests this worker sent that are still in prefill (for tests and metrics).
+    pub fn pending_requests(&self) -> usize {
+        self.ledger.len()
     }
 
     /// The session header name the host should read (`scheduler.session.header`).
@@ -401,17 +454,18 @@ impl Scheduler {
         self.local.sync(snapshot.version, &mut snapshot.endpoints.iter().map(|e| e.address.as_str()));
         let mut lookup =
             if hashes.is_empty() { Default::default() } else { self.shared.lookup(store, &hashes) };
-        let px: Vec<f64> = cands
+        let matched: Vec<usize> = cands
             .iter()
             .map(|c| {
                 if hashes.is_empty() {
-                    return 0.0;
+                    return 0;
                 }
                 let local = self.local.matched(c.address, &hashes);
                 let shared = if lookup.hits.is_empty() { 0 } else { lookup.matched(endpoint_key(c.address)) };
-                prefix::score(local.max(shared), hashes.len())
+                local.max(shared)
             })
             .collect();
+        let px: Vec<f64> = matched.iter().map(|&m| prefix::score(m, hashes.len())).collect();
         let q = queue::scores(&cands);
         let kv = kv::scores(&cands);
         let inf = inflight::scores(&cands);
@@ -429,15 +483,59 @@ impl Scheduler {
                 session: if ok { get(&sess) } else { 0.0 },
                 lora: get(&lo),
                 total: 0.0,
+                predicted_ms: 0.0,
             };
             b.total = b.weighted(&weights);
             rows.push(b);
         }
         let totals: Vec<f64> = rows.iter().map(|b| b.total).collect();
 
+        // Objective `predicted_ttft`: each candidate's predicted TTFT (`predict`).
+        let predicted = self.cfg.objective == Objective::PredictedTtft;
+        let cpt = pc.chars_per_token.max(1) as f64;
+        let prompt_tokens = req.prompt.len() as f64 / cpt;
+        let mut works: Vec<f64> = Vec::new();
+        let mut uncached: Vec<f64> = Vec::new();
+        if predicted {
+            let keys: Vec<u32> = cands.iter().map(|c| endpoint_key(c.address)).collect();
+            let rates = self.rates.rates(store, &keys, self.cfg.predicted.prior_ms_per_token, now_ms);
+            let mean = self.ledger.mean_tokens().unwrap_or(prompt_tokens);
+            for (i, c) in cands.iter().enumerate() {
+                let ok = eligible.get(i).copied().unwrap_or(false);
+                let m = if ok { matched.get(i).copied().unwrap_or(0) } else { 0 };
+                let cached = (m * pc.block_chars) as f64 / cpt;
+                let inp = predict::Inputs {
+                    uncached: (prompt_tokens - cached).max(0.0),
+                    pending: self.ledger.pending(c.address),
+                    waiting: healthy.get(i).and_then(|e| {
+                        crate::load::live_queue(e, inflight.get(c.address), now_ms, self.stale_after_ms)
+                    }),
+                    inflight: c.inflight,
+                    rate: rates.get(i).copied().unwrap_or(self.cfg.predicted.prior_ms_per_token),
+                    lora: resolved.adapter.map(|_| lo.get(i).copied().unwrap_or(0.0)),
+                    active: self.cfg.predicted.active_weight * self.ledger.active(c.address),
+                };
+                let ms = predict::ttft_ms(&inp, mean);
+                works.push(predict::work(&inp, mean));
+                uncached.push(inp.uncached);
+                if let Some(r) = rows.get_mut(i) {
+                    r.predicted_ms = ms;
+                }
+            }
+        }
+
         // 5 + 6. Session token, then the picker.
         let token_pick = req.session_token.and_then(|t| self.session_keys.resolve(t, &cands, &eligible));
-        let mut order = picker::order(&totals, self.cfg.tie_epsilon, self.cfg.top_k, self.cfg.fallbacks, rng);
+        let mut order = if predicted {
+            let costs: Vec<f64> = rows.iter().map(|b| b.predicted_ms).collect();
+            let addrs: Vec<&str> = cands.iter().map(|c| c.address).collect();
+            let key = predict::rendezvous_key(req.session_id, &hashes, self.cfg.predicted.rendezvous_blocks);
+            let slack = self.cfg.predicted.affinity_slack;
+            let key = if slack > 0.0 || req.session_id.is_some() { key } else { None };
+            predict::order(&costs, &addrs, &eligible, key, slack, self.cfg.fallbacks, rng)
+        } else {
+            picker::order(&totals, self.cfg.tie_epsilon, self.cfg.top_k, self.cfg.fallbacks, rng)
+        };
         let reason = match token_pick {
             Some(t) => {
                 order.retain(|&i| i != t);
@@ -455,7 +553,15 @@ impl Scheduler {
         let primary = primary_cand.map(|c| c.address.to_string()).unwrap_or_default();
         let fallbacks = fb.iter().filter_map(|&i| cands.get(i)).map(|c| c.address.to_string()).collect();
         let prefix_score = rows.get(p).map(|b| b.prefix).unwrap_or(0.0);
-        let debug_scores = self.cfg.debug_scores.then(|| debug_string(&cands, &rows, &overloaded));
+        let debug_scores = self.cfg.debug_scores.then(|| debug_string(&cands, &rows, &overloaded, predicted));
+        let (predicted_ms, ticket) = match (predicted, primary_cand) {
+            (true, Some(c)) => {
+                let u = uncached.get(p).copied().unwrap_or(prompt_tokens);
+                let w = works.get(p).copied().unwrap_or(u);
+                (rows.get(p).map(|b| b.predicted_ms), self.ledger.sent(c.address, u, w, now_ms))
+            }
+            _ => (None, 0),
+        };
 
         // 7. The primary now holds this prompt's blocks.
         if let Some(c) = primary_cand {
@@ -480,6 +586,8 @@ impl Scheduler {
             overloaded: overloaded.iter().filter(|o| **o).count(),
             prefix_score,
             prefix_blocks,
+            predicted_ms,
+            ticket,
         })
     }
 
@@ -520,14 +628,17 @@ impl Scheduler {
             overloaded: 0,
             prefix_score: 0.0,
             prefix_blocks: 0,
+            predicted_ms: None,
+            ticket: 0,
         })
     }
 }
 
 /// `addr t=.. p=.. q=.. kv=.. if=.. s=.. l=..[ overloaded]` for the best
 /// [`DEBUG_MAX_ENDPOINTS`] candidates, separated by `, ` (header-safe: addresses are ASCII).
-fn debug_string(cands: &[Candidate<'_>], rows: &[Breakdown], overloaded: &[bool]) -> String {
-    let totals: Vec<f64> = rows.iter().map(|b| b.total).collect();
+fn debug_string(cands: &[Candidate<'_>], rows: &[Breakdown], overloaded: &[bool], predicted: bool) -> String {
+    // Best first: the highest total, or the lowest predicted TTFT.
+    let totals: Vec<f64> = rows.iter().map(|b| if predicted { -b.predicted_ms } else { b.total }).collect();
     let mut s = String::new();
     for (n, i) in picker::top_m(&totals, DEBUG_MAX_ENDPOINTS).into_iter().enumerate() {
         let (Some(c), Some(b)) = (cands.get(i), rows.get(i)) else { continue };
@@ -539,6 +650,9 @@ fn debug_string(cands: &[Candidate<'_>], rows: &[Breakdown], overloaded: &[bool]
             "{} t={:.3} p={:.3} q={:.3} kv={:.3} if={:.3} s={:.3} l={:.3}",
             c.address, b.total, b.prefix, b.queue, b.kv_cache, b.inflight, b.session, b.lora
         );
+        if predicted {
+            let _ = write!(s, " ttft={:.1}ms", b.predicted_ms);
+        }
         if overloaded.get(i).copied().unwrap_or(false) {
             s.push_str(" overloaded");
         }

@@ -8,7 +8,16 @@ use crate::ports::{MemStore, SplitMix64};
 
 const NOW: u64 = 1_000_000;
 
+/// A configuration with the `weighted` objective (the scorers and weights), which most tests
+/// below exercise; [`config_ttft`] keeps the default `predicted_ttft`.
 pub(crate) fn config(extra: &str) -> Config {
+    let mut c = config_ttft(extra);
+    c.scheduler.objective = config::Objective::Weighted;
+    c
+}
+
+/// A configuration with the default objective (`predicted_ttft`).
+pub(crate) fn config_ttft(extra: &str) -> Config {
     let json = format!(
         r#"{{"version":1,
             "endpoints":[{{"address":"10.0.0.1:8000","models":["llama"]}}],
