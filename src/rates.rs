@@ -8,7 +8,7 @@
 //! observation is `(work predicted at the pick, measured ms from sending upstream to the first
 //! response byte)`. The rate is a ratio of exponentially decayed sums:
 //! ```text
-//! on observe(work, ms):  W ← (1 − α)·W + work ;  M ← (1 − α)·M + ms      (α = 1/32)
+//! on observe(work, ms):  W ← (1 − α)·W + work ;  M ← (1 − α)·M + ms      (α = 1/128)
 //! rate(e) = clamp(M / W, prior / 100, prior × 100)                       (ms per token)
 //! ```
 //! A ratio of sums weights long requests more than a mean of ratios would, so a few tiny prompts
@@ -46,7 +46,7 @@ pub const ENTRIES_PER_SHARD: usize = 32;
 /// Bytes per record.
 const RECORD: usize = 12;
 /// Decay per observation.
-pub const ALPHA: f64 = 1.0 / 32.0;
+pub const ALPHA: f64 = 1.0 / 128.0;
 /// Work (tokens) of the prior's pseudo-observation.
 pub const PRIOR_WORK: f64 = 4096.0;
 /// CAS attempts of one observation.
@@ -64,7 +64,7 @@ pub fn shard_key(endpoint_key: u32) -> String {
 
 /// Decodes a shard value into `(endpoint key, W, M)` records; a garbled value reads as empty.
 pub fn decode(value: &[u8]) -> Vec<(u32, f64, f64)> {
-    if value.len() % RECORD != 0 {
+    if !value.len().is_multiple_of(RECORD) {
         return Vec::new();
     }
     value
@@ -182,13 +182,44 @@ impl RateCache {
             }
         }
         let mut seen: Vec<f64> = keys.iter().filter_map(|k| self.known.get(k).copied()).collect();
-        let fill = if seen.is_empty() {
+        let median = if seen.is_empty() {
             prior
         } else {
             seen.sort_by(f64::total_cmp);
             seen.get(seen.len() / 2).copied().unwrap_or(prior)
         };
-        keys.iter().map(|k| self.known.get(k).copied().unwrap_or(fill)).collect()
+        keys.iter().map(|k| self.known.get(k).map_or(median, |&r| dead_band(r, median))).collect()
+    }
+}
+
+/// An endpoint's rate relative to the pool's median, with differences within [`NOISE_RATIO`]
+/// read as noise: `median × g(r / median)`, `g(x) = 1` for `1/NOISE_RATIO ≤ x ≤ NOISE_RATIO`,
+/// else `x / NOISE_RATIO` (or `x × NOISE_RATIO` below): continuous, and a pod truly 2× slower
+/// still predicts 1.33× slower. TTFT / work of identical pods scatters by tens of percent (the
+/// work estimate misses what other gateways sent, decode steps, chunk boundaries); ranking
+/// identical pods by that noise sends traffic away from pods that were merely unlucky.
+pub fn dead_band(rate: f64, median: f64) -> f64 {
+    if !(median > 0.0 && rate > 0.0) {
+        return median;
+    }
+    let x = rate / median;
+    let g = if x > NOISE_RATIO {
+        x / NOISE_RATIO
+    } else if x < 1.0 / NOISE_RATIO {
+        x * NOISE_RATIO
+    } else {
+        1.0
+    };
+    median * g
+}
+
+/// Rate differences within this factor of the pool's median are noise ([`dead_band`]).
+pub const NOISE_RATIO: f64 = 1.5;
+
+impl RateCache {
+    /// Endpoints with a learnt record in the last read (tests, metrics).
+    pub fn known(&self) -> usize {
+        self.known.len()
     }
 }
 
@@ -261,9 +292,21 @@ mod tests {
         // Within the refresh interval the old view stands.
         assert_eq!(cache.rates(&store, &[1, 2, 3], PRIOR, 1_100), vec![PRIOR; 3]);
         let r = cache.rates(&store, &[1, 2, 3], PRIOR, 1_000 + REFRESH_MS);
-        assert!((r[0] - 0.1).abs() < 0.005 && (r[1] - 0.05).abs() < 0.005, "{r:?}");
-        // Median of [0.05, 0.1] picks the upper middle: an unknown pod is assumed typical.
+        assert!((r[0] - 0.1).abs() < 0.005, "{r:?}");
+        assert_eq!(cache.known(), 2);
+        // Median of [0.05, 0.1] picks the upper middle: an unknown pod is assumed typical. The
+        // 2× slower... 0.05 is half the median: beyond the noise band, it predicts 0.75 × 0.1.
         assert_eq!(r[2], r[0]);
+        assert!((r[1] - 0.075).abs() < 0.005, "{r:?}");
+    }
+
+    #[test]
+    fn differences_within_the_noise_band_are_ignored() {
+        assert_eq!(dead_band(0.12, 0.1), 0.1);
+        assert_eq!(dead_band(0.08, 0.1), 0.1);
+        assert!((dead_band(0.3, 0.1) - 0.2).abs() < 1e-12);
+        assert!((dead_band(0.02, 0.1) - 0.03).abs() < 1e-12);
+        assert_eq!(dead_band(f64::NAN, 0.1), 0.1);
     }
 
     #[test]

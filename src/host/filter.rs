@@ -50,6 +50,11 @@ pub(crate) struct Exchange {
     /// Size of the request body buffered so far (the last `on_http_request_body` size), for the
     /// trailers callback, which must decide on the same body.
     body_size: usize,
+    /// `Pick::ticket`: the scheduler hears this request's first response byte and its end
+    /// (predicted-TTFT prefill ledger and rate learning). 0: nothing to report.
+    ticket: u64,
+    /// The first response body chunk was reported.
+    first_byte_seen: bool,
 }
 
 pub(crate) type Shared = Rc<RefCell<Exchange>>;
@@ -228,6 +233,7 @@ fn go(
     );
     ex.destinations = std::iter::once(pick.primary.clone()).chain(pick.fallbacks.iter().cloned()).collect();
     ex.primary = Some(pick.primary);
+    ex.ticket = pick.ticket;
     ex.session_token = Some(pick.session_token);
     ex.debug_scores = pick.debug_scores;
     if ex.queue_ms.is_none() {
@@ -527,7 +533,29 @@ impl HttpContext for Filter {
         Action::Continue
     }
 
+    fn on_http_response_body(&mut self, _body_size: usize, _end_of_stream: bool) -> Action {
+        // The first response byte ends the request's prefill: the scheduler learns the endpoint's
+        // rate from the time since it was sent (one shared-data CAS write, once per request).
+        let (ticket, seen) = {
+            let ex = self.ex.borrow();
+            (ex.ticket, ex.first_byte_seen)
+        };
+        if ticket != 0 && !seen {
+            self.ex.borrow_mut().first_byte_seen = true;
+            let served = io::upstream_that_answered();
+            let mut scheduler = self.worker.scheduler.borrow_mut();
+            if let Err(e) = scheduler.first_byte(ticket, served.as_deref(), &io::HostStore, io::now_ms()) {
+                warn!("inference-picker: recording the first-byte time failed: {e:?}");
+            }
+        }
+        Action::Continue
+    }
+
     fn on_log(&mut self) {
+        let ticket = std::mem::take(&mut self.ex.borrow_mut().ticket);
+        if ticket != 0 {
+            self.worker.scheduler.borrow_mut().request_done(ticket);
+        }
         self.forget();
         self.record_health();
         let holding = self.ex.borrow_mut().holding.take();

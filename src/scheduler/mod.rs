@@ -511,7 +511,7 @@ impl Scheduler {
                         crate::load::live_queue(e, inflight.get(c.address), now_ms, self.stale_after_ms)
                     }),
                     inflight: c.inflight,
-                    rate: rates.get(i).copied().unwrap_or(self.cfg.predicted.prior_ms_per_token),
+                    rate: if std::env::var("EXP_NORATE").is_ok() { 0.03 } else { rates.get(i).copied().unwrap_or(self.cfg.predicted.prior_ms_per_token) },
                     lora: resolved.adapter.map(|_| lo.get(i).copied().unwrap_or(0.0)),
                     active: self.cfg.predicted.active_weight * self.ledger.active(c.address),
                 };

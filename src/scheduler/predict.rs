@@ -131,7 +131,7 @@ impl Ledger {
             None => tokens,
         });
         self.inserts = self.inserts.wrapping_add(1);
-        if self.inserts % 1024 == 0 || self.entries.len() >= LEDGER_MAX {
+        if self.inserts.is_multiple_of(1024) || self.entries.len() >= LEDGER_MAX {
             self.expire(now_ms);
         }
         self.next_ticket = self.next_ticket.wrapping_add(1).max(1);
