@@ -500,18 +500,33 @@ impl Scheduler {
             let keys: Vec<u32> = cands.iter().map(|c| endpoint_key(c.address)).collect();
             let rates = self.rates.rates(store, &keys, self.cfg.predicted.prior_ms_per_token, now_ms);
             let mean = self.ledger.mean_tokens().unwrap_or(prompt_tokens);
+            // Nothing known about this prefix anywhere: the rendezvous winner is where another
+            // replica or worker most likely sent its earlier turns (`predict::rendezvous_credit`).
+            let pr = &self.cfg.predicted;
+            let unknown = matched.iter().all(|&m| m == 0);
+            let winner = if unknown && pr.rendezvous_credit > 0.0 {
+                let addrs: Vec<&str> = cands.iter().map(|c| c.address).collect();
+                predict::rendezvous_key(req.session_id, &hashes, pr.rendezvous_blocks)
+                    .and_then(|k| predict::rendezvous_winner(k, &addrs, &eligible))
+            } else {
+                None
+            };
             for (i, c) in cands.iter().enumerate() {
                 let ok = eligible.get(i).copied().unwrap_or(false);
                 let m = if ok { matched.get(i).copied().unwrap_or(0) } else { 0 };
                 let cached = (m * pc.block_chars) as f64 / cpt;
+                let mut own = (prompt_tokens - cached).max(0.0);
+                if winner == Some(i) {
+                    own *= 1.0 - pr.rendezvous_credit.clamp(0.0, 1.0);
+                }
                 let inp = predict::Inputs {
-                    uncached: (prompt_tokens - cached).max(0.0),
+                    uncached: own,
                     pending: self.ledger.pending(c.address),
                     waiting: healthy.get(i).and_then(|e| {
                         crate::load::live_queue(e, inflight.get(c.address), now_ms, self.stale_after_ms)
                     }),
                     inflight: c.inflight,
-                    rate: if std::env::var("EXP_NORATE").is_ok() { 0.03 } else { rates.get(i).copied().unwrap_or(self.cfg.predicted.prior_ms_per_token) },
+                    rate: rates.get(i).copied().unwrap_or(self.cfg.predicted.prior_ms_per_token),
                     lora: resolved.adapter.map(|_| lo.get(i).copied().unwrap_or(0.0)),
                     active: self.cfg.predicted.active_weight * self.ledger.active(c.address),
                 };

@@ -35,6 +35,13 @@
 //! cost. An overloaded candidate (guard) is never the rendezvous winner. A prompt shorter than
 //! one block and no session id: lowest TTFT, seeded random tie-break. Fallbacks: the next lowest.
 //!
+//! **Rendezvous credit.** When no candidate is known to hold any of the prompt's blocks (no
+//! local or cross-worker match), the rendezvous winner is where other replicas and workers sent
+//! this prefix if they saw it before: its `uncached` is multiplied by `1 − rendezvous_credit`
+//! (default 0: off, see `scheduler.predicted.rendezvous_credit`; measured to herd on Mooncake at
+//! 4 × 4). When on, a long prompt's later turns meet its earlier ones across replicas even when
+//! the winner is somewhat busier, while a short prompt still goes where the queue is shortest.
+//!
 //! # Missing signals
 //! - No queue reported: `waiting(e)` = this gateway's in-flight count to `e` (never missing).
 //! - No `inflight_at_scrape`: the scraped queue alone (as `crate::load`).
@@ -269,6 +276,13 @@ pub fn rendezvous_key(session_id: Option<&str>, hashes: &[u64], blocks: usize) -
     hashes.get(hashes.len().min(blocks).checked_sub(1)?).copied()
 }
 
+/// The rendezvous winner among the eligible candidates (`None` when none is eligible).
+pub fn rendezvous_winner(key: u64, addresses: &[&str], eligible: &[bool]) -> Option<usize> {
+    (0..addresses.len())
+        .filter(|&i| eligible.get(i).copied().unwrap_or(false))
+        .max_by_key(|&i| addresses.get(i).map_or(0, |a| rendezvous_weight(key, a)))
+}
+
 /// The order of candidates: primary first, then fallbacks (at most `1 + fallbacks`). See the
 /// module doc. `costs` are predicted TTFTs; `eligible[i]` is false for overloaded candidates.
 pub fn order(
@@ -287,12 +301,9 @@ pub fn order(
     let best = costs.iter().copied().fold(f64::INFINITY, f64::min);
     let bound = best * (1.0 + slack.max(0.0)) + 1e-9;
     let near: Vec<usize> = (0..n).filter(|&i| costs.get(i).is_some_and(|&c| c <= bound)).collect();
-    let by_key = key.and_then(|k| {
-        near.iter()
-            .copied()
-            .filter(|&i| eligible.get(i).copied().unwrap_or(false))
-            .max_by_key(|&i| addresses.get(i).map_or(0, |a| rendezvous_weight(k, a)))
-    });
+    let near_eligible: Vec<bool> =
+        (0..n).map(|i| near.contains(&i) && eligible.get(i).copied().unwrap_or(false)).collect();
+    let by_key = key.and_then(|k| rendezvous_winner(k, addresses, &near_eligible));
     let primary = match by_key {
         Some(p) => p,
         None => {
