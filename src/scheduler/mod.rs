@@ -14,8 +14,13 @@
 //!    with per-model weights.
 //! 5. Session token: if the request carries a token naming a healthy, non-overloaded candidate,
 //!    that candidate is the primary.
-//! 6. Picker (`picker`): max total with a seeded random tie-break (or weighted-random among the
-//!    top k), then fallbacks in score order.
+//! 6. Picker. Default objective `predicted_ttft` (`predict`): each candidate's predicted time to
+//!    first token (work queued ahead + this prompt's uncached tokens, at the endpoint's rate
+//!    learnt in `crate::rates`); among those within `predicted.affinity_slack` of the best, the
+//!    rendezvous winner of the session id or the prompt's leading blocks (replicas agree without
+//!    talking); fallbacks by predicted TTFT. Objective `weighted` (`picker`): max total with a
+//!    seeded random tie-break (or weighted-random among the top k), then fallbacks in score
+//!    order.
 //! 7. The primary records the request's prefix blocks (local index and cross-worker table).
 //!
 //! Passive health (`crate::health`, [`Scheduler::pick_for_with`]): endpoints ejected for
