@@ -22,8 +22,9 @@
 //! - `overhead_tokens` (256): the fixed cost of any request (a scheduler step, the network), so
 //!   that a fully cached prompt on an idle endpoint does not predict 0.
 //! - `rate(e)`: ms per token learned online per endpoint (`crate::rates`, shared by the workers).
-//! - `lora_factor(e)` = `1 + 2 × (1 − lora_score(e))` for an adapter request (the LoRA scorer's
-//!   1 running · 0.8 free slot · 0.6 waiting · 0 full), 1 for a base-model request.
+//! - `lora_factor(e)` = `1 / max(lora_score(e), 0.1)` for an adapter request (the LoRA scorer's
+//!   1 running → ×1 · 0.8 free slot → ×1.25 · 0.6 waiting → ×1.67 · 0 every slot held by other
+//!   adapters → ×10: the request cannot start until a slot frees), 1 for a base-model request.
 //!
 //! # Choice: lowest predicted TTFT, replicas agree on ties (bounded-load rendezvous)
 //! The candidates within `(1 + affinity_slack)` of the lowest predicted TTFT are "as good"; among
@@ -254,7 +255,7 @@ pub fn work(i: &Inputs, mean_tokens: f64) -> f64 {
 
 /// Predicted TTFT in ms (the module doc's `ttft(e)`).
 pub fn ttft_ms(i: &Inputs, mean_tokens: f64) -> f64 {
-    let lora = i.lora.map_or(1.0, |s| 1.0 + 2.0 * (1.0 - s.clamp(0.0, 1.0)));
+    let lora = i.lora.map_or(1.0, |s| 1.0 / s.clamp(0.1, 1.0));
     let rate = if i.rate.is_finite() && i.rate > 0.0 { i.rate } else { 0.0 };
     rate * work(i, mean_tokens) * lora
 }
@@ -353,7 +354,9 @@ mod tests {
         i.lora = Some(1.0);
         assert!((ttft_ms(&i, 0.0) - 1256.0 * 0.03).abs() < 1e-9);
         i.lora = Some(0.0);
-        assert!((ttft_ms(&i, 0.0) - 3.0 * 1256.0 * 0.03).abs() < 1e-9);
+        assert!((ttft_ms(&i, 0.0) - 10.0 * 1256.0 * 0.03).abs() < 1e-9);
+        i.lora = Some(0.8);
+        assert!((ttft_ms(&i, 0.0) - 1.25 * 1256.0 * 0.03).abs() < 1e-9);
         i.rate = f64::NAN;
         assert_eq!(ttft_ms(&i, 0.0), 0.0);
     }
