@@ -869,3 +869,36 @@ fn predicted_conversation_follows_its_prefix_across_workers() {
     }
     assert_eq!(followed, 20);
 }
+
+#[test]
+fn predicted_adapter_request_prefers_the_pod_running_it_unless_it_is_far_busier() {
+    let with = |addr: &str, running: &[&str], queue: f64| {
+        let mut e = ep(addr, &["llama"], queue, 0.2);
+        if let Some(m) = e.metrics.as_mut() {
+            m.max_lora = Some(1);
+            m.running_adapters = running.iter().map(|s| s.to_string()).collect();
+        }
+        e
+    };
+    let prompt = fresh_prompt(5, 4);
+    let r = PickRequest { model: "sql-lora", prompt: &prompt, ..Default::default() };
+    let run = |sn: &Snapshot| {
+        let mut s = Scheduler::new(&config_ttft(""));
+        s.pick(&r, sn, &InflightCounts::default(), &MemStore::new(), &mut SplitMix64::new(1), NOW).unwrap()
+    };
+    // a runs sql-lora (×1), c has a free slot (×1.25), b's only slot holds another adapter (×10).
+    let p = run(&snap(vec![
+        with("b:1", &["other"], 0.0),
+        with("a:1", &["sql-lora"], 0.0),
+        with("c:1", &[], 0.0),
+    ]));
+    assert_eq!(p.primary, "a:1");
+    assert_eq!(p.fallbacks, vec!["c:1", "b:1"]);
+    // a has 5 requests waiting: the free slot on idle c is the faster start.
+    let p = run(&snap(vec![
+        with("b:1", &["other"], 0.0),
+        with("a:1", &["sql-lora"], 5.0),
+        with("c:1", &[], 0.0),
+    ]));
+    assert_eq!(p.primary, "c:1");
+}
