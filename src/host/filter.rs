@@ -507,6 +507,16 @@ impl HttpContext for Filter {
     }
 
     fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
+        // Only a streamed response's first body byte is its first token: a non-streamed one
+        // arrives whole at the end, so it teaches no prefill rate (its ledger entry ends in
+        // `on_log`).
+        if self.ex.borrow().ticket != 0 {
+            let streamed =
+                io::response_header("content-type").is_some_and(|c| c.contains("text/event-stream"));
+            if !streamed {
+                self.ex.borrow_mut().first_byte_seen = true;
+            }
+        }
         let ex = self.ex.borrow();
         if ex.answered || ex.passthrough {
             return Action::Continue;
