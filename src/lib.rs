@@ -33,6 +33,7 @@ pub mod poller;
 pub mod pools;
 pub mod ports;
 pub mod priority;
+pub mod rates;
 pub mod request;
 pub mod saturation;
 pub mod scheduler;

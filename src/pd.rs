@@ -390,12 +390,17 @@ pub fn route(
         session_id: head.session_id.as_deref(),
         session_token: head.session_token.as_deref(),
     };
+    // Conformance mode: the test's endpoint selection narrows both picks, as in `route_with`.
+    let restricted = match &head.test_selection {
+        Some(sel) => Some(crate::request::restrict_to_selection(inputs.snapshot, sel)?),
+        None => None,
+    };
     pick(
         cfg,
         scheduler,
         &prepared.route,
         &req,
-        inputs.snapshot,
+        restricted.as_ref().unwrap_or(inputs.snapshot),
         inputs.inflight,
         health,
         inputs.store,

@@ -615,3 +615,18 @@ fn pool_is_optional_named_and_strict() {
     assert!(parse(&with(base(), "/pool", json!({"name": "a", "route_by_models": true}))).is_err());
     assert!(parse(&with(base(), "/pool", json!({"route_by_model": true}))).is_err());
 }
+
+#[test]
+fn predicted_objective_fields_are_checked() {
+    let c = parse(&base()).unwrap();
+    assert_eq!(c.scheduler.objective, crate::scheduler::config::Objective::PredictedTtft);
+    let w = parse(&with(base(), "/scheduler", json!({"objective": "weighted"}))).unwrap();
+    assert_eq!(w.scheduler.objective, crate::scheduler::config::Objective::Weighted);
+    assert!(parse(&with(base(), "/scheduler", json!({"objective": "fastest"}))).is_err());
+    let bad = |field: &str, v: Value| errors(&with(base(), "/scheduler", json!({"predicted": {field: v}})));
+    assert_only(&bad("affinity_slack", json!(-0.1)), "scheduler.predicted.affinity_slack", "0..=10");
+    assert_only(&bad("rendezvous_blocks", json!(5000)), "scheduler.predicted.rendezvous_blocks", "0..=4096");
+    assert_only(&bad("prior_ms_per_token", json!(0.0)), "scheduler.predicted.prior_ms_per_token", "0.000001");
+    assert_only(&bad("active_weight", json!(101.0)), "scheduler.predicted.active_weight", "0..=100");
+    assert!(!errors(&with(base(), "/scheduler", json!({"predicted": {"nope": 1}}))).is_empty());
+}

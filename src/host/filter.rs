@@ -54,6 +54,11 @@ pub(crate) struct Exchange {
     /// Size of the request body buffered so far (the last `on_http_request_body` size), for the
     /// trailers callback, which must decide on the same body.
     body_size: usize,
+    /// `Pick::ticket`: the scheduler hears this request's first response byte and its end
+    /// (predicted-TTFT prefill ledger and rate learning). 0: nothing to report.
+    ticket: u64,
+    /// The first response body chunk was reported.
+    first_byte_seen: bool,
 }
 
 pub(crate) type Shared = Rc<RefCell<Exchange>>;
@@ -313,6 +318,7 @@ fn go(
     );
     ex.destinations = std::iter::once(pick.primary.clone()).chain(pick.fallbacks.iter().cloned()).collect();
     ex.primary = Some(pick.primary);
+    ex.ticket = pick.ticket;
     ex.session_token = Some(pick.session_token);
     ex.debug_scores = pick.debug_scores;
     if ex.queue_ms.is_none() {
@@ -632,6 +638,16 @@ impl HttpContext for Filter {
 
     fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
         self.release_prefill();
+        // Only a streamed response's first body byte is its first token: a non-streamed one
+        // arrives whole at the end, so it teaches no prefill rate (its ledger entry ends in
+        // `on_log`).
+        if self.ex.borrow().ticket != 0 {
+            let streamed =
+                io::response_header("content-type").is_some_and(|c| c.contains("text/event-stream"));
+            if !streamed {
+                self.ex.borrow_mut().first_byte_seen = true;
+            }
+        }
         let ex = self.ex.borrow();
         if ex.answered || ex.passthrough {
             return Action::Continue;
@@ -661,7 +677,29 @@ impl HttpContext for Filter {
         Action::Continue
     }
 
+    fn on_http_response_body(&mut self, _body_size: usize, _end_of_stream: bool) -> Action {
+        // The first response byte ends the request's prefill: the scheduler learns the endpoint's
+        // rate from the time since it was sent (one shared-data CAS write, once per request).
+        let (ticket, seen) = {
+            let ex = self.ex.borrow();
+            (ex.ticket, ex.first_byte_seen)
+        };
+        if ticket != 0 && !seen {
+            self.ex.borrow_mut().first_byte_seen = true;
+            let served = io::upstream_that_answered();
+            let mut scheduler = self.worker.scheduler.borrow_mut();
+            if let Err(e) = scheduler.first_byte(ticket, served.as_deref(), &io::HostStore, io::now_ms()) {
+                warn!("inference-picker: recording the first-byte time failed: {e:?}");
+            }
+        }
+        Action::Continue
+    }
+
     fn on_log(&mut self) {
+        let ticket = std::mem::take(&mut self.ex.borrow_mut().ticket);
+        if ticket != 0 {
+            self.worker.scheduler.borrow_mut().request_done(ticket);
+        }
         self.forget();
         self.release_prefill();
         self.record_health();

@@ -471,6 +471,17 @@ pub fn request_header(name: &str) -> Option<String> {
     request_header_bytes(name).and_then(|b| String::from_utf8(b).ok())
 }
 
+/// A response header as text (`None` when absent, unreadable or not UTF-8).
+pub fn response_header(name: &str) -> Option<String> {
+    match abi::map_value(MapType::HttpResponseHeaders, name) {
+        Ok(v) => v.and_then(|b| String::from_utf8(b).ok()),
+        Err(s) => {
+            warn!("reading response header {name} failed: {s:?}");
+            None
+        }
+    }
+}
+
 /// Sets (`Some`) or removes (`None`) a request header; a host refusal is logged.
 pub fn set_request_header(name: &str, value: Option<&str>) {
     if let Err(s) = abi::set_map_value(MapType::HttpRequestHeaders, name, value.map(str::as_bytes)) {

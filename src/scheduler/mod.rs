@@ -14,8 +14,13 @@
 //!    with per-model weights.
 //! 5. Session token: if the request carries a token naming a healthy, non-overloaded candidate,
 //!    that candidate is the primary.
-//! 6. Picker (`picker`): max total with a seeded random tie-break (or weighted-random among the
-//!    top k), then fallbacks in score order.
+//! 6. Picker. Default objective `predicted_ttft` (`predict`): each candidate's predicted time to
+//!    first token (work queued ahead + this prompt's uncached tokens, at the endpoint's rate
+//!    learnt in `crate::rates`); among those within `predicted.affinity_slack` of the best, the
+//!    rendezvous winner of the session id or the prompt's leading blocks (replicas agree without
+//!    talking); fallbacks by predicted TTFT. Objective `weighted` (`picker`): max total with a
+//!    seeded random tie-break (or weighted-random among the top k), then fallbacks in score
+//!    order.
 //! 7. The primary records the request's prefix blocks (local index and cross-worker table).
 //!
 //! Passive health (`crate::health`, [`Scheduler::pick_for_with`]): endpoints ejected for
@@ -38,6 +43,7 @@ pub mod kv;
 pub mod lora;
 pub mod models;
 pub mod picker;
+pub mod predict;
 pub mod prefix;
 pub mod prefix_shared;
 pub mod queue;
@@ -55,7 +61,7 @@ use crate::metrics::EndpointMetrics;
 use crate::ports::{Rng, SharedStore};
 use crate::snapshot::{EndpointStatus, Snapshot};
 
-use self::config::{SchedulerConfig, Weights};
+use self::config::{Objective, SchedulerConfig, Weights};
 use self::models::ModelTable;
 use self::prefix::LocalIndex;
 use self::prefix_shared::{endpoint_key, SharedPrefix};
@@ -139,6 +145,11 @@ pub struct Pick {
     pub prefix_score: f64,
     /// Blocks hashed from the prompt (0 for a prompt shorter than one block).
     pub prefix_blocks: usize,
+    /// The primary's predicted TTFT in ms (objective `predicted_ttft`; `None` otherwise).
+    pub predicted_ms: Option<f64>,
+    /// Names this request in the worker's prefill ledger: the host reports its first response
+    /// byte ([`Scheduler::first_byte`]) and its end ([`Scheduler::request_done`]). 0: not tracked.
+    pub ticket: u64,
 }
 
 impl Pick {
@@ -198,6 +209,8 @@ pub struct Breakdown {
     pub session: f64,
     pub lora: f64,
     pub total: f64,
+    /// Predicted TTFT in ms (objective `predicted_ttft`; 0 otherwise).
+    pub predicted_ms: f64,
 }
 
 impl Breakdown {
@@ -237,6 +250,10 @@ pub struct Scheduler {
     hashes: Vec<u64>,
     /// Keys of the session token (`scheduler.session`); the host sets them from the secrets.
     session_keys: SessionKeys,
+    /// This worker's requests still in prefill (objective `predicted_ttft`).
+    ledger: predict::Ledger,
+    /// This worker's view of the learnt per-endpoint rates (`crate::rates`).
+    rates: crate::rates::RateCache,
 }
 
 impl Scheduler {
@@ -254,6 +271,8 @@ impl Scheduler {
             shared: SharedPrefix::new(sc.prefix.shared_shards, sc.prefix.shared_entries_per_shard),
             hashes: Vec::new(),
             session_keys: SessionKeys::default(),
+            ledger: predict::Ledger::default(),
+            rates: crate::rates::RateCache::default(),
             cfg: sc,
         }
     }
@@ -267,6 +286,45 @@ impl Scheduler {
     /// The session-token keys in use.
     pub fn session_keys(&self) -> &SessionKeys {
         &self.session_keys
+    }
+
+    /// The first response byte of the request `ticket` ([`Pick::ticket`]) arrived from `served`
+    /// (the endpoint that answered, when the host knows it): its prefill no longer counts as
+    /// work ahead, and the time since it was sent teaches the endpoint's rate to every worker
+    /// (`crate::rates::observe`, one CAS write). A ticket of 0, unknown or already reported does
+    /// nothing.
+    pub fn first_byte(
+        &mut self,
+        ticket: u64,
+        served: Option<&str>,
+        store: &dyn SharedStore,
+        now_ms: u64,
+    ) -> Result<(), crate::ports::StoreError> {
+        if ticket == 0 {
+            return Ok(());
+        }
+        match self.ledger.first_byte(ticket, served, now_ms) {
+            Some(o) => crate::rates::observe(
+                store,
+                endpoint_key(&o.address),
+                o.work,
+                o.ms,
+                self.cfg.predicted.prior_ms_per_token,
+            ),
+            None => Ok(()),
+        }
+    }
+
+    /// The request `ticket` ended (with or without a first byte): the ledger forgets it.
+    pub fn request_done(&mut self, ticket: u64) {
+        if ticket != 0 {
+            self.ledger.done(ticket);
+        }
+    }
+
+    /// Requests this worker sent that are still in prefill (for tests and metrics).
+    pub fn pending_requests(&self) -> usize {
+        self.ledger.len()
     }
 
     /// The session header name the host should read (`scheduler.session.header`).
@@ -457,17 +515,18 @@ impl Scheduler {
         self.local.sync(snapshot.version, &mut snapshot.endpoints.iter().map(|e| e.address.as_str()));
         let mut lookup =
             if hashes.is_empty() { Default::default() } else { self.shared.lookup(store, &hashes) };
-        let px: Vec<f64> = cands
+        let matched: Vec<usize> = cands
             .iter()
             .map(|c| {
                 if hashes.is_empty() {
-                    return 0.0;
+                    return 0;
                 }
                 let local = self.local.matched(c.address, &hashes);
                 let shared = if lookup.hits.is_empty() { 0 } else { lookup.matched(endpoint_key(c.address)) };
-                prefix::score(local.max(shared), hashes.len())
+                local.max(shared)
             })
             .collect();
+        let px: Vec<f64> = matched.iter().map(|&m| prefix::score(m, hashes.len())).collect();
         let q = queue::scores(&cands);
         let kv = kv::scores(&cands);
         let inf = inflight::scores(&cands);
@@ -485,15 +544,74 @@ impl Scheduler {
                 session: if ok { get(&sess) } else { 0.0 },
                 lora: get(&lo),
                 total: 0.0,
+                predicted_ms: 0.0,
             };
             b.total = b.weighted(&weights);
             rows.push(b);
         }
         let totals: Vec<f64> = rows.iter().map(|b| b.total).collect();
 
+        // Objective `predicted_ttft`: each candidate's predicted TTFT (`predict`).
+        let predicted = self.cfg.objective == Objective::PredictedTtft;
+        let cpt = pc.chars_per_token.max(1) as f64;
+        let prompt_tokens = req.prompt.len() as f64 / cpt;
+        let mut works: Vec<f64> = Vec::new();
+        let mut uncached: Vec<f64> = Vec::new();
+        if predicted {
+            let keys: Vec<u32> = cands.iter().map(|c| endpoint_key(c.address)).collect();
+            let rates = self.rates.rates(store, &keys, self.cfg.predicted.prior_ms_per_token, now_ms);
+            let mean = self.ledger.mean_tokens().unwrap_or(prompt_tokens);
+            // Nothing known about this prefix anywhere: the rendezvous winner is where another
+            // replica or worker most likely sent its earlier turns (`predict::rendezvous_credit`).
+            let pr = &self.cfg.predicted;
+            let unknown = matched.iter().all(|&m| m == 0);
+            let winner = if unknown && pr.rendezvous_credit > 0.0 {
+                let addrs: Vec<&str> = cands.iter().map(|c| c.address).collect();
+                predict::rendezvous_key(req.session_id, &hashes, pr.rendezvous_blocks)
+                    .and_then(|k| predict::rendezvous_winner(k, &addrs, &eligible))
+            } else {
+                None
+            };
+            for (i, c) in cands.iter().enumerate() {
+                let ok = eligible.get(i).copied().unwrap_or(false);
+                let m = if ok { matched.get(i).copied().unwrap_or(0) } else { 0 };
+                let cached = (m * pc.block_chars) as f64 / cpt;
+                let mut own = (prompt_tokens - cached).max(0.0);
+                if winner == Some(i) {
+                    own *= 1.0 - pr.rendezvous_credit.clamp(0.0, 1.0);
+                }
+                let inp = predict::Inputs {
+                    uncached: own,
+                    pending: self.ledger.pending(c.address),
+                    waiting: healthy.get(i).and_then(|e| {
+                        crate::load::live_queue(e, inflight.get(c.address), now_ms, self.stale_after_ms)
+                    }),
+                    inflight: c.inflight,
+                    rate: rates.get(i).copied().unwrap_or(self.cfg.predicted.prior_ms_per_token),
+                    lora: resolved.adapter.map(|_| lo.get(i).copied().unwrap_or(0.0)),
+                    active: self.cfg.predicted.active_weight * self.ledger.active(c.address),
+                };
+                let ms = predict::ttft_ms(&inp, mean);
+                works.push(predict::work(&inp, mean));
+                uncached.push(inp.uncached);
+                if let Some(r) = rows.get_mut(i) {
+                    r.predicted_ms = ms;
+                }
+            }
+        }
+
         // 5 + 6. Session token, then the picker.
         let token_pick = req.session_token.and_then(|t| self.session_keys.resolve(t, &cands, &eligible));
-        let mut order = picker::order(&totals, self.cfg.tie_epsilon, self.cfg.top_k, self.cfg.fallbacks, rng);
+        let mut order = if predicted {
+            let costs: Vec<f64> = rows.iter().map(|b| b.predicted_ms).collect();
+            let addrs: Vec<&str> = cands.iter().map(|c| c.address).collect();
+            let key = predict::rendezvous_key(req.session_id, &hashes, self.cfg.predicted.rendezvous_blocks);
+            let slack = self.cfg.predicted.affinity_slack;
+            let key = if slack > 0.0 || req.session_id.is_some() { key } else { None };
+            predict::order(&costs, &addrs, &eligible, key, slack, self.cfg.fallbacks, rng)
+        } else {
+            picker::order(&totals, self.cfg.tie_epsilon, self.cfg.top_k, self.cfg.fallbacks, rng)
+        };
         let reason = match token_pick {
             Some(t) => {
                 order.retain(|&i| i != t);
@@ -511,7 +629,15 @@ impl Scheduler {
         let primary = primary_cand.map(|c| c.address.to_string()).unwrap_or_default();
         let fallbacks = fb.iter().filter_map(|&i| cands.get(i)).map(|c| c.address.to_string()).collect();
         let prefix_score = rows.get(p).map(|b| b.prefix).unwrap_or(0.0);
-        let debug_scores = self.cfg.debug_scores.then(|| debug_string(&cands, &rows, &overloaded));
+        let debug_scores = self.cfg.debug_scores.then(|| debug_string(&cands, &rows, &overloaded, predicted));
+        let (predicted_ms, ticket) = match (predicted, primary_cand) {
+            (true, Some(c)) => {
+                let u = uncached.get(p).copied().unwrap_or(prompt_tokens);
+                let w = works.get(p).copied().unwrap_or(u);
+                (rows.get(p).map(|b| b.predicted_ms), self.ledger.sent(c.address, u, w, now_ms))
+            }
+            _ => (None, 0),
+        };
 
         // 7. The primary now holds this prompt's blocks.
         if let Some(c) = primary_cand {
@@ -538,6 +664,8 @@ impl Scheduler {
             overloaded: overloaded.iter().filter(|o| **o).count(),
             prefix_score,
             prefix_blocks,
+            predicted_ms,
+            ticket,
         })
     }
 
@@ -578,14 +706,17 @@ impl Scheduler {
             overloaded: 0,
             prefix_score: 0.0,
             prefix_blocks: 0,
+            predicted_ms: None,
+            ticket: 0,
         })
     }
 }
 
 /// `addr t=.. p=.. q=.. kv=.. if=.. s=.. l=..[ overloaded]` for the best
 /// [`DEBUG_MAX_ENDPOINTS`] candidates, separated by `, ` (header-safe: addresses are ASCII).
-fn debug_string(cands: &[Candidate<'_>], rows: &[Breakdown], overloaded: &[bool]) -> String {
-    let totals: Vec<f64> = rows.iter().map(|b| b.total).collect();
+fn debug_string(cands: &[Candidate<'_>], rows: &[Breakdown], overloaded: &[bool], predicted: bool) -> String {
+    // Best first: the highest total, or the lowest predicted TTFT.
+    let totals: Vec<f64> = rows.iter().map(|b| if predicted { -b.predicted_ms } else { b.total }).collect();
     let mut s = String::new();
     for (n, i) in picker::top_m(&totals, DEBUG_MAX_ENDPOINTS).into_iter().enumerate() {
         let (Some(c), Some(b)) = (cands.get(i), rows.get(i)) else { continue };
@@ -597,6 +728,9 @@ fn debug_string(cands: &[Candidate<'_>], rows: &[Breakdown], overloaded: &[bool]
             "{} t={:.3} p={:.3} q={:.3} kv={:.3} if={:.3} s={:.3} l={:.3}",
             c.address, b.total, b.prefix, b.queue, b.kv_cache, b.inflight, b.session, b.lora
         );
+        if predicted {
+            let _ = write!(s, " ttft={:.1}ms", b.predicted_ms);
+        }
         if overloaded.get(i).copied().unwrap_or(false) {
             s.push_str(" overloaded");
         }

@@ -8,7 +8,16 @@ use crate::ports::{MemStore, SplitMix64};
 
 const NOW: u64 = 1_000_000;
 
+/// A configuration with the `weighted` objective (the scorers and weights), which most tests
+/// below exercise; [`config_ttft`] keeps the default `predicted_ttft`.
 pub(crate) fn config(extra: &str) -> Config {
+    let mut c = config_ttft(extra);
+    c.scheduler.objective = config::Objective::Weighted;
+    c
+}
+
+/// A configuration with the default objective (`predicted_ttft`).
+pub(crate) fn config_ttft(extra: &str) -> Config {
     let json = format!(
         r#"{{"version":1,
             "endpoints":[{{"address":"10.0.0.1:8000","models":["llama"]}}],
@@ -671,4 +680,227 @@ fn live_queue_switch_makes_the_queue_scorer_see_what_was_sent_since_the_scrape()
     // On: a's live queue is 0 + (3 − 0) = 3, b's 1 + (3 − 3) = 1: b wins.
     let mut on = Scheduler::new(&config(&format!(r#"{only_queue},"live_queue":true}}"#)));
     assert_eq!(pick(&mut on, &req("llama"), &sn, &inf, 1).unwrap().primary, "b:1");
+}
+
+// ---- Objective `predicted_ttft` (the default) ----
+
+/// A long prompt of `kib` KiB, unique to `id` from its first byte.
+fn fresh_prompt(id: u32, kib: usize) -> String {
+    let mut s = format!("user\nrequest {id}: ");
+    while s.len() < kib * 1024 {
+        s.push_str(&format!("{id} lorem ipsum dolor sit amet "));
+    }
+    s
+}
+
+#[test]
+fn predicted_ttft_goes_where_the_queue_ahead_is_shortest() {
+    // No prefix anywhere; b has the shortest queue, a the longest (the live estimate, no
+    // in-flight at scrape), so b's predicted TTFT is lowest and a's highest (last fallback).
+    let mut s = Scheduler::new(&config_ttft(r#","scheduler":{"debug_scores":true}"#));
+    let sn = snap(vec![
+        ep("a:1", &["llama"], 9.0, 0.1),
+        ep("b:1", &["llama"], 0.0, 0.9),
+        ep("c:1", &["llama"], 3.0, 0.1),
+    ]);
+    let prompt = fresh_prompt(1, 8);
+    let r = PickRequest { model: "llama", prompt: &prompt, ..Default::default() };
+    let p =
+        s.pick(&r, &sn, &InflightCounts::default(), &MemStore::new(), &mut SplitMix64::new(1), NOW).unwrap();
+    assert_eq!(p.primary, "b:1");
+    assert_eq!(p.fallbacks, vec!["c:1".to_string(), "a:1".to_string()]);
+    assert!(p.predicted_ms.is_some_and(|ms| ms > 0.0));
+    assert!(p.ticket != 0);
+    assert!(p.debug_scores.unwrap().contains("ttft="));
+}
+
+#[test]
+fn a_burst_from_one_worker_spreads_before_any_scrape_sees_it() {
+    // Eight idle pods, one snapshot for the whole burst: each pick's prefill is pending in the
+    // ledger, so eight unrelated 8 KiB prompts go to eight different pods, not to the pod that
+    // looked best at the scrape.
+    let mut s = Scheduler::new(&config_ttft(""));
+    let sn = snap((1..=8).map(|i| ep(&format!("10.0.0.{i}:8000"), &["llama"], 0.0, 0.1)).collect());
+    let store = MemStore::new();
+    let mut seen = std::collections::HashSet::new();
+    for id in 0..8 {
+        let prompt = fresh_prompt(id, 8);
+        let r = PickRequest { model: "llama", prompt: &prompt, ..Default::default() };
+        let p = s.pick(&r, &sn, &InflightCounts::default(), &store, &mut SplitMix64::new(7), NOW).unwrap();
+        seen.insert(p.primary);
+    }
+    assert_eq!(seen.len(), 8);
+    assert_eq!(s.pending_requests(), 8);
+}
+
+#[test]
+fn prefill_ledger_releases_on_first_byte_and_end() {
+    let mut s = Scheduler::new(&config_ttft(""));
+    let sn = snap(vec![ep("a:1", &["llama"], 0.0, 0.1), ep("b:1", &["llama"], 0.0, 0.1)]);
+    let store = MemStore::new();
+    let prompt = fresh_prompt(3, 16);
+    let r = PickRequest { model: "llama", prompt: &prompt, ..Default::default() };
+    let p1 = s.pick(&r, &sn, &InflightCounts::default(), &store, &mut SplitMix64::new(1), NOW).unwrap();
+    // The first byte after 400 ms teaches the store a rate for that pod.
+    s.first_byte(p1.ticket, Some(&p1.primary), &store, NOW + 400).unwrap();
+    let key = crate::rates::shard_key(endpoint_key(&p1.primary));
+    assert!(store.get(&key).unwrap().is_some(), "an observation was recorded");
+    assert_eq!(s.pending_requests(), 1, "active until the end");
+    s.request_done(p1.ticket);
+    assert_eq!(s.pending_requests(), 0);
+    // Ticket 0 and unknown tickets are ignored.
+    s.first_byte(0, None, &store, NOW).unwrap();
+    s.request_done(12345);
+}
+
+#[test]
+fn a_pod_learnt_slow_gets_less_traffic() {
+    // Two idle pods; the store has learnt that a:1 takes 4× longer per token than b:1 (beyond
+    // the noise band). Fresh prompts of every key then go to b:1 unless a:1 is much emptier.
+    let store = MemStore::new();
+    for _ in 0..400 {
+        crate::rates::observe(&store, endpoint_key("a:1"), 10_000.0, 1_200, 0.03).unwrap();
+        crate::rates::observe(&store, endpoint_key("b:1"), 10_000.0, 300, 0.03).unwrap();
+    }
+    let sn = snap(vec![ep("a:1", &["llama"], 0.0, 0.1), ep("b:1", &["llama"], 0.0, 0.1)]);
+    let mut on_b = 0;
+    for id in 0..20 {
+        let mut s = Scheduler::new(&config_ttft(""));
+        let prompt = fresh_prompt(id, 8);
+        let r = PickRequest { model: "llama", prompt: &prompt, ..Default::default() };
+        let p = s
+            .pick(&r, &sn, &InflightCounts::default(), &store, &mut SplitMix64::new(u64::from(id)), NOW)
+            .unwrap();
+        on_b += usize::from(p.primary == "b:1");
+    }
+    assert_eq!(on_b, 20);
+}
+
+#[test]
+fn independent_replicas_send_a_new_prefix_to_the_same_pod() {
+    // Four gateway replicas: four Schedulers with four stores (nothing shared). Each sees the
+    // same equally loaded pool. A conversation's turn 1 and turn 2 arrive at different replicas;
+    // the rendezvous on the leading blocks sends both to the same pod.
+    let sn = equal_pool(8);
+    let inf = InflightCounts::default();
+    let mut met = 0;
+    let mut pods = std::collections::HashSet::new();
+    for conv in 0..20u32 {
+        let t1 = conversation(conv, 9);
+        let t2 = conversation(conv, 12);
+        let mut r1 = Scheduler::new(&config_ttft(""));
+        let mut r2 = Scheduler::new(&config_ttft(""));
+        let p1 = r1
+            .pick(
+                &PickRequest { model: "llama", prompt: &t1, ..Default::default() },
+                &sn,
+                &inf,
+                &MemStore::new(),
+                &mut SplitMix64::new(u64::from(conv)),
+                NOW,
+            )
+            .unwrap();
+        let p2 = r2
+            .pick(
+                &PickRequest { model: "llama", prompt: &t2, ..Default::default() },
+                &sn,
+                &inf,
+                &MemStore::new(),
+                &mut SplitMix64::new(99 + u64::from(conv)),
+                NOW,
+            )
+            .unwrap();
+        met += usize::from(p1.primary == p2.primary);
+        pods.insert(p1.primary);
+    }
+    assert_eq!(met, 20);
+    assert!(pods.len() >= 5, "conversations spread over the pool: {pods:?}");
+    // The control: with the rendezvous off, replicas agree only by chance.
+    let mut met_off = 0;
+    for conv in 0..20u32 {
+        let t1 = conversation(conv, 9);
+        let t2 = conversation(conv, 12);
+        let cfg = config_ttft(r#","scheduler":{"predicted":{"affinity_slack":0}}"#);
+        let (mut r1, mut r2) = (Scheduler::new(&cfg), Scheduler::new(&cfg));
+        let p1 = r1
+            .pick(
+                &PickRequest { model: "llama", prompt: &t1, ..Default::default() },
+                &sn,
+                &inf,
+                &MemStore::new(),
+                &mut SplitMix64::new(u64::from(conv)),
+                NOW,
+            )
+            .unwrap();
+        let p2 = r2
+            .pick(
+                &PickRequest { model: "llama", prompt: &t2, ..Default::default() },
+                &sn,
+                &inf,
+                &MemStore::new(),
+                &mut SplitMix64::new(99 + u64::from(conv)),
+                NOW,
+            )
+            .unwrap();
+        met_off += usize::from(p1.primary == p2.primary);
+    }
+    assert!(met_off < 12, "{met_off}");
+}
+
+#[test]
+fn predicted_conversation_follows_its_prefix_across_workers() {
+    // The default objective keeps the cross-worker affinity: turn 2 on another worker finds
+    // turn 1's pod through the shared table, even when that pod is a little busier.
+    let store = MemStore::new();
+    let inf = InflightCounts::default();
+    let cfg = config_ttft(r#","scheduler":{"predicted":{"affinity_slack":0}}"#);
+    let mut a = Scheduler::new(&cfg);
+    let mut b = Scheduler::new(&cfg);
+    let mut followed = 0;
+    for conv in 0..20 {
+        let sn = equal_pool(8);
+        let t1 = conversation(conv, 12);
+        let t2 = conversation(conv, 14);
+        let r1 = PickRequest { model: "llama", prompt: &t1, ..Default::default() };
+        let p1 = a.pick(&r1, &sn, &inf, &store, &mut SplitMix64::new(u64::from(conv)), NOW).unwrap();
+        a.request_done(p1.ticket);
+        let r2 = PickRequest { model: "llama", prompt: &t2, ..Default::default() };
+        let p2 = b.pick(&r2, &sn, &inf, &store, &mut SplitMix64::new(1000 + u64::from(conv)), NOW).unwrap();
+        b.request_done(p2.ticket);
+        followed += usize::from(p2.primary == p1.primary);
+    }
+    assert_eq!(followed, 20);
+}
+
+#[test]
+fn predicted_adapter_request_prefers_the_pod_running_it_unless_it_is_far_busier() {
+    let with = |addr: &str, running: &[&str], queue: f64| {
+        let mut e = ep(addr, &["llama"], queue, 0.2);
+        if let Some(m) = e.metrics.as_mut() {
+            m.max_lora = Some(1);
+            m.running_adapters = running.iter().map(|s| s.to_string()).collect();
+        }
+        e
+    };
+    let prompt = fresh_prompt(5, 4);
+    let r = PickRequest { model: "sql-lora", prompt: &prompt, ..Default::default() };
+    let run = |sn: &Snapshot| {
+        let mut s = Scheduler::new(&config_ttft(""));
+        s.pick(&r, sn, &InflightCounts::default(), &MemStore::new(), &mut SplitMix64::new(1), NOW).unwrap()
+    };
+    // a runs sql-lora (×1), c has a free slot (×1.25), b's only slot holds another adapter (×10).
+    let p = run(&snap(vec![
+        with("b:1", &["other"], 0.0),
+        with("a:1", &["sql-lora"], 0.0),
+        with("c:1", &[], 0.0),
+    ]));
+    assert_eq!(p.primary, "a:1");
+    assert_eq!(p.fallbacks, vec!["c:1", "b:1"]);
+    // a has 5 requests waiting: the free slot on idle c is the faster start.
+    let p = run(&snap(vec![
+        with("b:1", &["other"], 0.0),
+        with("a:1", &["sql-lora"], 5.0),
+        with("c:1", &[], 0.0),
+    ]));
+    assert_eq!(p.primary, "c:1");
 }

@@ -232,3 +232,43 @@ def test_debug_scores_header_is_off_by_default():
         envoy.stop()
         for s in sims:
             s.stop()
+
+
+def _predicted(r):
+    """{address: predicted TTFT ms} from the debug scores header."""
+    out = {}
+    for entry in r.headers.get("x-inference-picker-scores", "").split(", "):
+        if "ttft=" in entry:
+            out[entry.split()[0]] = float(entry.split("ttft=")[1].removesuffix("ms"))
+    return out
+
+
+def test_predicted_ttft_learns_each_pods_rate_from_streamed_responses():
+    # One pod 10x slower than the other. Before any streamed response both are predicted at the
+    # prior rate (equal, idle, same prompt); after streamed requests the workers have learnt,
+    # through shared data, that one pod is slower, and predict it so.
+    fast, slow = Sim("rate-fast"), Sim("rate-slow", extra=["--speed", "0.1"])
+    envoy = Envoy(picker_config([endpoint(fast), endpoint(slow)], scheduler={"debug_scores": True}), concurrency=2)
+    try:
+        envoy.wait_routable()
+        prompt = "tell me about rates " * 200
+        before = _predicted(envoy.chat(content=prompt))
+        assert set(before) == {fast.address, slow.address}, before
+        assert abs(before[fast.address] - before[slow.address]) < 0.01 * before[fast.address], before
+        with requests.Session() as s:
+            for i in range(30):
+                body = {"model": LLAMA, "stream": True, "max_tokens": 2,
+                        "messages": [{"role": "user", "content": f"request {i} " + "x " * 600}]}
+                r = s.post(envoy.url + "/v1/chat/completions", json=body, timeout=60, stream=True)
+                assert r.status_code == 200, r.text
+                for _ in r.iter_content(chunk_size=None):
+                    pass
+        time.sleep(0.5)  # the workers re-read the shared rates every 250 ms
+        after = {}
+        for _ in range(4):  # whichever worker answers, it reads the same learnt rates
+            after = _predicted(envoy.chat(content=prompt))
+            assert after[slow.address] > 2 * after[fast.address], (before, after)
+    finally:
+        envoy.stop()
+        fast.stop()
+        slow.stop()

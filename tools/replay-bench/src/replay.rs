@@ -121,11 +121,14 @@ struct Worker {
 struct Live {
     arrival: f64,
     replica: usize,
-    /// The worker the request arrived on (its `on_log` runs there).
+    /// The worker the request arrived on, which routed it (its `on_log` runs there).
     worker: usize,
     server: usize,
     first: Option<f64>,
     done: bool,
+    /// Its `Pick::ticket` on that worker (ours: the prefill ledger and the rate learner hear its
+    /// first token and its end, as the host filter reports them).
+    ticket: u64,
 }
 
 /// Everything one run mutates.
@@ -309,7 +312,15 @@ impl Sim<'_> {
         let mut events = std::mem::take(&mut self.events);
         events.clear();
         self.servers[si].advance_into(t, &mut events);
-        handle_events(&events, si, &mut self.live, &mut self.replicas, &self.addresses, &mut self.out);
+        handle_events(
+            &events,
+            si,
+            &mut self.live,
+            &mut self.replicas,
+            &mut self.workers,
+            &self.addresses,
+            &mut self.out,
+        );
         // Release on completion, as the filter's `on_log` does (`Worker::on_finish`): the worker
         // the request arrived on credits the freed room and runs its release check at once.
         for e in &events {
@@ -528,11 +539,14 @@ impl Sim<'_> {
                         let inputs =
                             BodyInputs { snapshot: &snap, inflight: &counts, store: &rep.store, now_ms };
                         match on_body(&self.cfg, s, &mut w.rng, &self.head, &body, &inputs) {
-                            Ok(routed) => self
-                                .addr_index
-                                .get(routed.pick.primary.as_str())
-                                .copied()
-                                .ok_or_else(|| format!("unknown endpoint {}", routed.pick.primary)),
+                            Ok(routed) => {
+                                self.live[idx].worker = wi;
+                                self.live[idx].ticket = routed.pick.ticket;
+                                self.addr_index
+                                    .get(routed.pick.primary.as_str())
+                                    .copied()
+                                    .ok_or_else(|| format!("unknown endpoint {}", routed.pick.primary))
+                            }
                             Err(rej) => Err(format!("router_{}_{}", rej.status, rej.code)),
                         }
                     }
@@ -623,11 +637,36 @@ fn submit_error_code(e: &model_server_sim::SubmitError) -> &'static str {
     }
 }
 
+/// Ours: the host filter reports a request's first response byte and its end to the scheduler of
+/// the worker that routed it (prefill ledger, learnt rates in the replica's shared store).
+fn report(
+    l: &Live,
+    first_ms: Option<f64>,
+    si: usize,
+    replicas: &[Replica],
+    workers: &mut [Worker],
+    addresses: &[String],
+) {
+    if l.ticket == 0 {
+        return;
+    }
+    let Some(w) = workers.get_mut(l.worker) else { return };
+    let Some(s) = w.sched.as_mut() else { return };
+    match (first_ms, replicas.get(w.replica)) {
+        (Some(t), Some(r)) => {
+            let _ =
+                s.first_byte(l.ticket, addresses.get(si).map(String::as_str), &r.store, EPOCH_MS + t as u64);
+        }
+        _ => s.request_done(l.ticket),
+    }
+}
+
 fn handle_events(
     events: &[Event],
     si: usize,
     live: &mut [Live],
     replicas: &mut [Replica],
+    workers: &mut [Worker],
     addresses: &[String],
     out: &mut Outcome,
 ) {
@@ -636,6 +675,7 @@ fn handle_events(
             Event::FirstToken { id, t_ms } => {
                 if let Some(l) = live.get_mut(id as usize) {
                     l.first = Some(t_ms);
+                    report(l, Some(t_ms), si, replicas, workers, addresses);
                     if let Some(d) = replicas.get_mut(l.replica).and_then(|r| r.dynamo.as_mut()) {
                         d.first_token(id);
                     }
@@ -647,6 +687,7 @@ fn handle_events(
                         continue;
                     }
                     l.done = true;
+                    report(l, None, si, replicas, workers, addresses);
                     let ttft = l.first.unwrap_or(t_ms) - l.arrival;
                     out.finished(id as usize, ttft, t_ms - l.arrival, t_ms, output_tokens, cached_tokens);
                     if let Some(r) = replicas.get_mut(l.replica) {
@@ -666,6 +707,7 @@ fn handle_events(
                 if let Some(l) = live.get_mut(id as usize) {
                     if !l.done {
                         l.done = true;
+                        report(l, None, si, replicas, workers, addresses);
                         out.reject(id as usize, "server_rejected".into());
                         if let Some(r) = replicas.get_mut(l.replica) {
                             let _ = r.inflight.borrow_mut().adjust(

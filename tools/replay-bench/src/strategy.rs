@@ -23,7 +23,8 @@
 //! **GIE's default, through our Scheduler** (follows kubernetes-sigs/gateway-api-inference-extension
 //! as released before the EPP moved to llm-d, v1.2+: `pkg/epp/scheduling/framework/plugins/multi/prefix`
 //! and the default profile in `config/charts/inferencepool`). Default profile: prefix 3, queue 2,
-//! KV 2, max-score picker with a random tie-break; our Scheduler reproduces it with weights prefix
+//! KV 2, max-score picker with a random tie-break; our Scheduler reproduces it with `objective:
+//! weighted` (ours' default is `predicted_ttft`) and weights prefix
 //! 3, queue 2, kv_cache 2 and 0 for in-flight, session and LoRA; the queue (min-max) and KV
 //! (1 − usage) scorers are GIE's formulas. Prefix plugin: `blockSizeTokens` 16 × 4 characters per
 //! token = `block_chars` 64, `maxPrefixBlocksToMatch` 256, and `autoTune` (≥ 1.2): the per-pod LRU
@@ -203,6 +204,7 @@ pub fn config(
     }
     let gie = |weights: serde_json::Value| {
         json!({
+            "objective": "weighted",
             "weights": weights,
             "prefix": {
                 "block_chars": 64,
@@ -257,6 +259,7 @@ pub fn config(
             d.insert(
                 "scheduler".into(),
                 json!({
+                    "objective": "weighted",
                     "weights": {"prefix": 0.0, "queue": 1.0, "kv_cache": 1.0, "inflight": 0.0, "session": 0.0, "lora": 0.0},
                     "prefix": {"shared_shards": 0},
                     "guard": {"abs_gap": 1e15, "ratio": 1.0},

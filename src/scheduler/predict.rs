@@ -1,0 +1,445 @@
+//! Predicted time to first token: the default objective (`scheduler.objective: predicted_ttft`).
+//!
+//! # Formula
+//! For each healthy candidate `e` and this request:
+//! ```text
+//! uncached(e) = prompt_tokens − cached_tokens(e)                 (≥ 0)
+//! ahead(e)    = max(pending_tokens(e), waiting(e) × per_request(e))
+//! work(e)     = ahead(e) + uncached(e) + overhead_tokens
+//! ttft(e)     = rate(e) × work(e) × lora_factor(e)                (ms)
+//! ```
+//! - `prompt_tokens` = prompt characters ÷ `prefix.chars_per_token`; `cached_tokens(e)` = the
+//!   prefix scorer's matched blocks × `prefix.block_chars` ÷ `chars_per_token` (local index and
+//!   cross-worker table, as for the prefix score); 0 on an overloaded endpoint (guard).
+//! - `pending_tokens(e)`, `pending_n(e)`: the uncached prompt tokens (and the count) of the
+//!   requests THIS worker sent to `e` that have not produced their first response byte yet
+//!   ([`Ledger`]; updated at every pick, exact for this worker, like Dynamo's prefill tokens).
+//! - `waiting(e)`: the live queue estimate of `crate::load` (scraped queue + what this gateway
+//!   sent since the scrape and has not seen finish): requests of every worker and, at the last
+//!   scrape, of every gateway.
+//! - `per_request(e)` = `pending_tokens(e) ÷ pending_n(e)` when this worker has some there, else
+//!   the worker's running mean of the uncached tokens it sends ([`Ledger::mean_tokens`]).
+//! - `overhead_tokens` (256): the fixed cost of any request (a scheduler step, the network), so
+//!   that a fully cached prompt on an idle endpoint does not predict 0.
+//! - `rate(e)`: ms per token learned online per endpoint (`crate::rates`, shared by the workers).
+//! - `lora_factor(e)` = `1 / max(lora_score(e), 0.1)` for an adapter request (the LoRA scorer's
+//!   1 running → ×1 · 0.8 free slot → ×1.25 · 0.6 waiting → ×1.67 · 0 every slot held by other
+//!   adapters → ×10: the request cannot start until a slot frees), 1 for a base-model request.
+//!
+//! # Choice: lowest predicted TTFT, replicas agree on ties (bounded-load rendezvous)
+//! The candidates within `(1 + affinity_slack)` of the lowest predicted TTFT are "as good"; among
+//! them the primary is the rendezvous winner `max xxh3(key, seed = xxh3(address))`, where `key`
+//! is the session id when one is sent, else the hash of the prompt's first
+//! `min(n, rendezvous_blocks)` blocks. Every gateway replica and worker computes the same winner
+//! without talking, so a new prefix (a conversation's first turn) goes to the same pod wherever
+//! it lands, and its next turns find it there; the slack bounds how much load that affinity may
+//! cost. An overloaded candidate (guard) is never the rendezvous winner. A prompt shorter than
+//! one block and no session id: lowest TTFT, seeded random tie-break. Fallbacks: the next lowest.
+//!
+//! **Rendezvous credit.** When no candidate is known to hold any of the prompt's blocks (no
+//! local or cross-worker match), the rendezvous winner is where other replicas and workers sent
+//! this prefix if they saw it before: its `uncached` is multiplied by `1 − rendezvous_credit`
+//! (default 0: off, see `scheduler.predicted.rendezvous_credit`; measured to herd on Mooncake at
+//! 4 × 4). When on, a long prompt's later turns meet its earlier ones across replicas even when
+//! the winner is somewhat busier, while a short prompt still goes where the queue is shortest.
+//!
+//! # Missing signals
+//! - No queue reported: `waiting(e)` = this gateway's in-flight count to `e` (never missing).
+//! - No `inflight_at_scrape`: the scraped queue alone (as `crate::load`).
+//! - No learnt rate: the median of the candidates' learnt rates, else the prior
+//!   (`predicted.prior_ms_per_token`, see `crate::rates`).
+//! - No LoRA info: the LoRA scorer's neutral score.
+//! - KV usage is not a term: a full cache shows as waiting requests (vLLM cannot admit them).
+
+use hashbrown::HashMap;
+use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
+
+use crate::ports::Rng;
+
+/// Fixed per-request cost, in prompt tokens.
+pub const OVERHEAD_TOKENS: f64 = 256.0;
+/// Ledger entries older than this (ms) are dropped: the host missed the first byte and the end.
+pub const LEDGER_TTL_MS: u64 = 120_000;
+/// Most requests the ledger tracks; beyond it, new picks are not tracked (logged by no one:
+/// only a host that never reports ends could get here, and the TTL empties it).
+pub const LEDGER_MAX: usize = 65_536;
+/// Weight of a new request in the running mean of sent tokens.
+const MEAN_ALPHA: f64 = 1.0 / 64.0;
+
+#[derive(Debug, Clone)]
+struct Entry {
+    address: String,
+    tokens: f64,
+    work: f64,
+    sent_ms: u64,
+    /// No first byte yet.
+    prefilling: bool,
+}
+
+/// Per endpoint: (prefill tokens pending, requests pending, tokens of the requests still active).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+struct Sums {
+    pending: f64,
+    pending_n: u32,
+    active: f64,
+    active_n: u32,
+}
+
+/// One observation for the rate learner (`crate::rates::observe`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Observation {
+    pub address: String,
+    /// Work predicted at the pick (tokens).
+    pub work: f64,
+    /// Send → first byte (ms).
+    pub ms: u64,
+}
+
+/// This worker's requests sent and still in prefill (no first byte yet), per endpoint.
+#[derive(Debug, Clone, Default)]
+pub struct Ledger {
+    entries: HashMap<u64, Entry>,
+    per_endpoint: HashMap<String, Sums>,
+    mean: Option<f64>,
+    next_ticket: u64,
+    inserts: u64,
+}
+
+impl Ledger {
+    /// Uncached tokens and count pending on `address`.
+    pub fn pending(&self, address: &str) -> (f64, u32) {
+        self.per_endpoint.get(address).map_or((0.0, 0), |s| (s.pending, s.pending_n))
+    }
+
+    /// Uncached tokens of this worker's requests on `address` that have not ended (in prefill or
+    /// decoding): the KV they added there.
+    pub fn active(&self, address: &str) -> f64 {
+        self.per_endpoint.get(address).map_or(0.0, |s| s.active)
+    }
+
+    /// Running mean of the uncached tokens this worker sends (`None` before the first pick).
+    pub fn mean_tokens(&self) -> Option<f64> {
+        self.mean
+    }
+
+    /// Requests tracked.
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    /// Records a pick; returns its ticket (never 0) for [`Ledger::first_byte`] / [`Ledger::done`].
+    pub fn sent(&mut self, address: &str, tokens: f64, work: f64, now_ms: u64) -> u64 {
+        let tokens = if tokens.is_finite() { tokens.max(0.0) } else { 0.0 };
+        self.mean = Some(match self.mean {
+            Some(m) => m + MEAN_ALPHA * (tokens - m),
+            None => tokens,
+        });
+        self.inserts = self.inserts.wrapping_add(1);
+        if self.inserts.is_multiple_of(1024) || self.entries.len() >= LEDGER_MAX {
+            self.expire(now_ms);
+        }
+        self.next_ticket = self.next_ticket.wrapping_add(1).max(1);
+        let ticket = self.next_ticket;
+        if self.entries.len() >= LEDGER_MAX {
+            return ticket;
+        }
+        let e = self.per_endpoint.entry(address.to_string()).or_default();
+        e.pending += tokens;
+        e.pending_n = e.pending_n.saturating_add(1);
+        e.active += tokens;
+        e.active_n = e.active_n.saturating_add(1);
+        self.entries.insert(
+            ticket,
+            Entry { address: address.to_string(), tokens, work, sent_ms: now_ms, prefilling: true },
+        );
+        ticket
+    }
+
+    /// Ends the prefill of `ticket` (first byte, or the end); returns its entry when it was still
+    /// prefilling.
+    fn end_prefill(&mut self, ticket: u64) -> Option<Entry> {
+        let e = self.entries.get_mut(&ticket)?;
+        if !e.prefilling {
+            return None;
+        }
+        e.prefilling = false;
+        let e = e.clone();
+        if let Some(p) = self.per_endpoint.get_mut(&e.address) {
+            p.pending = (p.pending - e.tokens).max(0.0);
+            p.pending_n = p.pending_n.saturating_sub(1);
+            if p.pending_n == 0 {
+                p.pending = 0.0;
+            }
+        }
+        Some(e)
+    }
+
+    fn remove(&mut self, ticket: u64) {
+        self.end_prefill(ticket);
+        let Some(e) = self.entries.remove(&ticket) else { return };
+        if let Some(p) = self.per_endpoint.get_mut(&e.address) {
+            p.active = (p.active - e.tokens).max(0.0);
+            p.active_n = p.active_n.saturating_sub(1);
+            if p.active_n == 0 {
+                self.per_endpoint.remove(&e.address);
+            }
+        }
+    }
+
+    /// The first response byte of `ticket` arrived from `served` at `now_ms`: its prefill is
+    /// done. Returns the observation for the rate learner when `served` is the endpoint it was
+    /// sent to (after a retry to a fallback the prediction was for another pod).
+    pub fn first_byte(&mut self, ticket: u64, served: Option<&str>, now_ms: u64) -> Option<Observation> {
+        let e = self.end_prefill(ticket)?;
+        if served.is_some_and(|s| s != e.address) {
+            return None;
+        }
+        Some(Observation { ms: now_ms.saturating_sub(e.sent_ms), work: e.work, address: e.address })
+    }
+
+    /// The request ended (with or without a first byte): forget it.
+    pub fn done(&mut self, ticket: u64) {
+        self.remove(ticket);
+    }
+
+    fn expire(&mut self, now_ms: u64) {
+        let old: Vec<u64> = self
+            .entries
+            .iter()
+            .filter(|(_, e)| now_ms.saturating_sub(e.sent_ms) > LEDGER_TTL_MS)
+            .map(|(&k, _)| k)
+            .collect();
+        for k in old {
+            self.remove(k);
+        }
+    }
+}
+
+/// One candidate's inputs to the prediction.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Inputs {
+    /// This request's uncached prompt tokens there.
+    pub uncached: f64,
+    /// This worker's pending (tokens, count) there.
+    pub pending: (f64, u32),
+    /// Live queue estimate (requests), `None` when not reported.
+    pub waiting: Option<f64>,
+    /// This gateway's in-flight count there.
+    pub inflight: u32,
+    /// Learnt rate, ms per token.
+    pub rate: f64,
+    /// LoRA score, `None` for a base-model request.
+    pub lora: Option<f64>,
+    /// `active_weight × ` this worker's active tokens there ([`Ledger::active`]).
+    pub active: f64,
+}
+
+/// Work ahead and own work, in tokens (the module doc's `work(e)`).
+pub fn work(i: &Inputs, mean_tokens: f64) -> f64 {
+    let (p_tokens, p_n) = i.pending;
+    let per_request = if p_n > 0 { p_tokens / f64::from(p_n) } else { mean_tokens };
+    let waiting = i.waiting.filter(|w| w.is_finite()).unwrap_or(f64::from(i.inflight)).max(0.0);
+    let ahead = p_tokens.max(waiting * per_request);
+    let active = if i.active.is_finite() { i.active.max(0.0) } else { 0.0 };
+    let v = ahead + i.uncached.max(0.0) + active + OVERHEAD_TOKENS;
+    if v.is_finite() {
+        v
+    } else {
+        f64::MAX / 4.0
+    }
+}
+
+/// Predicted TTFT in ms (the module doc's `ttft(e)`).
+pub fn ttft_ms(i: &Inputs, mean_tokens: f64) -> f64 {
+    let lora = i.lora.map_or(1.0, |s| 1.0 / s.clamp(0.1, 1.0));
+    let rate = if i.rate.is_finite() && i.rate > 0.0 { i.rate } else { 0.0 };
+    rate * work(i, mean_tokens) * lora
+}
+
+/// Rendezvous weight of `address` for `key`.
+pub fn rendezvous_weight(key: u64, address: &str) -> u64 {
+    xxh3_64_with_seed(&key.to_le_bytes(), xxh3_64(address.as_bytes()))
+}
+
+/// The rendezvous key of a request: the session id's hash, else the chained hash of the prompt's
+/// first `min(n, blocks)` blocks (which names that whole prefix), else none.
+pub fn rendezvous_key(session_id: Option<&str>, hashes: &[u64], blocks: usize) -> Option<u64> {
+    if let Some(s) = session_id {
+        return Some(xxh3_64(s.as_bytes()));
+    }
+    if blocks == 0 {
+        return None;
+    }
+    hashes.get(hashes.len().min(blocks).checked_sub(1)?).copied()
+}
+
+/// The rendezvous winner among the eligible candidates (`None` when none is eligible).
+pub fn rendezvous_winner(key: u64, addresses: &[&str], eligible: &[bool]) -> Option<usize> {
+    (0..addresses.len())
+        .filter(|&i| eligible.get(i).copied().unwrap_or(false))
+        .max_by_key(|&i| addresses.get(i).map_or(0, |a| rendezvous_weight(key, a)))
+}
+
+/// The order of candidates: primary first, then fallbacks (at most `1 + fallbacks`). See the
+/// module doc. `costs` are predicted TTFTs; `eligible[i]` is false for overloaded candidates.
+pub fn order(
+    costs: &[f64],
+    addresses: &[&str],
+    eligible: &[bool],
+    key: Option<u64>,
+    slack: f64,
+    fallbacks: usize,
+    rng: &mut dyn Rng,
+) -> Vec<usize> {
+    let n = costs.len();
+    if n == 0 {
+        return Vec::new();
+    }
+    let best = costs.iter().copied().fold(f64::INFINITY, f64::min);
+    let bound = best * (1.0 + slack.max(0.0)) + 1e-9;
+    let near: Vec<usize> = (0..n).filter(|&i| costs.get(i).is_some_and(|&c| c <= bound)).collect();
+    let near_eligible: Vec<bool> =
+        (0..n).map(|i| near.contains(&i) && eligible.get(i).copied().unwrap_or(false)).collect();
+    let by_key = key.and_then(|k| rendezvous_winner(k, addresses, &near_eligible));
+    let primary = match by_key {
+        Some(p) => p,
+        None => {
+            let ties: Vec<usize> =
+                (0..n).filter(|&i| costs.get(i).is_some_and(|&c| c <= best + 1e-9)).collect();
+            ties.get(rng.below(ties.len().max(1))).copied().unwrap_or(0)
+        }
+    };
+    let mut rest: Vec<usize> = (0..n).filter(|&i| i != primary).collect();
+    rest.sort_by(|&a, &b| {
+        let ca = costs.get(a).copied().unwrap_or(f64::INFINITY);
+        let cb = costs.get(b).copied().unwrap_or(f64::INFINITY);
+        ca.total_cmp(&cb)
+    });
+    rest.truncate(fallbacks);
+    std::iter::once(primary).chain(rest).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ports::SplitMix64;
+
+    fn inp(uncached: f64, pending: (f64, u32), waiting: Option<f64>, inflight: u32) -> Inputs {
+        Inputs { uncached, pending, waiting, inflight, rate: 0.03, lora: None, active: 0.0 }
+    }
+
+    #[test]
+    fn work_counts_what_is_queued_ahead_and_the_uncached_prompt() {
+        // Idle, 1000 uncached tokens.
+        assert_eq!(work(&inp(1000.0, (0.0, 0), Some(0.0), 0), 500.0), 1256.0);
+        // 2 waiting at the pod, none of ours pending: 2 × the mean.
+        assert_eq!(work(&inp(1000.0, (0.0, 0), Some(2.0), 2), 500.0), 2256.0);
+        // Ours pending: 3 requests of 3000 tokens in all; the queue says 4 → 4 × 1000.
+        assert_eq!(work(&inp(0.0, (3000.0, 3), Some(4.0), 4), 500.0), 4256.0);
+        // Our pending tokens exceed the (stale) queue view: they count.
+        assert_eq!(work(&inp(0.0, (9000.0, 1), Some(0.0), 1), 500.0), 9256.0);
+        // Queue missing: the in-flight count stands in.
+        assert_eq!(work(&inp(0.0, (0.0, 0), None, 3), 100.0), 556.0);
+        assert_eq!(work(&inp(0.0, (0.0, 0), Some(f64::NAN), 3), 100.0), 556.0);
+    }
+
+    #[test]
+    fn ttft_scales_with_rate_and_lora() {
+        let mut i = inp(1000.0, (0.0, 0), Some(0.0), 0);
+        assert!((ttft_ms(&i, 0.0) - 1256.0 * 0.03).abs() < 1e-9);
+        i.lora = Some(1.0);
+        assert!((ttft_ms(&i, 0.0) - 1256.0 * 0.03).abs() < 1e-9);
+        i.lora = Some(0.0);
+        assert!((ttft_ms(&i, 0.0) - 10.0 * 1256.0 * 0.03).abs() < 1e-9);
+        i.lora = Some(0.8);
+        assert!((ttft_ms(&i, 0.0) - 1.25 * 1256.0 * 0.03).abs() < 1e-9);
+        i.rate = f64::NAN;
+        assert_eq!(ttft_ms(&i, 0.0), 0.0);
+    }
+
+    #[test]
+    fn ledger_tracks_pending_prefill_and_yields_observations() {
+        let mut l = Ledger::default();
+        let a = l.sent("a", 1000.0, 1500.0, 10);
+        let b = l.sent("a", 3000.0, 4000.0, 20);
+        assert_eq!(l.pending("a"), (4000.0, 2));
+        let o = l.first_byte(a, Some("a"), 110).unwrap();
+        assert_eq!(o, Observation { address: "a".into(), work: 1500.0, ms: 100 });
+        assert_eq!(l.pending("a"), (3000.0, 1));
+        // Served by a fallback: no observation, but the prefill is no longer pending.
+        assert_eq!(l.first_byte(b, Some("b"), 200), None);
+        assert_eq!(l.pending("a"), (0.0, 0));
+        // Done after first byte, or twice: nothing happens.
+        l.done(a);
+        assert_eq!(l.active("a"), 3000.0, "b is still decoding");
+        l.done(b);
+        assert!(l.is_empty());
+        assert_eq!(l.active("a"), 0.0);
+        // Ended without a first byte.
+        let c = l.sent("x", 10.0, 10.0, 0);
+        l.done(c);
+        assert_eq!(l.pending("x"), (0.0, 0));
+        assert!(l.mean_tokens().is_some_and(|m| m > 0.0));
+    }
+
+    #[test]
+    fn ledger_forgets_requests_the_host_never_reported() {
+        let mut l = Ledger::default();
+        l.sent("a", 100.0, 100.0, 0);
+        for i in 0..1023u64 {
+            let t = l.sent("b", 1.0, 1.0, LEDGER_TTL_MS + 1 + i);
+            l.done(t);
+        }
+        assert_eq!(l.pending("a"), (0.0, 0), "expired after the TTL");
+    }
+
+    #[test]
+    fn rendezvous_picks_the_same_pod_whatever_the_worker_and_respects_the_slack() {
+        let addrs = ["10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000", "10.0.0.4:8000"];
+        let costs = [100.0, 100.0, 100.0, 100.0];
+        let all = [true; 4];
+        let mut agree = 0;
+        let mut spread = std::collections::HashSet::new();
+        for k in 0..40u64 {
+            let mut r1 = SplitMix64::new(k);
+            let mut r2 = SplitMix64::new(k + 1000);
+            let a = order(&costs, &addrs, &all, Some(k), 0.2, 2, &mut r1);
+            let b = order(&costs, &addrs, &all, Some(k), 0.2, 2, &mut r2);
+            agree += usize::from(a[0] == b[0]);
+            spread.insert(a[0]);
+            assert_eq!(a.len(), 3);
+        }
+        assert_eq!(agree, 40);
+        assert_eq!(spread.len(), 4, "different keys spread over the pods");
+        // A pod outside the slack never wins by rendezvous.
+        for k in 0..40u64 {
+            let mut r = SplitMix64::new(k);
+            let o = order(&[100.0, 130.0, 130.0, 130.0], &addrs, &all, Some(k), 0.2, 3, &mut r);
+            assert_eq!(o[0], 0);
+            assert_eq!(o.len(), 4);
+        }
+        // An overloaded pod is never the rendezvous winner; without a key, the lowest cost.
+        let key = (0..1000u64)
+            .find(|&k| order(&costs, &addrs, &all, Some(k), 0.2, 0, &mut SplitMix64::new(0))[0] == 3);
+        let key = key.unwrap();
+        let o = order(&costs, &addrs, &[true, true, true, false], Some(key), 0.2, 0, &mut SplitMix64::new(0));
+        assert_ne!(o[0], 3);
+        let o = order(&[5.0, 1.0, 3.0], &addrs[..3], &[true; 3], None, 0.2, 2, &mut SplitMix64::new(0));
+        assert_eq!(o, vec![1, 2, 0]);
+        assert!(order(&[], &[], &[], None, 0.2, 2, &mut SplitMix64::new(0)).is_empty());
+    }
+
+    #[test]
+    fn rendezvous_key_prefers_the_session_then_the_leading_blocks() {
+        let h = [11u64, 22, 33, 44];
+        assert_eq!(rendezvous_key(None, &h, 2), Some(22));
+        assert_eq!(rendezvous_key(None, &h, 32), Some(44));
+        assert_eq!(rendezvous_key(None, &[], 32), None);
+        assert_eq!(rendezvous_key(None, &h, 0), None);
+        assert_eq!(rendezvous_key(Some("s"), &[], 32), Some(xxh3_64(b"s")));
+    }
+}
