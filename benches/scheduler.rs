@@ -76,6 +76,7 @@ fn snapshot(n: usize) -> (Snapshot, InflightCounts) {
             scraped_ms: NOW - 50,
             failures: 0,
             inflight_at_scrape: None,
+            poll_ms: 0,
         })
         .collect::<Vec<_>>();
     let inflight =

@@ -128,6 +128,7 @@ pub fn startup_snapshot(cfg: &Config, snapshot: &Snapshot) -> Snapshot {
                 scraped_ms: 0,
                 failures: 0,
                 inflight_at_scrape: None,
+                poll_ms: 0,
             })
             .collect(),
     }
@@ -480,6 +481,7 @@ mod tests {
             scraped_ms: NOW - age_ms,
             failures: 0,
             inflight_at_scrape: None,
+            poll_ms: 0,
         }
     }
 

@@ -274,6 +274,7 @@ pub fn health(data: &[u8]) {
                 scraped_ms: now,
                 failures: 0,
                 inflight_at_scrape: None,
+                poll_ms: 0,
             })
             .collect(),
     };

@@ -520,6 +520,7 @@ mod tests {
             scraped_ms: 1000,
             failures: 0,
             inflight_at_scrape: None,
+            poll_ms: 0,
         };
         Snapshot {
             version: 1,

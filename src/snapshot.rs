@@ -42,6 +42,15 @@ pub struct EndpointStatus {
     /// load estimate (`crate::load`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub inflight_at_scrape: Option<u32>,
+    /// The interval at which the poller scrapes this endpoint now (ms; `crate::poller`): longer
+    /// for an idle, unchanged endpoint. 0 = not said (an older poller). It extends the staleness
+    /// limit, see [`EndpointStatus::stale_limit_ms`].
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub poll_ms: u64,
+}
+
+fn is_zero(v: &u64) -> bool {
+    *v == 0
 }
 
 use crate::ports::{SharedStore, StoreError};
@@ -92,12 +101,22 @@ impl SnapshotCache {
 }
 
 impl EndpointStatus {
-    /// Fresh = the last scrape succeeded and is no older than `stale_after_ms`.
+    /// How old this endpoint's last successful scrape may be before it is stale:
+    /// `max(stale_after_ms, poll_ms + stale_after_ms / 2)`. An endpoint polled every
+    /// `interval_ms` keeps the configured limit; one the poller scrapes slowly because it is idle
+    /// and unchanged is stale only once its next scheduled scrape is overdue by half the limit.
+    /// Every reader of `scraped_ms` (scheduler filter, saturation, live estimate) uses this.
+    pub fn stale_limit_ms(&self, stale_after_ms: u64) -> u64 {
+        stale_after_ms.max(self.poll_ms.saturating_add(stale_after_ms / 2))
+    }
+
+    /// Fresh = the last scrape succeeded and is no older than its staleness limit
+    /// ([`EndpointStatus::stale_limit_ms`]).
     pub fn is_fresh(&self, now_ms: u64, stale_after_ms: u64) -> bool {
         self.failures == 0
             && self.metrics.is_some()
             && self.scraped_ms > 0
-            && now_ms.saturating_sub(self.scraped_ms) <= stale_after_ms
+            && now_ms.saturating_sub(self.scraped_ms) <= self.stale_limit_ms(stale_after_ms)
     }
 }
 
@@ -117,6 +136,7 @@ mod tests {
                 scraped_ms: 990,
                 failures: 0,
                 inflight_at_scrape: None,
+                poll_ms: 0,
             }],
         }
     }
@@ -146,5 +166,13 @@ mod tests {
         assert!(!failed.is_fresh(1000, 1000));
         let never = EndpointStatus { metrics: None, scraped_ms: 0, ..e.clone() };
         assert!(!never.is_fresh(0, 1000));
+        // Polled every 200 ms: the configured limit. Polled every 2000 ms (idle): fresh until
+        // 2000 + 500, stale after; a failure is stale at once whatever the interval.
+        let fast = EndpointStatus { poll_ms: 200, ..e.clone() };
+        assert_eq!(fast.stale_limit_ms(1000), 1000);
+        let slow = EndpointStatus { poll_ms: 2000, ..e.clone() };
+        assert!(slow.is_fresh(990 + 2500, 1000));
+        assert!(!slow.is_fresh(990 + 2501, 1000));
+        assert!(!EndpointStatus { failures: 1, ..slow }.is_fresh(1000, 1000));
     }
 }

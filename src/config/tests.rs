@@ -600,3 +600,22 @@ fn endpoint_metrics_is_off_by_default() {
         parse(&with(base(), "/filter", json!({"endpoint_metrics": true}))).unwrap().filter.endpoint_metrics
     );
 }
+
+#[test]
+fn poller_adaptive_fields() {
+    let cfg = parse(&base()).unwrap();
+    assert_eq!(
+        (cfg.poller.idle_interval_ms, cfg.poller.max_scrapes_per_s, cfg.poller.replicas),
+        (2000, 2000, 1)
+    );
+    let v = with(base(), "/poller", json!({"interval_ms": 500, "idle_interval_ms": 499}));
+    assert_only(&errors(&v), "poller.idle_interval_ms", "must be at least interval_ms (500), got 499");
+    assert!(parse(&with(base(), "/poller", json!({"interval_ms": 500, "idle_interval_ms": 500}))).is_ok());
+    let v = with(base(), "/poller", json!({"max_scrapes_per_s": 0}));
+    assert_only(&errors(&v), "poller.max_scrapes_per_s", "must be at least 1");
+    let v = with(base(), "/poller", json!({"replicas": 0}));
+    assert_only(&errors(&v), "poller.replicas", "must be in 1..=1000, got 0");
+    let v = with(base(), "/poller", json!({"replicas": 1001}));
+    assert_only(&errors(&v), "poller.replicas", "must be in 1..=1000, got 1001");
+    assert!(parse(&with(base(), "/poller", json!({"replicas": 8}))).is_ok());
+}

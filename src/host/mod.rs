@@ -262,7 +262,8 @@ impl RootContext for Root {
                 return true;
             }
             info!("inference-picker: poller singleton configured, {} static endpoints", cfg.endpoints.len());
-            io::set_tick_period_ms(cfg.poller.interval_ms);
+            // A quarter interval: the scrapes spread over four slots per interval.
+            io::set_tick_period_ms(crate::poller::tick_period_ms(&cfg.poller));
             Role::Poller(Box::new(poller::PollerRole::new(cfg)))
         } else {
             if cfg.poller.mode == PollerMode::Lease {
@@ -306,7 +307,7 @@ impl RootContext for Root {
             // One tick period per root: flow control's, or the poll interval when that is shorter
             // (lease mode polls from this root too).
             let period = match cfg.poller.mode {
-                PollerMode::Lease => FILTER_TICK_MS.min(cfg.poller.interval_ms),
+                PollerMode::Lease => FILTER_TICK_MS.min(crate::poller::tick_period_ms(&cfg.poller)),
                 _ => FILTER_TICK_MS,
             };
             io::set_tick_period_ms(period);

@@ -28,8 +28,6 @@ pub(crate) struct PollerRole {
     calls: HashMap<u32, String>,
     /// Outstanding pod-list call, if any.
     discovery_call: Option<u32>,
-    /// A result arrived since the last publish.
-    dirty: bool,
     /// Failure counters (`inference_picker_scrape_failures_total`, `…discovery_failures_total`).
     metrics: io::Metrics,
     /// One error line per cause every `telemetry::ERROR_LOG_EVERY_MS`.
@@ -41,13 +39,12 @@ pub(crate) struct PollerRole {
 
 impl PollerRole {
     pub fn new(cfg: Rc<Config>) -> Self {
-        let core = Poller::new(&cfg);
+        let core = Poller::with_seed(&cfg, io::entropy());
         let mut p = PollerRole {
             cfg,
             core,
             calls: HashMap::new(),
             discovery_call: None,
-            dirty: false,
             metrics: io::Metrics::default(),
             errors: LogLimiter::new(telemetry::ERROR_LOG_EVERY_MS),
             inflight: InflightTable::new(io::entropy()),
@@ -66,9 +63,9 @@ impl PollerRole {
         }
     }
 
-    /// One tick: publish what a slow round left, refresh discovery, start a round if due.
+    /// One tick: refresh discovery, start the scrapes that are due, publish if due.
     /// Callouts start from ticks, never from configuration: clusters may not be ready yet.
-    /// It may be called at any tick rate: the core decides when a round or a refresh is due.
+    /// It may be called at any tick rate: the core decides which scrapes and refreshes are due.
     pub fn tick(&mut self, now: u64) {
         if let Some(k) = self.cfg.discovery.as_ref().map(|d| &d.kubernetes) {
             if self.core.discovery_due(now) {
@@ -92,17 +89,15 @@ impl PollerRole {
                 }
             }
         }
-        let Some(due) = self.core.start_round_if_due(now) else {
-            return;
-        };
+        // This gateway's in-flight counts, once per tick: endpoints it sends to are polled fast.
+        if let Ok(counts) = self.inflight.read(&io::HostStore, now) {
+            self.core.note_inflight(|a| counts.get(a));
+        }
+        let due = self.core.scrapes_due(now);
         let lost = self.core.take_lost();
         if lost > 0 {
             self.metrics.add(telemetry::name(telemetry::SCRAPE_FAILURES, &[("reason", "lost")]), lost);
             self.scrape_error(&ScrapeError::Lost, &format!("{lost} scrapes"), now);
-        }
-        if self.dirty && !self.calls.is_empty() {
-            // The previous round is not finished one interval later: publish what we have.
-            self.publish(now);
         }
         for address in due {
             let p = &self.cfg.poller;
@@ -115,12 +110,12 @@ impl PollerRole {
                     self.metrics
                         .count(telemetry::name(telemetry::SCRAPE_FAILURES, &[("reason", err.reason())]));
                     self.scrape_error(&err, &format!("{address} through cluster {:?}", p.cluster), now);
-                    self.core.dispatch_failed(&address);
-                    self.dirty = true;
+                    self.core.dispatch_failed(&address, now);
                 }
             }
         }
-        if self.calls.is_empty() && self.dirty {
+        // Results that arrived since the last publish (their batch may still be outstanding).
+        if self.core.publish_due(now) {
             self.publish(now);
         }
     }
@@ -178,8 +173,8 @@ impl PollerRole {
             self.metrics.count(telemetry::name(telemetry::SCRAPE_FAILURES, &[("reason", e.reason())]));
             self.scrape_error(&e, &address, now);
         }
-        self.dirty = true;
-        if self.calls.is_empty() && self.core.round_complete() {
+        // Publish as soon as this tick's batch is in, if the core says so; else at a later tick.
+        if self.calls.is_empty() && self.core.publish_due(now) {
             self.publish(now);
         }
     }
@@ -212,7 +207,6 @@ impl PollerRole {
         self.calls.clear();
         self.discovery_call = None;
         self.core.abandon_outstanding();
-        self.dirty = false;
     }
 
     fn publish(&mut self, now: u64) {
@@ -220,7 +214,6 @@ impl PollerRole {
         if let Err(e) = snapshot::publish(&io::HostStore, &snap) {
             warn!("inference-picker-poller: publishing snapshot failed: {e:?}");
         }
-        self.dirty = false;
     }
 }
 

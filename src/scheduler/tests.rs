@@ -30,6 +30,7 @@ pub(crate) fn ep(addr: &str, models: &[&str], queue: f64, kv: f64) -> EndpointSt
         scraped_ms: NOW - 100,
         failures: 0,
         inflight_at_scrape: None,
+        poll_ms: 0,
     }
 }
 
@@ -244,6 +245,7 @@ fn arb_endpoint() -> impl Strategy<Value = EndpointStatus> {
             scraped_ms: NOW - age,
             failures,
             inflight_at_scrape: None,
+            poll_ms: 0,
         })
 }
 
