@@ -192,8 +192,9 @@ pub struct PollerConfig {
     /// this gateway in flight there, the same queue, running and KV use as its previous scrape)
     /// is scraped at twice its previous interval, up to this. Any change, a request of this
     /// gateway, or a failure brings it back to `interval_ms`. At least `interval_ms`; equal to
-    /// it polls every endpoint every `interval_ms` as before. Default 2000. Load that other gateway
-    /// replicas send to an idle pod is seen at most this late.
+    /// it polls every endpoint every `interval_ms` as before. Default 5000 (an idle 1,024-pod
+    /// pool then costs about 200 scrapes/s). Load that other gateway replicas (or clients that
+    /// bypass the gateway) send to an idle pod is seen at most this late.
     #[serde(default = "default_idle_interval_ms")]
     pub idle_interval_ms: u64,
     /// Upper bound on scrapes per second from this gateway. When the endpoints' intervals ask for
@@ -303,7 +304,7 @@ fn default_max_response_bytes() -> usize {
     4 * 1024 * 1024
 }
 fn default_idle_interval_ms() -> u64 {
-    2000
+    5000
 }
 fn default_max_scrapes_per_s() -> u32 {
     2000

@@ -793,6 +793,9 @@ vllm:kv_cache_usage_perc{engine=\"0\",model_name=\"m\"} 0.25\n";
         p.on_result_with_inflight(a, now, inflight, ScrapeResult::Response { status: 200, body }).unwrap();
     }
 
+    /// The tests below were written for a 2 s idle interval (the shipped default is 5 s).
+    const IDLE_2S: &str = r#"{"idle_interval_ms":2000}"#;
+
     const IDLE: &[u8] =
         b"vllm:num_requests_waiting 0\nvllm:num_requests_running 0\nvllm:kv_cache_usage_perc 0\n";
     const BUSY: &[u8] =
@@ -823,7 +826,7 @@ vllm:kv_cache_usage_perc{engine=\"0\",model_name=\"m\"} 0.25\n";
     #[test]
     fn an_idle_unchanged_endpoint_backs_off_to_the_idle_interval_and_a_change_brings_it_back() {
         // interval 200, idle 2000 (defaults); tick 50.
-        let mut p = Poller::new(&cfg_with("{}", 1));
+        let mut p = Poller::new(&cfg_with(IDLE_2S, 1));
         let starts = drive(&mut p, 0, 20_000, 50, IDLE, Some(0));
         let gaps: Vec<u64> = starts.windows(2).map(|w| w[1] - w[0]).collect();
         // Never longer than the chosen interval; the last gaps are near 2000 (jitter ≤ 1/8).
@@ -841,7 +844,7 @@ vllm:kv_cache_usage_perc{engine=\"0\",model_name=\"m\"} 0.25\n";
 
     #[test]
     fn requests_of_this_gateway_pull_an_idle_endpoint_back_to_the_fast_interval() {
-        let mut p = Poller::new(&cfg_with("{}", 1));
+        let mut p = Poller::new(&cfg_with(IDLE_2S, 1));
         let starts = drive(&mut p, 0, 20_000, 50, IDLE, Some(0));
         let last = *starts.last().unwrap();
         // This gateway sends a request there right after the last scrape.
@@ -849,13 +852,13 @@ vllm:kv_cache_usage_perc{engine=\"0\",model_name=\"m\"} 0.25\n";
         let due_at = (last..last + 2000).step_by(50).find(|t| !p.scrapes_due(*t).is_empty());
         assert!(due_at.is_some_and(|t| t <= last + 200 + 25), "{due_at:?} after {last}");
         // Without requests in flight nothing changes.
-        let mut q = Poller::new(&cfg_with("{}", 1));
+        let mut q = Poller::new(&cfg_with(IDLE_2S, 1));
         let starts = drive(&mut q, 0, 20_000, 50, IDLE, Some(0));
         let last = *starts.last().unwrap();
         q.note_inflight(|_| 0);
         assert!((last + 50..last + 1500).step_by(50).all(|t| q.scrapes_due(t).is_empty()));
         // An endpoint with requests in flight at its scrape stays at the fast interval.
-        let mut r = Poller::new(&cfg_with("{}", 1));
+        let mut r = Poller::new(&cfg_with(IDLE_2S, 1));
         let starts = drive(&mut r, 0, 5000, 50, IDLE, Some(3));
         assert!(starts.windows(2).all(|w| w[1] - w[0] <= 200), "{starts:?}");
     }
@@ -889,11 +892,11 @@ vllm:kv_cache_usage_perc{engine=\"0\",model_name=\"m\"} 0.25\n";
 
     #[test]
     fn replicas_scale_the_intervals_of_endpoints_this_gateway_does_not_load() {
-        let mut p = Poller::new(&cfg_with(r#"{"replicas":4}"#, 1));
+        let mut p = Poller::new(&cfg_with(r#"{"replicas":4,"idle_interval_ms":2000}"#, 1));
         drive(&mut p, 0, 60_000, 50, IDLE, Some(0));
         assert_eq!(p.snapshot(60_000).endpoints[0].poll_ms, 8000);
         // Moving load without this gateway: interval × replicas; with its requests: interval.
-        let mut q = Poller::new(&cfg_with(r#"{"replicas":4}"#, 1));
+        let mut q = Poller::new(&cfg_with(r#"{"replicas":4,"idle_interval_ms":2000}"#, 1));
         ok(&mut q, "10.0.0.0:8000", 10, Some(0), IDLE);
         ok(&mut q, "10.0.0.0:8000", 20, Some(0), BUSY);
         assert_eq!(q.snapshot(20).endpoints[0].poll_ms, 800);
@@ -903,7 +906,7 @@ vllm:kv_cache_usage_perc{engine=\"0\",model_name=\"m\"} 0.25\n";
 
     #[test]
     fn publishes_on_change_at_most_once_per_interval_and_as_a_heartbeat_otherwise() {
-        let mut p = Poller::new(&cfg_with("{}", 1));
+        let mut p = Poller::new(&cfg_with(IDLE_2S, 1));
         let a = "10.0.0.0:8000";
         assert!(p.publish_due(0), "the first endpoints are a change");
         p.snapshot(0);
@@ -936,7 +939,7 @@ vllm:kv_cache_usage_perc{engine=\"0\",model_name=\"m\"} 0.25\n";
 
     #[test]
     fn a_slowly_polled_idle_endpoint_stays_fresh_between_scrapes_and_goes_stale_when_overdue() {
-        let mut p = Poller::new(&cfg_with("{}", 1));
+        let mut p = Poller::new(&cfg_with(IDLE_2S, 1));
         let starts = drive(&mut p, 0, 20_000, 50, IDLE, Some(0));
         let last = *starts.last().unwrap();
         let e = p.snapshot(last).endpoints[0].clone();

@@ -606,7 +606,7 @@ fn poller_adaptive_fields() {
     let cfg = parse(&base()).unwrap();
     assert_eq!(
         (cfg.poller.idle_interval_ms, cfg.poller.max_scrapes_per_s, cfg.poller.replicas),
-        (2000, 2000, 1)
+        (5000, 2000, 1)
     );
     let v = with(base(), "/poller", json!({"interval_ms": 500, "idle_interval_ms": 499}));
     assert_only(&errors(&v), "poller.idle_interval_ms", "must be at least interval_ms (500), got 499");

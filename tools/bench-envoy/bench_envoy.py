@@ -453,8 +453,8 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, help="length of one measured run (default 8)")
     ap.add_argument("--reps", type=int, help="repetitions; the median is reported (default 3)")
     ap.add_argument("--idle-seconds", type=float, help="length of one idle window (default 10)")
-    ap.add_argument("--settle-seconds", type=float, default=8,
-                    help="wait before the idle windows, for the poller's idle cadence (default 8)")
+    ap.add_argument("--settle-seconds", type=float, default=15,
+                    help="wait before the idle windows, for the poller's idle cadence (default 15)")
     ap.add_argument("--connections", type=int, default=8, help="wrk connections (default 8)")
     ap.add_argument("--poller-only", action="store_true",
                     help="only the idle part (the poller's cost): no wrk runs, wrk not needed")
@@ -527,7 +527,7 @@ def main() -> int:
 
             # Idle: no traffic to any front; the module's poller scrapes the pods.
             # Let the probe settle and the poller reach its idle cadence (an idle, unchanged endpoint
-            # backs off 200, 400, 800, 1600, 2000 ms with the shipped defaults: ~5 s).
+            # backs off 200, 400, 800, 1600, 3200, 5000 ms with the shipped defaults: ~11 s).
             time.sleep(1 if q else args.settle_seconds)
             for rep in range(reps):
                 c0 = {v: fronts[v].cpu_ns() for v in ("plain", "module")}
