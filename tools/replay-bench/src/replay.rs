@@ -252,7 +252,16 @@ impl Sim<'_> {
         let rc = self.rc;
         // Arrivals start once every replica has published a first snapshot, as in a gateway that
         // has been up for a while (before that, every request would get a 503).
-        let warm_up = (rc.poll_ms + rc.metrics_delay_ms + 1) as f64;
+        // Ours schedules each server's first scrape at a random phase within one interval of its
+        // first tick (itself within the first interval), and publishes at the next tick after.
+        let adaptive_extra = self
+            .replicas
+            .iter()
+            .filter(|r| r.adaptive)
+            .map(|r| rc.poll_ms + 2 * r.poll_tick_ms)
+            .max()
+            .unwrap_or(0);
+        let warm_up = (rc.poll_ms + adaptive_extra + rc.metrics_delay_ms + 1) as f64;
         let arrival = |i: usize| reqs.get(i).map(|r| warm_up + r.arrival_ms / rc.load);
         self.out.first_arrival = arrival(0).unwrap_or(0.0);
         let mut next_req = 0usize;
