@@ -77,6 +77,7 @@ fn snapshot(n: usize) -> (Snapshot, InflightCounts) {
             failures: 0,
             inflight_at_scrape: None,
             role: Default::default(),
+            poll_ms: 0,
         })
         .collect::<Vec<_>>();
     let inflight =

@@ -129,6 +129,7 @@ pub fn startup_snapshot(cfg: &Config, snapshot: &Snapshot) -> Snapshot {
                 failures: 0,
                 inflight_at_scrape: None,
                 role: e.role,
+                poll_ms: 0,
             })
             .collect(),
     }
@@ -524,6 +525,7 @@ mod tests {
             failures: 0,
             inflight_at_scrape: None,
             role: Default::default(),
+            poll_ms: 0,
         }
     }
 

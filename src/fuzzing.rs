@@ -287,6 +287,7 @@ pub fn health(data: &[u8]) {
                 failures: 0,
                 inflight_at_scrape: None,
                 role: crate::pd::Role::Decode,
+                poll_ms: 0,
             })
             .collect(),
     };

@@ -48,13 +48,15 @@
 use crate::snapshot::EndpointStatus;
 
 /// The live queue estimate of `ep` (see the module doc). `inflight_now` is this gateway's
-/// in-flight count to it now; `stale_after_ms` the staleness limit of the caller.
+/// in-flight count to it now; `stale_after_ms` the staleness limit of the caller, extended for an
+/// endpoint the poller scrapes slowly (`EndpointStatus::stale_limit_ms`): the fade below runs
+/// over that endpoint's own limit.
 pub fn live_queue(ep: &EndpointStatus, inflight_now: u32, now_ms: u64, stale_after_ms: u64) -> Option<f64> {
     let q = ep.metrics.as_ref()?.queue.filter(|q| q.is_finite())?.max(0.0);
     let Some(at_scrape) = ep.inflight_at_scrape else {
         return Some(q);
     };
-    let w = correction_weight(now_ms.saturating_sub(ep.scraped_ms), stale_after_ms);
+    let w = correction_weight(now_ms.saturating_sub(ep.scraped_ms), ep.stale_limit_ms(stale_after_ms));
     let delta = f64::from(inflight_now) - f64::from(at_scrape);
     let hi = q + f64::from(inflight_now);
     Some((q + w * delta).clamp(0.0, hi))
@@ -91,6 +93,7 @@ mod tests {
             failures: 0,
             inflight_at_scrape: at_scrape,
             role: Default::default(),
+            poll_ms: 0,
         }
     }
 

@@ -362,12 +362,19 @@ pub fn pick(
     };
     let preq = PickRequest { session_id: None, session_token: None, ..*req };
     match scheduler.pick_scoped(route, &preq, snapshot, inflight, health, store, rng, now_ms, &scope) {
-        Ok(p) => Ok(PdPick {
-            prefiller: Some(p.primary),
-            pick,
-            decision: Decision::Split,
-            uncached_tokens: uncached,
-        }),
+        Ok(p) => {
+            // The prefill pick's own prefill-ledger entry (`scheduler::predict`) ends here: no
+            // first byte of the prefill pod's answer is ever seen by this filter (the decode
+            // pod's sidecar reads it), so it would never end. The prefill pod's load between
+            // polls is its in-flight count, which the filter holds until the response headers.
+            scheduler.request_done(p.ticket);
+            Ok(PdPick {
+                prefiller: Some(p.primary),
+                pick,
+                decision: Decision::Split,
+                uncached_tokens: uncached,
+            })
+        }
         Err(_) => no(Decision::NoHealthyPrefill),
     }
 }

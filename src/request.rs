@@ -645,6 +645,7 @@ mod tests {
             failures: 0,
             inflight_at_scrape: None,
             role: Default::default(),
+            poll_ms: 0,
         };
         Snapshot {
             version: 1,

@@ -30,7 +30,8 @@
 //!
 //! # Missing and stale signals
 //! - An endpoint with no metrics, never scraped, whose last scrape failed, or scraped more than
-//!   `stale_after_ms` ago (default: `poller.stale_after_ms`) is *stale* and counts as full
+//!   `stale_after_ms` ago (default: `poller.stale_after_ms`; longer for an endpoint the poller
+//!   scrapes slowly because it is idle, `EndpointStatus::stale_limit_ms`) is *stale* and counts as full
 //!   (load 1, no room): we do not send more work where we cannot see. (A failed scrape is the
 //!   scheduler's test of health too, so the two agree on which endpoints can take work.)
 //! - A missing queue or KV signal on a fresh endpoint is left out of the max, never read as 0.
@@ -192,7 +193,10 @@ pub fn endpoint_load(
     let Some(m) = ep.metrics.as_ref() else { return stale_load };
     // A failed scrape since the last success makes the endpoint stale at once, as it does for
     // the scheduler (`scheduler::filter::healthy`): its old metrics may describe a dead server.
-    if ep.failures > 0 || ep.scraped_ms == 0 || now_ms.saturating_sub(ep.scraped_ms) > cfg.stale_after_ms {
+    if ep.failures > 0
+        || ep.scraped_ms == 0
+        || now_ms.saturating_sub(ep.scraped_ms) > ep.stale_limit_ms(cfg.stale_after_ms)
+    {
         return stale_load;
     }
     // The live estimate: the scraped queue plus what this gateway sent since that scrape and
@@ -292,6 +296,7 @@ mod tests {
             failures: 0,
             inflight_at_scrape: None,
             role: Default::default(),
+            poll_ms: 0,
         }
     }
 

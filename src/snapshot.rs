@@ -47,6 +47,15 @@ pub struct EndpointStatus {
     /// Its prefill/decode role (`crate::pd`), from the configuration or discovery.
     #[serde(default, skip_serializing_if = "crate::pd::Role::is_decode")]
     pub role: crate::pd::Role,
+    /// The interval at which the poller scrapes this endpoint now (ms; `crate::poller`): longer
+    /// for an idle, unchanged endpoint. 0 = not said (an older poller). It extends the staleness
+    /// limit, see [`EndpointStatus::stale_limit_ms`].
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub poll_ms: u64,
+}
+
+fn is_zero(v: &u64) -> bool {
+    *v == 0
 }
 
 use crate::ports::{SharedStore, StoreError};
@@ -103,8 +112,8 @@ impl SnapshotCache {
 // version on every worker. This form is read field by field with bounds checks:
 //
 //   "IPS2" · u64 version · u64 published_ms · u32 endpoint count · endpoints
-//   endpoint: str address · u8 role (0 decode, 1 prefill, 2 both) · u32 n · n × str model · u64 scraped_ms · u32 failures
-//             · opt u32 inflight_at_scrape · u8 has metrics [· metrics]
+//   endpoint: str address · u8 role (0 decode, 1 prefill, 2 both) · u32 n · n × str model
+//             · u64 scraped_ms · u32 failures · u64 poll_ms · opt u32 inflight_at_scrape · u8 has metrics [· metrics]
 //   metrics:  u8 engine · opt f64 queue · opt f64 running · opt f64 kv_usage · opt u32 block_size
 //             · opt u64 num_gpu_blocks · opt u32 max_lora · strs running · strs waiting
 //   str = u32 length · UTF-8 bytes; opt x = u8 0 | u8 1 · x; integers little-endian; f64 as bits.
@@ -178,7 +187,8 @@ fn put_opt<T>(out: &mut Vec<u8>, v: Option<T>, put: impl FnOnce(&mut Vec<u8>, T)
 }
 
 fn put_endpoint(out: &mut Vec<u8>, e: &EndpointStatus) {
-    let EndpointStatus { address, models, metrics, scraped_ms, failures, inflight_at_scrape, role } = e;
+    let EndpointStatus { address, models, metrics, scraped_ms, failures, inflight_at_scrape, role, poll_ms } =
+        e;
     put_str(out, address);
     out.push(match role {
         crate::pd::Role::Decode => 0,
@@ -188,6 +198,7 @@ fn put_endpoint(out: &mut Vec<u8>, e: &EndpointStatus) {
     put_strs(out, models);
     out.extend_from_slice(&scraped_ms.to_le_bytes());
     out.extend_from_slice(&failures.to_le_bytes());
+    out.extend_from_slice(&poll_ms.to_le_bytes());
     put_opt(out, *inflight_at_scrape, |o, x| o.extend_from_slice(&x.to_le_bytes()));
     put_opt(out, metrics.as_ref(), put_metrics);
 }
@@ -288,9 +299,19 @@ impl<'a> Reader<'a> {
         let models = self.strings()?;
         let scraped_ms = self.u64()?;
         let failures = self.u32()?;
+        let poll_ms = self.u64()?;
         let inflight_at_scrape = self.opt(Self::u32)?;
         let metrics = self.opt(Self::metrics)?;
-        Some(EndpointStatus { address, models, metrics, scraped_ms, failures, inflight_at_scrape, role })
+        Some(EndpointStatus {
+            address,
+            models,
+            metrics,
+            scraped_ms,
+            failures,
+            inflight_at_scrape,
+            role,
+            poll_ms,
+        })
     }
 
     fn metrics(&mut self) -> Option<EndpointMetrics> {
@@ -325,12 +346,22 @@ impl<'a> Reader<'a> {
 }
 
 impl EndpointStatus {
-    /// Fresh = the last scrape succeeded and is no older than `stale_after_ms`.
+    /// How old this endpoint's last successful scrape may be before it is stale:
+    /// `max(stale_after_ms, poll_ms + stale_after_ms / 2)`. An endpoint polled every
+    /// `interval_ms` keeps the configured limit; one the poller scrapes slowly because it is idle
+    /// and unchanged is stale only once its next scheduled scrape is overdue by half the limit.
+    /// Every reader of `scraped_ms` (scheduler filter, saturation, live estimate) uses this.
+    pub fn stale_limit_ms(&self, stale_after_ms: u64) -> u64 {
+        stale_after_ms.max(self.poll_ms.saturating_add(stale_after_ms / 2))
+    }
+
+    /// Fresh = the last scrape succeeded and is no older than its staleness limit
+    /// ([`EndpointStatus::stale_limit_ms`]).
     pub fn is_fresh(&self, now_ms: u64, stale_after_ms: u64) -> bool {
         self.failures == 0
             && self.metrics.is_some()
             && self.scraped_ms > 0
-            && now_ms.saturating_sub(self.scraped_ms) <= stale_after_ms
+            && now_ms.saturating_sub(self.scraped_ms) <= self.stale_limit_ms(stale_after_ms)
     }
 }
 
@@ -351,6 +382,7 @@ mod tests {
                 failures: 0,
                 inflight_at_scrape: None,
                 role: Default::default(),
+                poll_ms: 0,
             }],
         }
     }
@@ -394,6 +426,7 @@ mod tests {
             failures: 4,
             inflight_at_scrape: None,
             role: crate::pd::Role::Prefill,
+            poll_ms: 5000,
         });
         s
     }
@@ -482,5 +515,13 @@ mod tests {
         assert!(!failed.is_fresh(1000, 1000));
         let never = EndpointStatus { metrics: None, scraped_ms: 0, ..e.clone() };
         assert!(!never.is_fresh(0, 1000));
+        // Polled every 200 ms: the configured limit. Polled every 2000 ms (idle): fresh until
+        // 2000 + 500, stale after; a failure is stale at once whatever the interval.
+        let fast = EndpointStatus { poll_ms: 200, ..e.clone() };
+        assert_eq!(fast.stale_limit_ms(1000), 1000);
+        let slow = EndpointStatus { poll_ms: 2000, ..e.clone() };
+        assert!(slow.is_fresh(990 + 2500, 1000));
+        assert!(!slow.is_fresh(990 + 2501, 1000));
+        assert!(!EndpointStatus { failures: 1, ..slow }.is_fresh(1000, 1000));
     }
 }

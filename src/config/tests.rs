@@ -630,3 +630,22 @@ fn predicted_objective_fields_are_checked() {
     assert_only(&bad("active_weight", json!(101.0)), "scheduler.predicted.active_weight", "0..=100");
     assert!(!errors(&with(base(), "/scheduler", json!({"predicted": {"nope": 1}}))).is_empty());
 }
+
+#[test]
+fn poller_adaptive_fields() {
+    let cfg = parse(&base()).unwrap();
+    assert_eq!(
+        (cfg.poller.idle_interval_ms, cfg.poller.max_scrapes_per_s, cfg.poller.replicas),
+        (5000, 2000, 1)
+    );
+    let v = with(base(), "/poller", json!({"interval_ms": 500, "idle_interval_ms": 499}));
+    assert_only(&errors(&v), "poller.idle_interval_ms", "must be at least interval_ms (500), got 499");
+    assert!(parse(&with(base(), "/poller", json!({"interval_ms": 500, "idle_interval_ms": 500}))).is_ok());
+    let v = with(base(), "/poller", json!({"max_scrapes_per_s": 0}));
+    assert_only(&errors(&v), "poller.max_scrapes_per_s", "must be at least 1");
+    let v = with(base(), "/poller", json!({"replicas": 0}));
+    assert_only(&errors(&v), "poller.replicas", "must be in 1..=1000, got 0");
+    let v = with(base(), "/poller", json!({"replicas": 1001}));
+    assert_only(&errors(&v), "poller.replicas", "must be in 1..=1000, got 1001");
+    assert!(parse(&with(base(), "/poller", json!({"replicas": 8}))).is_ok());
+}

@@ -243,7 +243,8 @@ impl Root {
             pool_label(&cfg),
             cfg.endpoints.len()
         );
-        io::set_tick_period_ms(cfg.poller.interval_ms);
+        // A quarter interval: the scrapes spread over four slots per interval.
+        io::set_tick_period_ms(crate::poller::tick_period_ms(&cfg.poller));
         Role::Poller(Box::new(poller::PollerRole::new(cfg)))
     }
 
@@ -323,7 +324,8 @@ impl RootContext for Root {
         let version = live_config::digest(&raw);
         self.role = if root_id == POLLER_ROOT_ID {
             // Ticks even while idle, to follow the filter's published configuration.
-            io::set_tick_period_ms(cfg.poller.interval_ms);
+            // A quarter interval: the scrapes spread over four slots per interval.
+            io::set_tick_period_ms(crate::poller::tick_period_ms(&cfg.poller));
             self.follower = Some(Follower::new(&raw));
             self.poller_role(cfg, version)
         } else {
@@ -381,7 +383,7 @@ impl RootContext for Root {
             // One tick period per root: flow control's, or the poll interval when that is shorter
             // (lease mode polls from this root too).
             let period = match cfg.poller.mode {
-                PollerMode::Lease => FILTER_TICK_MS.min(cfg.poller.interval_ms),
+                PollerMode::Lease => FILTER_TICK_MS.min(crate::poller::tick_period_ms(&cfg.poller)),
                 _ => FILTER_TICK_MS,
             };
             io::set_tick_period_ms(period);

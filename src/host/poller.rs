@@ -29,8 +29,6 @@ pub(crate) struct PollerRole {
     calls: HashMap<u32, String>,
     /// Outstanding pod-list call, if any.
     discovery_call: Option<u32>,
-    /// A result arrived since the last publish.
-    dirty: bool,
     /// Failure counters (`inference_picker_scrape_failures_total`, `…discovery_failures_total`,
     /// `…model_list_failures_total`).
     metrics: io::Metrics,
@@ -47,14 +45,13 @@ pub(crate) struct PollerRole {
 
 impl PollerRole {
     pub fn new(cfg: Rc<Config>) -> Self {
-        let core = Poller::new(&cfg);
+        let core = Poller::with_seed(&cfg, io::entropy());
         let metrics = io::Metrics::with_suffix(crate::pools::metric_suffix(cfg.pool.as_ref()));
         let mut p = PollerRole {
             cfg,
             core,
             calls: HashMap::new(),
             discovery_call: None,
-            dirty: false,
             metrics,
             errors: LogLimiter::new(telemetry::ERROR_LOG_EVERY_MS),
             inflight: InflightTable::new(io::entropy()),
@@ -76,9 +73,9 @@ impl PollerRole {
         }
     }
 
-    /// One tick: publish what a slow round left, refresh discovery, start a round if due.
+    /// One tick: refresh discovery, start the scrapes that are due, publish if due.
     /// Callouts start from ticks, never from configuration: clusters may not be ready yet.
-    /// It may be called at any tick rate: the core decides when a round or a refresh is due.
+    /// It may be called at any tick rate: the core decides which scrapes and refreshes are due.
     pub fn tick(&mut self, now: u64) {
         self.tick_pod_models(now);
         if let Some(k) = self.cfg.discovery.as_ref().map(|d| &d.kubernetes) {
@@ -103,17 +100,15 @@ impl PollerRole {
                 }
             }
         }
-        let Some(due) = self.core.start_round_if_due(now) else {
-            return;
-        };
+        // This gateway's in-flight counts, once per tick: endpoints it sends to are polled fast.
+        if let Ok(counts) = self.inflight.read(&io::HostStore, now) {
+            self.core.note_inflight(|a| counts.get(a));
+        }
+        let due = self.core.scrapes_due(now);
         let lost = self.core.take_lost();
         if lost > 0 {
             self.metrics.add(telemetry::name(telemetry::SCRAPE_FAILURES, &[("reason", "lost")]), lost);
             self.scrape_error(&ScrapeError::Lost, &format!("{lost} scrapes"), now);
-        }
-        if self.dirty && !self.calls.is_empty() {
-            // The previous round is not finished one interval later: publish what we have.
-            self.publish(now);
         }
         for address in due {
             let p = &self.cfg.poller;
@@ -126,12 +121,12 @@ impl PollerRole {
                     self.metrics
                         .count(telemetry::name(telemetry::SCRAPE_FAILURES, &[("reason", err.reason())]));
                     self.scrape_error(&err, &format!("{address} through cluster {:?}", p.cluster), now);
-                    self.core.dispatch_failed(&address);
-                    self.dirty = true;
+                    self.core.dispatch_failed(&address, now);
                 }
             }
         }
-        if self.calls.is_empty() && self.dirty {
+        // Results that arrived since the last publish (their batch may still be outstanding).
+        if self.core.publish_due(now) {
             self.publish(now);
         }
     }
@@ -193,8 +188,8 @@ impl PollerRole {
             self.metrics.count(telemetry::name(telemetry::SCRAPE_FAILURES, &[("reason", e.reason())]));
             self.scrape_error(&e, &address, now);
         }
-        self.dirty = true;
-        if self.calls.is_empty() && self.core.round_complete() {
+        // Publish as soon as this tick's batch is in, if the core says so; else at a later tick.
+        if self.calls.is_empty() && self.core.publish_due(now) {
             self.publish(now);
         }
     }
@@ -248,7 +243,7 @@ impl PollerRole {
                         l.bases, l.adapters
                     );
                 }
-                self.dirty = true;
+                self.core.mark_changed();
             }
             Ok(false) => {}
             Err(e) => {
@@ -296,7 +291,6 @@ impl PollerRole {
         }
         self.discovery_call = None;
         self.core.abandon_outstanding();
-        self.dirty = false;
     }
 
     fn publish(&mut self, now: u64) {
@@ -307,7 +301,6 @@ impl PollerRole {
         if let Err(e) = snapshot::publish(&io::HostStore, &snap) {
             warn!("inference-picker-poller: publishing snapshot failed: {e:?}");
         }
-        self.dirty = false;
     }
 }
 

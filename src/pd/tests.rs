@@ -32,6 +32,7 @@ fn ep(addr: &str, role: Role, queue: f64) -> EndpointStatus {
         failures: 0,
         inflight_at_scrape: None,
         role,
+        poll_ms: 0,
     }
 }
 
@@ -173,6 +174,9 @@ fn threshold_zero_splits_everything_and_the_prefill_pod_follows_the_prefix() {
         assert_eq!(p.decision, Decision::Split);
         assert_eq!(p.prefiller.as_deref(), Some(pre.as_str()), "seed {seed}");
     }
+    // Only the 33 decode picks wait for a first byte; a prefill pick leaves no ledger entry
+    // (nothing would ever end it).
+    assert_eq!(r.sched.pending_requests(), 33);
     // Even a prompt shorter than one block is split at threshold 0 (llm-d's default).
     let p = r.go(&sn, "hi", &HealthView::default(), 1).unwrap();
     assert_eq!(p.decision, Decision::Split);

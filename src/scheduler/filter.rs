@@ -24,9 +24,12 @@ pub fn serves(ep: &EndpointStatus, base: &str) -> bool {
     ep.models.iter().any(|m| m == base)
 }
 
-/// Is `ep`'s last scrape successful and fresh at `now_ms`?
+/// Is `ep`'s last scrape successful and fresh at `now_ms`? The limit is `stale_after_ms`, longer
+/// for an endpoint the poller scrapes slowly (`EndpointStatus::stale_limit_ms`).
 pub fn healthy(ep: &EndpointStatus, now_ms: u64, stale_after_ms: u64) -> bool {
-    ep.failures == 0 && ep.scraped_ms > 0 && now_ms.saturating_sub(ep.scraped_ms) <= stale_after_ms
+    ep.failures == 0
+        && ep.scraped_ms > 0
+        && now_ms.saturating_sub(ep.scraped_ms) <= ep.stale_limit_ms(stale_after_ms)
 }
 
 /// The serving endpoints that passive health has not ejected at `now_ms` (see
@@ -58,6 +61,7 @@ mod tests {
             failures,
             inflight_at_scrape: None,
             role: Default::default(),
+            poll_ms: 0,
         }
     }
 

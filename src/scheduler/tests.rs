@@ -40,6 +40,7 @@ pub(crate) fn ep(addr: &str, models: &[&str], queue: f64, kv: f64) -> EndpointSt
         failures: 0,
         inflight_at_scrape: None,
         role: Default::default(),
+        poll_ms: 0,
     }
 }
 
@@ -255,6 +256,7 @@ fn arb_endpoint() -> impl Strategy<Value = EndpointStatus> {
             failures,
             inflight_at_scrape: None,
             role: Default::default(),
+            poll_ms: 0,
         })
 }
 

@@ -142,7 +142,10 @@ def picker_config(endpoints: list[dict], models: list[dict] | None = None, **sec
         "version": 1,
         "endpoints": endpoints,
         "models": models or _served_models(endpoints),
-        "poller": {"interval_ms": 200, "timeout_ms": 500, "stale_after_ms": 1000},
+        # Fixed 200 ms polling (no idle back-off): tests that change a pod's load with
+        # fake_load() expect to see it within a few polls. test_poller_cadence.py tests the
+        # shipped adaptive cadence.
+        "poller": {"interval_ms": 200, "idle_interval_ms": 200, "timeout_ms": 500, "stale_after_ms": 1000},
     }
     for k, v in sections.items():
         cfg[k] = v

@@ -147,7 +147,7 @@ def drain_pool():
     try:
         envoy = start_pool(
             sims,
-            poller={"interval_ms": 500, "timeout_ms": 400, "stale_after_ms": 5000},
+            poller={"interval_ms": 500, "idle_interval_ms": 500, "timeout_ms": 400, "stale_after_ms": 5000},
             saturation={"stale_after_ms": 5000},
         )
         try:

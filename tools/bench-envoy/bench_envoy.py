@@ -51,6 +51,7 @@ REPO = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 LLAMA = "meta-llama/Llama-3.1-8B-Instruct"
 # Constructed vLLM V1 0.33 dump (27 KB, two engines, LoRA): see tests/fixtures/metrics/README.md.
+METRICS_CLUSTER = "inference_pool_metrics"  # the poller's cluster in envoy/envoy.yaml
 METRICS_FIXTURE = REPO / "tests/fixtures/metrics/vllm_v1_0.33_dp2_lora_constructed.prom"
 MARK = "QQQQBENCHMARKQQQ"  # 16 letters: no Lua pattern characters
 VARIANTS = ("plain", "pass", "module")
@@ -454,7 +455,11 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, help="length of one measured run (default 8)")
     ap.add_argument("--reps", type=int, help="repetitions; the median is reported (default 3)")
     ap.add_argument("--idle-seconds", type=float, help="length of one idle window (default 10)")
+    ap.add_argument("--settle-seconds", type=float, default=15,
+                    help="wait before the idle windows, for the poller's idle cadence (default 15)")
     ap.add_argument("--connections", type=int, default=8, help="wrk connections (default 8)")
+    ap.add_argument("--poller-only", action="store_true",
+                    help="only the idle part (the poller's cost): no wrk runs, wrk not needed")
     ap.add_argument("--combine", nargs="+", metavar="RESULTS_JSON",
                     help="measure nothing: write one report from the results.json of several runs "
                          "(medians over all their repetitions)")
@@ -477,7 +482,9 @@ def main() -> int:
         if not Path(path).is_file():
             print(f"bench-envoy: missing {path} (run `make wasm passthrough-wasm venv`)", file=sys.stderr)
             return 2
-    if not shutil.which(args.wrk):
+    if args.poller_only:
+        bodies = []
+    if bodies and not shutil.which(args.wrk):
         print("bench-envoy: wrk not found (`make bench-envoy` installs it: apt-get install wrk)", file=sys.stderr)
         return 2
 
@@ -525,18 +532,27 @@ def main() -> int:
             print(f"[{n} endpoints] pods and fronts ready (load {loadavg()})", flush=True)
 
             # Idle: no traffic to any front; the module's poller scrapes the pods.
-            time.sleep(1 if q else 3)  # let the first scrape rounds and the probe settle
+            # Let the probe settle and the poller reach its idle cadence (an idle, unchanged endpoint
+            # backs off 200, 400, 800, 1600, 3200, 5000 ms with the shipped defaults: ~11 s).
+            time.sleep(1 if q else args.settle_seconds)
             for rep in range(reps):
                 c0 = {v: fronts[v].cpu_ns() for v in ("plain", "module")}
                 s0, t0 = pods.counter("http.pods.downstream_rq_total"), time.monotonic()
+                cx0 = fronts["module"].counter(f"cluster.{METRICS_CLUSTER}.upstream_cx_total")
                 time.sleep(idle_seconds)
                 c1 = {v: fronts[v].cpu_ns() for v in ("plain", "module")}
                 s1, t1 = pods.counter("http.pods.downstream_rq_total"), time.monotonic()
+                cx1 = fronts["module"].counter(f"cluster.{METRICS_CLUSTER}.upstream_cx_total")
                 span = t1 - t0
                 idle.append({"endpoints": n, "rep": rep, "seconds": span, "loadavg": loadavg(),
                              "plain_ms_per_s": (c1["plain"] - c0["plain"]) / 1e6 / span,
                              "module_ms_per_s": (c1["module"] - c0["module"]) / 1e6 / span,
-                             "scrapes_per_s": (s1 - s0) / span})
+                             "scrapes_per_s": (s1 - s0) / span,
+                             # New connections the poller opened per scrape (keep-alive: ~0).
+                             "connections_per_scrape": (cx1 - cx0) / (s1 - s0) if s1 > s0 else float("nan")})
+                print(f"  {n:>5} ep idle rep {rep}: module {idle[-1]['module_ms_per_s']:.1f} ms/s, plain "
+                      f"{idle[-1]['plain_ms_per_s']:.1f} ms/s, {idle[-1]['scrapes_per_s']:.0f} scrapes/s, "
+                      f"{idle[-1]['connections_per_scrape']:.3f} new connections per scrape", flush=True)
 
             for b in bodies:
                 cases = [("plain", False), ("pass", False), ("module", False), ("module", True)]
@@ -646,15 +662,16 @@ def render_report(results: list[dict], idle: list[dict], env: dict) -> tuple[str
            "CPU of the whole front Envoy process (sum of its threads' /proc/<pid>/task/<tid>/schedstat) over "
            f"{env['idle_seconds']:g} s windows, medians; scrapes counted at the fake pods; "
            "per scrape = (module − plain) / scrapes.", "",
-           "| endpoints | plain Envoy ms/s | module Envoy ms/s | scrapes/s | µs per scrape |",
-           "|---:|---:|---:|---:|---:|"]
+           "| endpoints | plain Envoy ms/s | module Envoy ms/s | scrapes/s | µs per scrape | new connections per scrape |",
+           "|---:|---:|---:|---:|---:|---:|"]
     for n in sorted({i["endpoints"] for i in idle}):
         rows = [i for i in idle if i["endpoints"] == n]
         pl = median([i["plain_ms_per_s"] for i in rows])
         mo = median([i["module_ms_per_s"] for i in rows])
         sc = median([i["scrapes_per_s"] for i in rows])
         per = (mo - pl) * 1000 / sc if sc > 0 else float("nan")
-        md.append(f"| {n} | {fmt(pl, 2)} | {fmt(mo, 2)} | {fmt(sc)} | {fmt(per)} |")
+        cx = median([i.get("connections_per_scrape", float("nan")) for i in rows])
+        md.append(f"| {n} | {fmt(pl, 2)} | {fmt(mo, 2)} | {fmt(sc)} | {fmt(per)} | {fmt(cx, 3)} |")
         lines.append(f"POLLER_COST endpoints={n} idle_cpu_ms_per_s={fmt(mo, 2)} per_scrape_us={fmt(per)} "
                      f"plain_idle_cpu_ms_per_s={fmt(pl, 2)} scrapes_per_s={fmt(sc)}")
     return "\n".join(md) + "\n", lines

@@ -9,7 +9,11 @@
 //!
 //! **What the router sees.** Only what it would see in Envoy. Each replica's poller
 //! (`inference_picker::poller::Poller`, the real pure core) scrapes every server every
-//! `poll_ms`, starting at a random phase: the server's Prometheus text is rendered at the scrape
+//! `poll_ms`, starting at a random phase (ours: on the poller's own cadence, as in the module:
+//! `scrapes_due` every tick, an idle and unchanged server backed off up to
+//! `poller.idle_interval_ms`, the snapshot published when `publish_due`; pass
+//! `--ours-config '{"poller":{"idle_interval_ms":200}}'` for a fixed 200 ms): the server's
+//! Prometheus text is rendered at the scrape
 //! time by `model_server_sim::render_metrics` (vLLM names), delivered `metrics_delay_ms` later,
 //! parsed by the poller with `inference_picker::metrics::parse_metrics`, and published with
 //! `inference_picker::snapshot::publish`; workers read it through `SnapshotCache`. So the metrics
@@ -98,6 +102,10 @@ struct Replica {
     inflight: std::cell::RefCell<inflight::InflightTable>,
     poller: Poller,
     next_poll: f64,
+    /// Ours: the poller's own cadence (`Poller::scrapes_due` every tick of `poll_tick_ms`,
+    /// publish when `publish_due`), as in the module. Baselines: a full round every `poll_ms`.
+    adaptive: bool,
+    poll_tick_ms: u64,
     /// Scrapes in flight: delivered at `.0`, (server index, rendered text) each.
     pending: Option<(f64, Vec<(usize, String)>)>,
     sglang: Option<CacheAware>,
@@ -185,6 +193,9 @@ pub fn run(trace: &Trace, policy: Policy, rc: &RunConfig) -> Result<RunResult, S
             inflight: std::cell::RefCell::new(inflight::InflightTable::new(1)),
             poller: Poller::new(&cfg),
             next_poll: rng.next_f64() * rc.poll_ms as f64,
+            adaptive: policy.is_ours(),
+            // One batch is pending at a time: a tick longer than the metrics delay.
+            poll_tick_ms: inference_picker::poller::tick_period_ms(&cfg.poller).max(rc.metrics_delay_ms + 1),
             pending: None,
             sglang: (policy == Policy::Sglang).then(|| CacheAware::new(n)),
             dynamo: matches!(policy, Policy::Dynamo | Policy::DynamoNoEvents)
@@ -247,7 +258,16 @@ impl Sim<'_> {
         let rc = self.rc;
         // Arrivals start once every replica has published a first snapshot, as in a gateway that
         // has been up for a while (before that, every request would get a 503).
-        let warm_up = (rc.poll_ms + rc.metrics_delay_ms + 1) as f64;
+        // Ours schedules each server's first scrape at a random phase within one interval of its
+        // first tick (itself within the first interval), and publishes at the next tick after.
+        let adaptive_extra = self
+            .replicas
+            .iter()
+            .filter(|r| r.adaptive)
+            .map(|r| rc.poll_ms + 2 * r.poll_tick_ms)
+            .max()
+            .unwrap_or(0);
+        let warm_up = (rc.poll_ms + adaptive_extra + rc.metrics_delay_ms + 1) as f64;
         let arrival = |i: usize| reqs.get(i).map(|r| warm_up + r.arrival_ms / rc.load);
         self.out.first_arrival = arrival(0).unwrap_or(0.0);
         let mut next_req = 0usize;
@@ -375,8 +395,10 @@ impl Sim<'_> {
                         self.out.scrape_errors.push(format!("{e:?}"));
                     }
                 }
-                let snap = r.poller.snapshot(now_ms);
-                publish(&r.store, &snap).map_err(|e| format!("publish: {e:?}"))?;
+                if !r.adaptive || r.poller.publish_due(now_ms) {
+                    let snap = r.poller.snapshot(now_ms);
+                    publish(&r.store, &snap).map_err(|e| format!("publish: {e:?}"))?;
+                }
             }
         }
         if self.replicas[ri].next_poll <= t {
@@ -386,7 +408,20 @@ impl Sim<'_> {
                 self.advance_server(si, tp);
             }
             let now_ms = EPOCH_MS + tp as u64;
-            let due = self.replicas[ri].poller.due(now_ms);
+            let due = if self.replicas[ri].adaptive {
+                let r = &mut self.replicas[ri];
+                if let Ok(counts) = r.inflight.borrow_mut().read(&r.store, now_ms) {
+                    r.poller.note_inflight(|a| counts.get(a));
+                }
+                // Results already in but not yet due for publishing (heartbeat, change gap).
+                if r.poller.publish_due(now_ms) {
+                    let snap = r.poller.snapshot(now_ms);
+                    publish(&r.store, &snap).map_err(|e| format!("publish: {e:?}"))?;
+                }
+                r.poller.scrapes_due(now_ms)
+            } else {
+                self.replicas[ri].poller.due(now_ms)
+            };
             let info = RenderInfo {
                 model_name: MODEL,
                 unix_now_s: now_ms as f64 / 1000.0,
@@ -400,7 +435,7 @@ impl Sim<'_> {
                 .collect();
             let r = &mut self.replicas[ri];
             r.pending = Some((tp + self.rc.metrics_delay_ms as f64, texts));
-            r.next_poll = tp + self.rc.poll_ms as f64;
+            r.next_poll = tp + if r.adaptive { r.poll_tick_ms } else { self.rc.poll_ms } as f64;
         }
         Ok(())
     }
