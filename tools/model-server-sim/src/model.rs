@@ -404,7 +404,9 @@ struct Seq {
     prompt: u32,
     output: u32,
     /// Adapter-mixed cache keys of the prompt's full hash units.
-    keys: Vec<u64>,
+    /// Shared, never changed after `submit`: copying a server (the replay's what-ifs) copies a
+    /// pointer, not the keys.
+    keys: std::sync::Arc<[u64]>,
     adapter: Option<String>,
     arrival: f64,
     generated: u32,
@@ -544,7 +546,8 @@ impl Server {
                 Some(s) => splitmix64(h ^ s),
                 None => h,
             })
-            .collect();
+            .collect::<Vec<u64>>()
+            .into();
         let arrival = if req.arrival_ms.is_finite() { req.arrival_ms } else { self.now };
         let arrival = arrival.max(self.now).max(self.last_arrival);
         self.last_arrival = arrival;
@@ -661,6 +664,50 @@ impl Server {
             })
             .collect();
         self.kv.lookup_prefix(&keys) as u64 * self.hash_tokens
+    }
+
+    /// Runs `f` on this server, then puts the server back exactly as it was (every field,
+    /// including the KV cache's contents and LRU order): a what-if without copying the KV cache,
+    /// which a replay's perfect-information picker does for every candidate of every request.
+    /// The cache is restored through its undo journal, the rest from a copy. `f` must not start
+    /// another `what_if` on the same server.
+    pub fn what_if<R>(&mut self, f: impl FnOnce(&mut Server) -> R) -> R {
+        let kv = std::mem::replace(&mut self.kv, KvCache::new(0, 1));
+        let mut saved = self.clone();
+        self.kv = kv;
+        self.kv.begin_journal();
+        let r = f(self);
+        self.kv.rollback();
+        std::mem::swap(&mut saved.kv, &mut self.kv);
+        *self = saved;
+        r
+    }
+
+    /// What-if: make this server's prefix cache hold the first `units` full hash units of a
+    /// prompt (`block_hashes`, `adapter` as in [`SimRequest`]), as evictable cached blocks,
+    /// evicting its least recently freed units for room. Returns how many of those units are
+    /// cached afterwards (fewer when the KV is full of running requests). Meant for a copy of a
+    /// server that a router simulates (a picker's belief about the cache), not for the server a
+    /// replay measures.
+    pub fn assume_cached_prefix(
+        &mut self,
+        block_hashes: &[u64],
+        units: usize,
+        adapter: Option<&str>,
+    ) -> usize {
+        let salt = adapter.map(adapter_salt);
+        let mut n = 0;
+        for &h in block_hashes.iter().take(units) {
+            let key = match salt {
+                Some(s) => splitmix64(h ^ s),
+                None => h,
+            };
+            if !self.kv.insert_cached(key) {
+                break;
+            }
+            n += 1;
+        }
+        n
     }
 
     /// The current state and counters.
