@@ -322,7 +322,7 @@ mod what_if_tests {
         let mut twins = servers.clone();
         let mut rng = SplitMix64::new(7);
         let (mut t, mut ev_a, mut ev_b) = (0.0, Vec::new(), Vec::new());
-        for id in 0..100u64 {
+        for id in 0..70u64 {
             t += 2.0 + rng.next_f64() * 20.0;
             // Ten shared prefixes of 512 tokens plus a private tail.
             let group = rng.below(10) as u64;
@@ -346,6 +346,10 @@ mod what_if_tests {
             for i in 0..servers.len() {
                 let reference = ttft_on_copy(&twins[i], &req, t, f64::INFINITY);
                 assert_eq!(ttft_on(&mut servers[i], &req, t, f64::INFINITY, &mut scratch), reference);
+                // The journal alone, whatever the queue (`what_if` may have copied).
+                let journaled = servers[i]
+                    .what_if_journaled(|s| ttft_from(s, req.clone(), t, f64::INFINITY, &mut scratch));
+                assert_eq!(journaled, reference);
             }
             let chosen = pick(&mut servers, &req, t, &mut rng);
             servers[chosen].submit(req.clone()).unwrap();
