@@ -557,9 +557,13 @@ pub fn gap_tasks(results: &[WorkloadResult], workloads: &[Workload], common: &Co
     v
 }
 
-/// The gap rows of a workload at its reference load: (strategy, median TTFT p90 with rejections
-/// as ∞, its range, oracle ÷ it), from ours to the oracle; None when a row is missing.
-pub fn gap_rows(w: &WorkloadResult) -> Option<(f64, Vec<(&'static str, Range, f64)>)> {
+/// One gap row: strategy, TTFT p90 with rejections as ∞ (median and range over seeds), and
+/// oracle ÷ that median.
+pub type GapRow = (&'static str, Range, f64);
+
+/// The gap rows of a workload at its reference load, from ours to the oracle; None when a row is
+/// missing.
+pub fn gap_rows(w: &WorkloadResult) -> Option<(f64, Vec<GapRow>)> {
     let load = reference_load(w).ok()?;
     let names = ["ours", "ours-perfect-state", "oracle-approx-prefix", "oracle-stale", "oracle"];
     let oracle = w.point("oracle", load, (1, 1))?.ttft_p90_strict_s.median;
