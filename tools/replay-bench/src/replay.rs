@@ -593,7 +593,7 @@ impl Sim<'_> {
             },
             Policy::Oracle => Ok(oracle::pick(&mut self.servers, &sim, t, &mut w.rng)),
             Policy::OracleStale => match rep.stale.as_mut() {
-                Some(copies) => Ok(oracle::pick(copies, &sim, t, &mut w.rng)),
+                Some(copies) => Ok(oracle::pick_stale(copies, &sim, &mut w.rng)),
                 None => Err("no stale state".into()),
             },
             Policy::OracleApproxPrefix => match self.approx.as_mut() {
@@ -614,11 +614,12 @@ impl Sim<'_> {
         };
         self.live[idx].server = si;
         if self.policy == Policy::OracleStale {
-            // It knows its own decisions since the scrape, as ours knows its in-flight counts.
+            // It knows its own decisions since the scrape, as ours knows its in-flight counts:
+            // queued on the copy as of the scrape.
             let rep = &mut self.replicas[self.workers[wi].replica];
             for copies in [rep.stale.as_mut(), rep.stale_pending.as_mut()].into_iter().flatten() {
                 if let Some(c) = copies.get_mut(si) {
-                    let _ = c.submit(sim.clone());
+                    let _ = c.submit(SimRequest { arrival_ms: c.now_ms(), ..sim.clone() });
                 }
             }
         }
