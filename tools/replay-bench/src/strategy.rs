@@ -17,7 +17,7 @@
 //! | `dynamo-no-kv-events` | the same with `--no-kv-events`: cache predicted from its own routing, 120 s TTL | per replica | none |
 //! | `oracle` | the perfect-information picker (`crate::oracle`): each server's exact TTFT for this request, by simulating a copy of it | global | instant |
 //! | `ours-perfect-state` | `ours` (same configuration) fed a snapshot scraped from every server at the instant of each decision: the gap's "greedy objective" row | per worker | every request, no delay |
-//! | `oracle-stale` | `oracle` simulating copies of the servers taken at its last poll (every 200 ms, 20 ms delay): the gap's "staleness" row | global | 200 ms |
+//! | `oracle-stale` | `oracle` on copies of the servers taken at its last poll (every 200 ms, 20 ms delay) with its own decisions since queued on them, evaluated as of the poll: the gap's "staleness" row | global | 200 ms |
 //! | `oracle-approx-prefix` | `oracle` with exact queues but this request's cache hit predicted by an approximate index of its own routing (LRU, the server's KV size): the gap's "approximate prefix state" row | global | instant |
 //!
 //! The refresh interval of every strategy can be changed with `--refresh name=ms` (the
