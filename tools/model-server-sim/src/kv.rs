@@ -82,6 +82,31 @@ pub(crate) struct KvCache {
     lru_head: u32,
     lru_tail: u32,
     evicted_units: u64,
+    /// While a what-if runs ([`KvCache::begin_journal`]): how to undo every change since.
+    journal: Option<Journal>,
+}
+
+/// The undo log of a what-if: the scalars at its start and every structural change since, in
+/// order (undone in reverse).
+#[derive(Debug, Clone)]
+struct Journal {
+    used_blocks: u64,
+    cached_free_blocks: u64,
+    lru_head: u32,
+    lru_tail: u32,
+    evicted_units: u64,
+    units_len: usize,
+    ops: Vec<Undo>,
+}
+
+#[derive(Debug, Clone)]
+enum Undo {
+    /// `units[id]` held this before a write.
+    Unit(u32, Unit),
+    IndexInserted(u64),
+    IndexRemoved(u64, u32),
+    FreeSlotPushed,
+    FreeSlotPopped(u32),
 }
 
 impl KvCache {
@@ -97,6 +122,71 @@ impl KvCache {
             lru_head: NIL,
             lru_tail: NIL,
             evicted_units: 0,
+            journal: None,
+        }
+    }
+
+    /// Start recording every change, so that [`KvCache::rollback`] can restore this state
+    /// exactly (a what-if on the real cache instead of on a copy of it: copying a cache of
+    /// 25,000 units per candidate was most of the oracle's time). Nested what-ifs are not
+    /// supported: a second call restarts the journal.
+    pub(crate) fn begin_journal(&mut self) {
+        self.journal = Some(Journal {
+            used_blocks: self.used_blocks,
+            cached_free_blocks: self.cached_free_blocks,
+            lru_head: self.lru_head,
+            lru_tail: self.lru_tail,
+            evicted_units: self.evicted_units,
+            units_len: self.units.len(),
+            ops: Vec::new(),
+        });
+    }
+
+    /// Undo every change since [`KvCache::begin_journal`] and stop recording. The state is the
+    /// same for every observable purpose (lookups, counts, LRU order, slot reuse); only the hash
+    /// table's internal layout may differ, which nothing reads.
+    pub(crate) fn rollback(&mut self) {
+        let Some(j) = self.journal.take() else { return };
+        for op in j.ops.into_iter().rev() {
+            match op {
+                Undo::Unit(id, u) => {
+                    if let Some(slot) = self.units.get_mut(id as usize) {
+                        *slot = u;
+                    }
+                }
+                Undo::IndexInserted(key) => {
+                    self.index.remove(&key);
+                }
+                Undo::IndexRemoved(key, id) => {
+                    self.index.insert(key, id);
+                }
+                Undo::FreeSlotPushed => {
+                    self.free_slots.pop();
+                }
+                Undo::FreeSlotPopped(id) => self.free_slots.push(id),
+            }
+        }
+        self.units.truncate(j.units_len);
+        self.used_blocks = j.used_blocks;
+        self.cached_free_blocks = j.cached_free_blocks;
+        self.lru_head = j.lru_head;
+        self.lru_tail = j.lru_tail;
+        self.evicted_units = j.evicted_units;
+    }
+
+    /// `units[id]` for writing; journals its old value during a what-if.
+    fn unit_mut(&mut self, id: usize) -> Option<&mut Unit> {
+        if let Some(j) = self.journal.as_mut() {
+            if let Some(u) = self.units.get(id) {
+                j.ops.push(Undo::Unit(id as u32, u.clone()));
+            }
+        }
+        self.units.get_mut(id)
+    }
+
+    fn journal(&mut self, op: Undo) {
+        if let Some(j) = self.journal.as_mut() {
+            j.ops.push(op);
         }
     }
 
@@ -151,7 +241,7 @@ impl KvCache {
                 self.cached_free_blocks -= self.blocks_per_unit;
                 self.used_blocks += self.blocks_per_unit;
             }
-            if let Some(u) = self.units.get_mut(id as usize) {
+            if let Some(u) = self.unit_mut(id as usize) {
                 u.refcnt += 1;
             }
             ids.push(id);
@@ -190,7 +280,8 @@ impl KvCache {
         let unit = Unit { key, refcnt: 1, prev: NIL, next: NIL };
         let id = match self.free_slots.pop() {
             Some(id) => {
-                if let Some(slot) = self.units.get_mut(id as usize) {
+                self.journal(Undo::FreeSlotPopped(id));
+                if let Some(slot) = self.unit_mut(id as usize) {
                     *slot = unit;
                 }
                 id
@@ -201,6 +292,7 @@ impl KvCache {
             }
         };
         self.index.insert(key, id);
+        self.journal(Undo::IndexInserted(key));
         Some(id)
     }
 
@@ -208,7 +300,7 @@ impl KvCache {
     /// A unit whose last reference goes becomes evictable (most recently used end of the LRU).
     pub(crate) fn release_units(&mut self, ids: impl Iterator<Item = u32>) {
         for id in ids {
-            let now_free = match self.units.get_mut(id as usize) {
+            let now_free = match self.unit_mut(id as usize) {
                 Some(u) if u.refcnt > 0 => {
                     u.refcnt -= 1;
                     u.refcnt == 0
@@ -223,6 +315,28 @@ impl KvCache {
         }
     }
 
+    /// Make `key` a cached-free unit (most recently freed end of the LRU) if it is not cached
+    /// yet, evicting the oldest unreferenced units to make room. False (and nothing changed but
+    /// the evictions) when no room can be made. For a what-if copy of a server (the replay's
+    /// oracle with an approximate prefix index), never on a real one.
+    pub(crate) fn insert_cached(&mut self, key: u64) -> bool {
+        if self.index.contains_key(&key) {
+            return true;
+        }
+        while self.free_blocks() < self.blocks_per_unit {
+            if !self.evict_oldest() {
+                return false;
+            }
+        }
+        let Some(id) = self.register(key) else { return true };
+        if let Some(u) = self.unit_mut(id as usize) {
+            u.refcnt = 0;
+        }
+        self.cached_free_blocks += self.blocks_per_unit;
+        self.lru_push_back(id);
+        true
+    }
+
     fn free_blocks(&self) -> u64 {
         self.total_blocks.saturating_sub(self.used_blocks + self.cached_free_blocks)
     }
@@ -233,10 +347,13 @@ impl KvCache {
             return false;
         }
         self.lru_unlink(id);
-        if let Some(u) = self.units.get(id as usize) {
-            self.index.remove(&u.key);
+        if let Some(key) = self.units.get(id as usize).map(|u| u.key) {
+            if let Some(old) = self.index.remove(&key) {
+                self.journal(Undo::IndexRemoved(key, old));
+            }
         }
         self.free_slots.push(id);
+        self.journal(Undo::FreeSlotPushed);
         self.cached_free_blocks -= self.blocks_per_unit;
         self.evicted_units += 1;
         true
@@ -244,13 +361,13 @@ impl KvCache {
 
     fn lru_push_back(&mut self, id: u32) {
         let tail = self.lru_tail;
-        if let Some(u) = self.units.get_mut(id as usize) {
+        if let Some(u) = self.unit_mut(id as usize) {
             u.prev = tail;
             u.next = NIL;
         }
         if tail == NIL {
             self.lru_head = id;
-        } else if let Some(t) = self.units.get_mut(tail as usize) {
+        } else if let Some(t) = self.unit_mut(tail as usize) {
             t.next = id;
         }
         self.lru_tail = id;
@@ -263,15 +380,15 @@ impl KvCache {
         };
         if prev == NIL {
             self.lru_head = next;
-        } else if let Some(p) = self.units.get_mut(prev as usize) {
+        } else if let Some(p) = self.unit_mut(prev as usize) {
             p.next = next;
         }
         if next == NIL {
             self.lru_tail = prev;
-        } else if let Some(n) = self.units.get_mut(next as usize) {
+        } else if let Some(n) = self.unit_mut(next as usize) {
             n.prev = prev;
         }
-        if let Some(u) = self.units.get_mut(id as usize) {
+        if let Some(u) = self.unit_mut(id as usize) {
             u.prev = NIL;
             u.next = NIL;
         }
@@ -346,6 +463,60 @@ mod tests {
         assert!(kv.can_admit(&[1, 2], 2));
         assert!(!kv.can_admit(&[1, 2], 3));
         assert!(kv.can_admit(&[], 4), "both cached units can be evicted");
+    }
+
+    #[test]
+    fn insert_cached_adds_an_evictable_unit_and_evicts_to_make_room() {
+        // 4 blocks, 2 per unit: two inserts fill the pool as cached-free units; a third evicts
+        // the oldest (key 1); nothing is counted as used.
+        let mut kv = KvCache::new(4, 2);
+        assert!(kv.insert_cached(1) && kv.insert_cached(2));
+        assert_eq!((kv.used_blocks(), kv.cached_free_blocks()), (0, 4));
+        assert!(kv.insert_cached(2), "already cached: nothing to do");
+        assert!(kv.insert_cached(3));
+        assert_eq!((kv.lookup_prefix(&[1]), kv.lookup_prefix(&[2, 3])), (0, 2));
+        // With every block in use there is no room.
+        let mut full = KvCache::new(2, 2);
+        assert!(full.allocate(2));
+        assert!(!full.insert_cached(9));
+        assert_eq!(full.lookup_prefix(&[9]), 0);
+    }
+
+    #[test]
+    fn rollback_restores_lookups_counts_lru_order_and_slot_reuse() {
+        // A cache with history: units 1..=4 (2 blocks each, 10 blocks), 3 and 4 freed (LRU: 3
+        // oldest), 1 and 2 held.
+        let build = || {
+            let mut kv = KvCache::new(10, 2);
+            assert!(kv.allocate(8));
+            let ids: Vec<u32> = (1..=4).map(|k| kv.register(k).unwrap()).collect();
+            kv.release_units([ids[2], ids[3]].into_iter());
+            (kv, ids)
+        };
+        let (mut kv, ids) = build();
+        let (mut twin, _) = build();
+        kv.begin_journal();
+        // A what-if that evicts (3 and 4), registers, revives, inserts and releases.
+        assert!(kv.allocate(4));
+        let n = kv.register(9).unwrap();
+        kv.acquire(&[1]);
+        assert!(kv.insert_cached(11), "evicts 4 for room");
+        kv.release_units([n, ids[0]].into_iter());
+        kv.release_private(2);
+        assert_eq!((kv.evicted_units(), kv.lookup_prefix(&[11]), kv.lookup_prefix(&[9])), (2, 1, 1));
+        kv.rollback();
+        assert_eq!((kv.used_blocks(), kv.cached_free_blocks(), kv.evicted_units()), (4, 4, 0));
+        assert_eq!((kv.units.len(), &kv.free_slots), (twin.units.len(), &twin.free_slots));
+        assert_eq!(kv.lookup_prefix(&[1, 2, 3, 4]), 4);
+        assert_eq!(kv.lookup_prefix(&[9]) + kv.lookup_prefix(&[11]), 0);
+        // The same future as the cache that never ran the what-if: 3 is evicted first, then 4,
+        // and the freed slots are reused in the same order.
+        for c in [&mut kv, &mut twin] {
+            assert!(c.allocate(4));
+            assert_eq!((c.lookup_prefix(&[3]), c.lookup_prefix(&[4])), (0, 1));
+        }
+        assert_eq!(kv.register(21), twin.register(21));
+        assert_eq!((kv.lru_head, kv.lru_tail), (twin.lru_head, twin.lru_tail));
     }
 
     #[test]

@@ -1,9 +1,27 @@
 //! Baseline: NVIDIA Dynamo's KV router (`--router-mode kv`), with and without KV events.
 //!
-//! Follows ai-dynamo/dynamo `docs/router/kv_cache_routing.md` and the worker selector of
-//! `lib/llm/src/kv_router/scheduler.rs` (`DefaultWorkerSelector::select_worker`, the 0.4–0.6
-//! releases; the same formula is in `lib/kv-router/src/scheduling/selector.rs` later), with its
-//! defaults: `kv_overlap_score_weight` 1, `router_temperature` 0, KV block 16 tokens (vLLM's).
+//! **Sources, checked against upstream (ai-dynamo/dynamo, Apache-2.0) for issue #16:**
+//! - `docs/router/kv_cache_routing.md` (flags and defaults: `--kv-overlap-score-weight` 1,
+//!   `--router-temperature` 0, KV events on, `--no-kv-events` → predicted cache with a 120 s TTL,
+//!   `--router-replica-sync` off) and `docs/design_docs/router_design.md` (potential active
+//!   blocks, potential new prefill blocks = (input tokens − overlap blocks × block size) ÷ block
+//!   size; active blocks tracked by the router over each request's life).
+//! - The formula followed: `lib/llm/src/kv_router/scheduler.rs`, `DefaultWorkerSelector::
+//!   select_worker` and `softmax_sample`, in the releases that have `mark_prefill_completed`
+//!   (the 0.4–0.6 line): `logit = overlap_score_weight × potential_prefill_blocks +
+//!   potential_decode_blocks`, both "if the request were scheduled there"; at temperature 0 the
+//!   minimum logit, a uniformly random one among equal minima.
+//! - Current main (`lib/kv-router/src/scheduling/selector/default.rs`, v1.3–1.4):
+//!   `prefill_load_scale × max(0, raw_prefill_blocks − overlap_score_credit ×
+//!   device_overlap_blocks) + decode_cost_blocks + decode_active_request_weight ×
+//!   active_requests`, defaults (`scheduling/config.rs`) `prefill_load_scale` 1,
+//!   `overlap_score_credit_decay` 0, `decode_active_request_weight` 0; host/disk cache tiers
+//!   (weights 0.75 / 0.25) need KV offloading, which the simulated servers do not have. With
+//!   those defaults it is the same cost as below (the `max(0, ·)` never binds: the raw prefill
+//!   includes this request's whole prompt, the overlap only part of it).
+//! - Not modelled: the router's request queue (`AllWorkersBusy` / busy thresholds are off by
+//!   default) and the KV block size: the simulated vLLM uses 16-token blocks, which Dynamo's
+//!   `--kv-cache-block-size` follows.
 //!
 //! **Cost, per worker `w`** (lower is better):
 //! `logit(w) = weight × (prefill_tokens(w) + isl − overlap(w)) ÷ block + active_blocks(w ∪ request)`

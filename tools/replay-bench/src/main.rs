@@ -192,8 +192,11 @@ fn real_main() -> Result<(), String> {
     let mut results = suite::empty_results(&workloads);
     suite::execute(&workloads, &mut results, &tasks, &common, args.jobs, &progress)?;
     // Second phase: ours at 4 × 4 at each workload's reference load.
-    let scale_out = suite::scale_out_tasks(&results, &workloads, &common);
-    eprintln!("replay-bench: {} scale-out runs", scale_out.len());
+    // and the gap-to-the-limit variants there (issue #16).
+    let mut scale_out = suite::scale_out_tasks(&results, &workloads, &common);
+    let gap = suite::gap_tasks(&results, &workloads, &common);
+    eprintln!("replay-bench: {} scale-out runs, {} gap runs", scale_out.len(), gap.len());
+    scale_out.extend(gap);
     suite::execute(&workloads, &mut results, &scale_out, &common, args.jobs, &progress)?;
     let wall = started.elapsed().as_secs_f64();
     let cmd: Vec<String> = std::env::args().collect();
@@ -221,6 +224,11 @@ fn real_main() -> Result<(), String> {
         match suite::summary_line(w) {
             Ok(line) => println!("{line}"),
             Err(e) => failed.push(e),
+        }
+    }
+    for w in &results {
+        if let Some(line) = suite::gap_line(w) {
+            println!("{line}");
         }
     }
     if !failed.is_empty() {

@@ -110,6 +110,10 @@ struct Replica {
     pending: Option<(f64, Vec<(usize, String)>)>,
     sglang: Option<CacheAware>,
     dynamo: Option<KvRouter>,
+    /// `oracle-stale`: copies of the servers taken at the scrape in flight, and at the last one
+    /// delivered (what it routes on).
+    stale_pending: Option<Vec<Server>>,
+    stale: Option<Vec<Server>>,
 }
 
 struct Worker {
@@ -155,6 +159,8 @@ struct Sim<'a> {
     out: Outcome,
     head: RequestHead,
     events: Vec<Event>,
+    /// `oracle-approx-prefix`: its index of its own routing.
+    approx: Option<oracle::ApproxIndex>,
 }
 
 /// Replays `trace` with `policy` under `rc`.
@@ -200,6 +206,8 @@ pub fn run(trace: &Trace, policy: Policy, rc: &RunConfig) -> Result<RunResult, S
             sglang: (policy == Policy::Sglang).then(|| CacheAware::new(n)),
             dynamo: matches!(policy, Policy::Dynamo | Policy::DynamoNoEvents)
                 .then(|| KvRouter::new(n, policy == Policy::Dynamo, trace.tokens_per_hash)),
+            stale_pending: None,
+            stale: None,
         })
         .collect();
     let workers: Vec<Worker> = (0..n_replicas * n_workers)
@@ -241,6 +249,12 @@ pub fn run(trace: &Trace, policy: Policy, rc: &RunConfig) -> Result<RunResult, S
             test_selection: None,
         },
         events: Vec::new(),
+        approx: (policy == Policy::OracleApproxPrefix).then(|| {
+            // As many units per server as its KV holds.
+            let units = server_cfg.num_gpu_blocks * u64::from(server_cfg.block_size)
+                / u64::from(server_cfg.hash_tokens().max(1));
+            oracle::ApproxIndex::new(n, units as usize)
+        }),
         cfg,
     };
     sim.run_loop(&mut rng)?;
@@ -385,7 +399,7 @@ impl Sim<'_> {
                 // As the module's poller: this replica's in-flight counts when the scrape answers,
                 // the base of the live load estimate (`inference_picker::load`). Ours only: the
                 // baselines that run on our scheduler core do not have it.
-                let ours = matches!(self.policy, Policy::Ours | Policy::OursFlow | Policy::OursTiers);
+                let ours = self.policy.is_ours();
                 let counts = if ours { r.inflight.borrow_mut().read(&r.store, now_ms).ok() } else { None };
                 for (si, body) in &texts {
                     let res = ScrapeResult::Response { status: 200, body: body.as_bytes() };
@@ -398,6 +412,9 @@ impl Sim<'_> {
                 if !r.adaptive || r.poller.publish_due(now_ms) {
                     let snap = r.poller.snapshot(now_ms);
                     publish(&r.store, &snap).map_err(|e| format!("publish: {e:?}"))?;
+                }
+                if let Some(copies) = r.stale_pending.take() {
+                    r.stale = Some(copies);
                 }
             }
         }
@@ -433,11 +450,41 @@ impl Sim<'_> {
                 .filter_map(|a| self.addr_index.get(a.as_str()).copied())
                 .filter_map(|si| self.servers.get(si).map(|s| (si, s.render_metrics(Engine::Vllm, &info))))
                 .collect();
+            let copies = (self.policy == Policy::OracleStale).then(|| self.servers.clone());
             let r = &mut self.replicas[ri];
             r.pending = Some((tp + self.rc.metrics_delay_ms as f64, texts));
+            r.stale_pending = copies;
             r.next_poll = tp + if r.adaptive { r.poll_tick_ms } else { self.rc.poll_ms } as f64;
         }
         Ok(())
+    }
+
+    /// `ours-perfect-state`: scrape every server at `t` and publish at once (no interval, no
+    /// delay), so the next decision reads the exact state of this instant.
+    fn publish_now(&mut self, ri: usize, t: f64) -> Result<(), String> {
+        for si in 0..self.servers.len() {
+            self.advance_server(si, t);
+        }
+        let now_ms = EPOCH_MS + t as u64;
+        let info = RenderInfo {
+            model_name: MODEL,
+            unix_now_s: now_ms as f64 / 1000.0,
+            created_unix_s: EPOCH_MS as f64 / 1000.0,
+            lora_history: None,
+        };
+        let r = &mut self.replicas[ri];
+        let counts = r.inflight.borrow_mut().read(&r.store, now_ms).ok();
+        for (si, s) in self.servers.iter().enumerate() {
+            let body = s.render_metrics(Engine::Vllm, &info);
+            let addr = &self.addresses[si];
+            let res = ScrapeResult::Response { status: 200, body: body.as_bytes() };
+            let at_scrape = counts.as_ref().map(|c| c.get(addr));
+            if let Err(e) = r.poller.on_result_with_inflight(addr, now_ms, at_scrape, res) {
+                self.out.scrape_errors.push(format!("{e:?}"));
+            }
+        }
+        let snap = r.poller.snapshot(now_ms);
+        publish(&r.store, &snap).map_err(|e| format!("publish: {e:?}"))
     }
 
     /// The snapshot worker `wi` sees now.
@@ -556,6 +603,9 @@ impl Sim<'_> {
             adapter: req.adapter.map(strategy::adapter_name),
             arrival_ms: t,
         };
+        if self.policy == Policy::OursPerfectState {
+            self.publish_now(self.workers[wi].replica, t)?;
+        }
         let snap = if self.policy.uses_scheduler() { Some(self.snapshot(wi)?) } else { None };
         let w = &mut self.workers[wi];
         let rep = &mut self.replicas[w.replica];
@@ -564,6 +614,7 @@ impl Sim<'_> {
             Policy::Ours
             | Policy::OursFlow
             | Policy::OursTiers
+            | Policy::OursPerfectState
             | Policy::GieDefault
             | Policy::GieDefaultLora
             | Policy::Gie111
@@ -638,7 +689,19 @@ impl Sim<'_> {
                 }
                 None => Err("no dynamo state".into()),
             },
-            Policy::Oracle => Ok(oracle::pick(&self.servers, &sim, t, &mut w.rng)),
+            Policy::Oracle => Ok(oracle::pick(&mut self.servers, &sim, t, &mut w.rng)),
+            Policy::OracleStale => match rep.stale.as_mut() {
+                Some(copies) => Ok(oracle::pick_stale(copies, &sim, &mut w.rng)),
+                None => Err("no stale state".into()),
+            },
+            Policy::OracleApproxPrefix => match self.approx.as_mut() {
+                Some(ix) => {
+                    let full = (sim.prompt_tokens / trace.tokens_per_hash.max(1)) as usize;
+                    let units = &sim.block_hashes[..full.min(sim.block_hashes.len())];
+                    Ok(oracle::pick_approx(&mut self.servers, &sim, units, ix, t, &mut w.rng))
+                }
+                None => Err("no approximate index".into()),
+            },
         };
         let si = match chosen {
             Ok(si) => si,
@@ -648,6 +711,17 @@ impl Sim<'_> {
             }
         };
         self.live[idx].server = si;
+        if self.policy == Policy::OracleStale {
+            // It knows its own decisions since the scrape, as ours knows its in-flight counts:
+            // queued on the copy as of the scrape.
+            let rep = &mut self.replicas[self.workers[wi].replica];
+            for copies in [rep.stale.as_mut(), rep.stale_pending.as_mut()].into_iter().flatten() {
+                if let Some(c) = copies.get_mut(si) {
+                    let _ = c.submit(SimRequest { arrival_ms: c.now_ms(), ..sim.clone() });
+                }
+            }
+        }
+        let rep = &mut self.replicas[self.workers[wi].replica];
         match self.servers[si].submit(sim) {
             Ok(()) => {
                 let _ = rep.inflight.borrow_mut().adjust(&rep.store, &self.addresses[si], 1, now_ms);

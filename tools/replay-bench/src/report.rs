@@ -79,6 +79,7 @@ pub fn markdown(
                  needs the ranges not to overlap):\n\n{vs}"
             );
         }
+        s.push_str(&gap_section(w));
         let is_llm_d = workloads.iter().any(|x| x.key == w.key && x.llm_d_check);
         if is_llm_d {
             s.push_str(&llm_d_section(w));
@@ -276,6 +277,33 @@ fn targets(results: &[WorkloadResult]) -> String {
             get("ttft_p90_vs_dynamo"),
             get("ttft_p90_vs_oracle")
         );
+    }
+    s
+}
+
+/// The gap to the limit at the reference load (issue #16): ours, then each piece of perfect
+/// information given back in turn, then the oracle.
+fn gap_section(w: &WorkloadResult) -> String {
+    let Some((load, rows)) = suite::gap_rows(w) else { return String::new() };
+    let mut s = format!(
+        "\nThe gap to the limit at the reference load {} (TTFT p90, rejected = ∞, median [min–max] \
+         over seeds; `oracle ÷ row` is 1 at the limit): `ours-perfect-state` is ours fed an exact \
+         scrape at every decision (staleness off for ours' objective); `oracle-approx-prefix` is \
+         the exact-TTFT objective on exact queues but an approximate prefix index (the objective \
+         changed, prefix state still approximate); `oracle-stale` is the oracle on 200 ms-old \
+         state (staleness alone); `oracle` has all of it.\n\n| row | TTFT p90 (s) | oracle ÷ row |\n|---|---:|---:|\n",
+        suite::fmt_load(load)
+    );
+    for (n, r, x) in rows {
+        let range = if suite::fmt_secs(r.min) == suite::fmt_secs(r.max) {
+            suite::fmt_secs(r.median)
+        } else {
+            format!("{} [{}–{}]", suite::fmt_secs(r.median), suite::fmt_secs(r.min), suite::fmt_secs(r.max))
+        };
+        let _ = writeln!(s, "| {n} | {range} | {x:.2} |");
+    }
+    if let Some(line) = suite::gap_line(w) {
+        let _ = writeln!(s, "\n`{line}`");
     }
     s
 }

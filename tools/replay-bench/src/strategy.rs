@@ -16,6 +16,9 @@
 //! | `dynamo` | NVIDIA Dynamo's KV router with KV events (`crate::dynamo`) | per replica (one frontend) | events: instant |
 //! | `dynamo-no-kv-events` | the same with `--no-kv-events`: cache predicted from its own routing, 120 s TTL | per replica | none |
 //! | `oracle` | the perfect-information picker (`crate::oracle`): each server's exact TTFT for this request, by simulating a copy of it | global | instant |
+//! | `ours-perfect-state` | `ours` (same configuration) fed a snapshot scraped from every server at the instant of each decision: the gap's "greedy objective" row | per worker | every request, no delay |
+//! | `oracle-stale` | `oracle` on copies of the servers taken at its last poll (every 200 ms, 20 ms delay) with its own decisions since queued on them, evaluated as of the poll: the gap's "staleness" row | global | 200 ms |
+//! | `oracle-approx-prefix` | `oracle` with exact queues but this request's cache hit predicted by an approximate index of its own routing (LRU, the server's KV size): the gap's "approximate prefix state" row | global | instant |
 //!
 //! The refresh interval of every strategy can be changed with `--refresh name=ms` (the
 //! `Common::refresh` map).
@@ -61,10 +64,15 @@ pub enum Policy {
     Dynamo,
     DynamoNoEvents,
     Oracle,
+    /// The gap to the limit (issue #16), each a row at the reference load: ours fed exact,
+    /// instant metrics; the oracle on 200 ms-old state; the oracle on an approximate prefix index.
+    OursPerfectState,
+    OracleStale,
+    OracleApproxPrefix,
 }
 
 impl Policy {
-    pub const ALL: [Policy; 14] = [
+    pub const ALL: [Policy; 17] = [
         Policy::Ours,
         Policy::OursFlow,
         Policy::OursTiers,
@@ -79,6 +87,9 @@ impl Policy {
         Policy::Dynamo,
         Policy::DynamoNoEvents,
         Policy::Oracle,
+        Policy::OursPerfectState,
+        Policy::OracleStale,
+        Policy::OracleApproxPrefix,
     ];
 
     pub fn name(self) -> &'static str {
@@ -97,6 +108,9 @@ impl Policy {
             Policy::Dynamo => "dynamo",
             Policy::DynamoNoEvents => "dynamo-no-kv-events",
             Policy::Oracle => "oracle",
+            Policy::OursPerfectState => "ours-perfect-state",
+            Policy::OracleStale => "oracle-stale",
+            Policy::OracleApproxPrefix => "oracle-approx-prefix",
         }
     }
 
@@ -109,7 +123,12 @@ impl Policy {
 
     /// Our filter, in one of its configurations.
     pub fn is_ours(self) -> bool {
-        matches!(self, Policy::Ours | Policy::OursFlow | Policy::OursTiers)
+        matches!(self, Policy::Ours | Policy::OursFlow | Policy::OursTiers | Policy::OursPerfectState)
+    }
+
+    /// The perfect-information picker or one of its gap variants (`crate::oracle`).
+    pub fn is_oracle(self) -> bool {
+        matches!(self, Policy::Oracle | Policy::OracleStale | Policy::OracleApproxPrefix)
     }
 
     /// Runs the real Scheduler (and so parses bodies with the real parser).
@@ -135,7 +154,7 @@ impl Policy {
     /// request goes through the same state whatever the replicas and workers.
     pub fn central(self) -> bool {
         matches!(self, Policy::GieDefault | Policy::GieDefaultLora | Policy::Gie111 | Policy::LoadOnly)
-            || self == Policy::Oracle
+            || self.is_oracle()
     }
 
     /// A shipped baseline of another project or of Envoy (what `best baseline` ranges over). Not
@@ -218,7 +237,7 @@ pub fn config(
         })
     };
     match policy {
-        Policy::Ours => {}
+        Policy::Ours | Policy::OursPerfectState => {}
         Policy::OursFlow => {
             d.insert(
                 "priority".into(),

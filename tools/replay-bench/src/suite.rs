@@ -532,6 +532,60 @@ pub fn scale_out_tasks(results: &[WorkloadResult], workloads: &[Workload], commo
     v
 }
 
+/// The gap to the limit (issue #16): each variant turns one piece of the oracle's perfect
+/// information off (see `crate::oracle`), from ours to the limit.
+pub const GAP: [Policy; 3] = [Policy::OursPerfectState, Policy::OracleApproxPrefix, Policy::OracleStale];
+
+/// The gap variants at each workload's reference load, 1 × 1, every seed, for workloads that ran
+/// both ours and the oracle.
+pub fn gap_tasks(results: &[WorkloadResult], workloads: &[Workload], common: &Common) -> Vec<Task> {
+    let mut v = Vec::new();
+    for (wi, (r, w)) in results.iter().zip(workloads).enumerate() {
+        if !(w.strategies.contains(&Policy::Ours) && w.strategies.contains(&Policy::Oracle)) {
+            continue;
+        }
+        let Ok(load) = reference_load(r) else { continue };
+        for p in GAP {
+            if r.point(p.name(), load, (1, 1)).is_some() {
+                continue;
+            }
+            for &seed in &common.seeds {
+                v.push(Task { workload: wi, policy: p, load, replicas: 1, workers: 1, seed });
+            }
+        }
+    }
+    v
+}
+
+/// One gap row: strategy, TTFT p90 with rejections as ∞ (median and range over seeds), and
+/// oracle ÷ that median.
+pub type GapRow = (&'static str, Range, f64);
+
+/// The gap rows of a workload at its reference load, from ours to the oracle; None when a row is
+/// missing.
+pub fn gap_rows(w: &WorkloadResult) -> Option<(f64, Vec<GapRow>)> {
+    let load = reference_load(w).ok()?;
+    let names = ["ours", "ours-perfect-state", "oracle-approx-prefix", "oracle-stale", "oracle"];
+    let oracle = w.point("oracle", load, (1, 1))?.ttft_p90_strict_s.median;
+    let mut rows = Vec::new();
+    for n in names {
+        let r = w.point(n, load, (1, 1))?.ttft_p90_strict_s;
+        rows.push((n, r, oracle / r.median));
+    }
+    Some((load, rows))
+}
+
+/// `GAP <trace> ref_load=<L> ours=<s> ours_perfect_state=<s> oracle_approx_prefix=<s>
+/// oracle_stale=<s> oracle=<s>`: TTFT p90 medians (rejected = ∞), or None without the rows.
+pub fn gap_line(w: &WorkloadResult) -> Option<String> {
+    let (load, rows) = gap_rows(w)?;
+    let mut s = format!("GAP {} ref_load={}", w.key, fmt_load(load));
+    for (n, r, _) in rows {
+        let _ = write!(s, " {}={}", n.replace('-', "_"), fmt_secs(r.median));
+    }
+    Some(s)
+}
+
 /// The workloads' results before any run (bounds computed).
 pub fn empty_results(workloads: &[Workload]) -> Vec<WorkloadResult> {
     workloads

@@ -82,7 +82,7 @@ fn every_strategy_conserves_requests_on_real_mooncake_rows() {
     // 150 requests of the first ~45 s at 20× load: ~2 s of arrivals on 3 small servers.
     let cfg = rc(3, 12_000, 20.0);
     let bound = hit_rate_bound(&t);
-    for p in CORE.into_iter().chain([Policy::OursTiers]) {
+    for p in CORE.into_iter().chain([Policy::OursTiers]).chain(suite::GAP) {
         let r = run(&t, p, &cfg).unwrap();
         conserved(&r);
         assert!(r.hit_rate <= bound + 1e-9, "{}", p.name());
@@ -113,7 +113,13 @@ fn dynamo_with_events_and_the_oracle_find_the_cached_prefixes() {
     let t = shared_prefix();
     let cfg = rc(4, 2000, 1.0);
     let random = run(&t, Policy::Random, &cfg).unwrap();
-    for p in [Policy::Dynamo, Policy::DynamoNoEvents, Policy::Oracle] {
+    for p in [
+        Policy::Dynamo,
+        Policy::DynamoNoEvents,
+        Policy::Oracle,
+        Policy::OracleStale,
+        Policy::OracleApproxPrefix,
+    ] {
         let r = run(&t, p, &cfg).unwrap();
         conserved(&r);
         assert_eq!(r.rejected, 0, "{r:?}");
