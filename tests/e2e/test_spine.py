@@ -162,8 +162,12 @@ def test_f_inflight_count_is_shared_across_workers():
     sims = [Sim(f"flight-{i}", extra=["--speed", "0.05"]) for i in range(3)]
     # Only the in-flight scorer counts here: slowed simulators also report real (and changing)
     # queues, which would be a second, legitimate signal and blur what this test isolates.
+    # The `weighted` objective isolates that scorer; the default `predicted_ttft` objective also
+    # reads the in-flight counts (through the live queue estimate) but lets a rendezvous among
+    # near-equal pods decide, so it would not balance a burst exactly.
     weights = {"queue": 0, "kv_cache": 0, "inflight": 1}
-    envoy = Envoy(picker_config([endpoint(s) for s in sims], scheduler={"weights": weights}), concurrency=4)
+    envoy = Envoy(picker_config([endpoint(s) for s in sims], scheduler={"objective": "weighted", "weights": weights}),
+                  concurrency=4)
     try:
         envoy.wait_routable()
         time.sleep(2.5)  # let the warm-up request finish everywhere
