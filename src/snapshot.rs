@@ -393,6 +393,7 @@ mod tests {
             scraped_ms: 0,
             failures: 4,
             inflight_at_scrape: None,
+            role: Default::default(),
         });
         s
     }

@@ -769,7 +769,8 @@ impl Metrics {
             }
             return None;
         }
-        let defined = if self.suffix.is_empty() { name.to_string() } else { format!("{name}{}", self.suffix) };
+        let defined =
+            if self.suffix.is_empty() { name.to_string() } else { format!("{name}{}", self.suffix) };
         match abi::define_metric(kind, &defined) {
             Ok(id) => {
                 self.ids.insert(name.to_string(), id);
