@@ -163,6 +163,7 @@ pub fn run(trace: &Trace, run: &PdRun) -> Result<PdResult, String> {
         session_id: None,
         session_token: None,
         priority: Default::default(),
+        test_selection: None,
     };
     let n = trace.requests.len();
     let mut live = vec![Live::default(); n];
