@@ -15,6 +15,10 @@
 //!    request while the poller is down;
 //! 3. otherwise asks the group's queue: go on, hold (paused), or reject (429 shed or queue full).
 //!
+//! With flow control off (the default) only a sheddable request (priority < 0) needs step 1's
+//! full report; any other request only needs step 2's answer, found at the first fresh
+//! endpoint serving the group (`judgeable`), not by judging every endpoint.
+//!
 //! [`Gate::tick`] (from the root context's tick) renews each group's capacity and returns what
 //! to release or reject; a group that can no longer be judged releases everything it holds
 //! (step 2). [`Gate::cancel`] forgets a request whose client went away.
