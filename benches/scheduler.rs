@@ -185,5 +185,40 @@ fn bench_decision(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, bench_parse, bench_hash, bench_decision);
+/// Admission of one request with the shipped defaults (flow control off), a standard priority:
+/// what every request pays before the pick.
+fn bench_admission(c: &mut Criterion) {
+    use inference_picker::admission::Gate;
+    use inference_picker::priority::{PriorityDecision, PrioritySource};
+    let mut g = c.benchmark_group("admission");
+    let cfg = config();
+    let prio = PriorityDecision {
+        priority: 0,
+        source: PrioritySource::Model,
+        objective: None,
+        tier: None,
+        fairness_id: "default-flow".into(),
+    };
+    for n in [128usize, 1024] {
+        let (snap, inflight) = snapshot(n);
+        let store = MemStore::new();
+        let mut gate = Gate::new(&cfg, 1);
+        g.bench_function(BenchmarkId::new("admit_flow_off", n), |b| {
+            b.iter(|| {
+                gate.admit(
+                    &store,
+                    black_box(&snap),
+                    &inflight,
+                    1,
+                    "meta-llama/Llama-3.1-8B-Instruct",
+                    &prio,
+                    NOW,
+                )
+            })
+        });
+    }
+    g.finish();
+}
+
+criterion_group!(benches, bench_parse, bench_hash, bench_decision, bench_admission);
 criterion_main!(benches);

@@ -15,6 +15,10 @@
 //!    request while the poller is down;
 //! 3. otherwise asks the group's queue: go on, hold (paused), or reject (429 shed or queue full).
 //!
+//! With flow control off (the default) only a sheddable request (priority < 0) needs step 1's
+//! full report; any other request only needs step 2's answer, found at the first fresh
+//! endpoint serving the group (`judgeable`), not by judging every endpoint.
+//!
 //! [`Gate::tick`] (from the root context's tick) renews each group's capacity and returns what
 //! to release or reject; a group that can no longer be judged releases everything it holds
 //! (step 2). [`Gate::cancel`] forgets a request whose client went away.
@@ -50,7 +54,7 @@ use crate::flow::{self, Admission, Capacity, FlowControlConfig, FlowQueue, Reser
 use crate::inflight::InflightCounts;
 use crate::ports::{SharedStore, StoreError};
 use crate::priority::PriorityDecision;
-use crate::saturation::{saturated, SaturationParams};
+use crate::saturation::{is_stale, saturated, SaturationParams};
 use crate::scheduler::filter::serves;
 use crate::snapshot::{EndpointStatus, Snapshot};
 use crate::telemetry;
@@ -184,6 +188,21 @@ pub fn capacity_with(
             cap.with_reserve(r.min_priority, &low)
         }
         None => cap,
+    })
+}
+
+/// What [`Gate::admit`] needs of the capacity when flow control is off and the request is not
+/// sheddable (priority >= 0): the queue then only counts it as passed, so only whether the
+/// group can be judged matters ([`capacity`] is `None` exactly when no endpoint serves `group`
+/// or every one that does is stale). Stops at the first fresh serving endpoint, without the
+/// saturation report over every endpoint and its in-flight lookups. The capacity returned is
+/// not a saturation estimate (never saturated, no slots): only for that case.
+fn judgeable(sat: &SaturationParams, snapshot: &Snapshot, group: &str, now_ms: u64) -> Option<Capacity> {
+    snapshot.endpoints.iter().any(|e| serves(e, group) && !is_stale(sat, e, now_ms)).then_some(Capacity {
+        epoch: snapshot.version,
+        slots: 0,
+        saturated: false,
+        reserve: None,
     })
 }
 
@@ -325,9 +344,12 @@ impl Gate {
         priority: &PriorityDecision,
         now_ms: u64,
     ) -> Decision {
-        let Some(cap) =
+        let cap = if self.flow.enabled || priority.priority < 0 {
             capacity_with(&self.sat, self.flow.reserve.as_ref(), snapshot, group, inflight, now_ms)
-        else {
+        } else {
+            judgeable(&self.sat, snapshot, group, now_ms)
+        };
+        let Some(cap) = cap else {
             *self.fail_open.entry(priority.priority).or_default() += 1;
             return Decision::Go;
         };
@@ -608,6 +630,89 @@ mod tests {
             capacity_with(&sat, None, &snap(7, 10), "m", &f, NOW),
             capacity(&sat, &snap(7, 10), "m", &f, NOW)
         );
+    }
+
+    /// Flow control off, priority >= 0: admission takes the short path ([`judgeable`]), which
+    /// must decide and count exactly as the full saturation report would: fail open exactly when
+    /// [`capacity`] is `None`, otherwise passed; a sheddable request still gets the full report.
+    #[test]
+    fn flow_off_short_path_agrees_with_the_full_capacity() {
+        let mut c = cfg("");
+        c.flow_control.enabled = false;
+        let sat = c.saturation.params(c.poller.stale_after_ms);
+        let store = MemStore::new();
+        let mut scenarios: Vec<(&str, Snapshot)> = vec![
+            ("fresh", snap(3, 10)),
+            ("all stale", snap(3, 1001)),
+            ("edge of stale", snap(3, 1000)),
+            ("empty", Snapshot::default()),
+        ];
+        let mut one_stale = snap(3, 10);
+        one_stale.endpoints[0].scraped_ms = NOW - 5000;
+        scenarios.push(("one stale", one_stale));
+        let mut failing = snap(3, 10);
+        for e in &mut failing.endpoints {
+            e.failures = 1;
+        }
+        scenarios.push(("failing", failing));
+        let mut no_metrics = snap(3, 10);
+        for e in &mut no_metrics.endpoints {
+            e.metrics = None;
+        }
+        scenarios.push(("no metrics", no_metrics));
+        let mut never = snap(3, 10);
+        for e in &mut never.endpoints {
+            e.scraped_ms = 0;
+        }
+        scenarios.push(("never scraped", never));
+        let mut future = snap(3, 10);
+        future.endpoints[1].scraped_ms = NOW + 50;
+        future.endpoints[0].failures = 2;
+        scenarios.push(("clock skew", future));
+        let mut fail_opens = 0;
+        for (name, s) in &scenarios {
+            for group in ["m", "other", "nobody"] {
+                for counts in ["", FULL] {
+                    let f = inflight(counts);
+                    let full = capacity(&sat, s, group, &f, NOW);
+                    assert_eq!(
+                        judgeable(&sat, s, group, NOW).is_some(),
+                        full.is_some(),
+                        "{name} {group} {counts}"
+                    );
+                    for p in [-5, 0, 10] {
+                        let mut g = Gate::new(&c, 1);
+                        let d = g.admit(&store, s, &f, 1, group, &prio(p), NOW);
+                        let outcome = match (&full, p < 0) {
+                            (None, _) => "fail_open",
+                            (Some(cap), true) if cap.saturated => "shed",
+                            (Some(_), _) => "passed",
+                        };
+                        fail_opens += usize::from(outcome == "fail_open");
+                        match outcome {
+                            "shed" => assert!(matches!(d, Decision::Reject(_)), "{name} {group} {p}: {d:?}"),
+                            _ => assert_eq!(d, Decision::Go, "{name} {group} {p}"),
+                        }
+                        let want = telemetry::name(
+                            telemetry::FLOW_REQUESTS,
+                            &[("priority", &p.to_string()), ("outcome", outcome)],
+                        );
+                        let counted: Vec<_> = g
+                            .take_metrics()
+                            .into_iter()
+                            .filter(|m| matches!(m, MetricUpdate::Count { .. }))
+                            .collect();
+                        assert_eq!(
+                            counted,
+                            vec![MetricUpdate::Count { name: want, delta: 1 }],
+                            "{name} {group} {p}"
+                        );
+                    }
+                }
+            }
+        }
+        // Both sides were exercised.
+        assert!(fail_opens > 0 && fail_opens < scenarios.len() * 3 * 2 * 3);
     }
 
     #[test]

@@ -100,11 +100,90 @@ struct RawMessage<'a> {
     tool_calls: Option<Vec<ToolCall<'a>>>,
 }
 
+/// A message's `content`: a string, a list of parts, or anything else (ignored).
+///
+/// Deserialized by hand, not as a `#[serde(untagged)]` enum: untagged buffers the whole value
+/// before trying each variant, which copied every escaped message string twice (into the buffer,
+/// then out of it). Same results as the untagged enum it replaces: a string is `Text` (borrowed
+/// when it has no escapes); a list is `Parts` when every element is a [`Part`], else `Other`;
+/// any other value is `Other`.
+enum Content<'a> {
+    Text(Cow<'a, str>),
+    Parts(Vec<Part<'a>>),
+    Other,
+}
+
+impl<'de: 'a, 'a> Deserialize<'de> for Content<'a> {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        d.deserialize_any(ContentVisitor(std::marker::PhantomData))
+    }
+}
+
+struct ContentVisitor<'a>(std::marker::PhantomData<&'a ()>);
+
+impl<'de: 'a, 'a> serde::de::Visitor<'de> for ContentVisitor<'a> {
+    type Value = Content<'a>;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("message content")
+    }
+    fn visit_borrowed_str<E>(self, v: &'de str) -> Result<Self::Value, E> {
+        Ok(Content::Text(Cow::Borrowed(v)))
+    }
+    fn visit_str<E>(self, v: &str) -> Result<Self::Value, E> {
+        Ok(Content::Text(Cow::Owned(v.to_owned())))
+    }
+    fn visit_string<E>(self, v: String) -> Result<Self::Value, E> {
+        Ok(Content::Text(Cow::Owned(v)))
+    }
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+        let mut parts = Vec::new();
+        let mut all_parts = true;
+        while let Some(p) = seq.next_element::<MaybePart<'a>>()? {
+            match p {
+                MaybePart::Part(p) if all_parts => parts.push(p),
+                MaybePart::Part(_) => {}
+                MaybePart::Other(_) => {
+                    all_parts = false;
+                    parts.clear();
+                }
+            }
+        }
+        Ok(if all_parts { Content::Parts(parts) } else { Content::Other })
+    }
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+        while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
+        Ok(Content::Other)
+    }
+    fn visit_bool<E>(self, _: bool) -> Result<Self::Value, E> {
+        Ok(Content::Other)
+    }
+    fn visit_i64<E>(self, _: i64) -> Result<Self::Value, E> {
+        Ok(Content::Other)
+    }
+    fn visit_u64<E>(self, _: u64) -> Result<Self::Value, E> {
+        Ok(Content::Other)
+    }
+    fn visit_f64<E>(self, _: f64) -> Result<Self::Value, E> {
+        Ok(Content::Other)
+    }
+    fn visit_unit<E>(self) -> Result<Self::Value, E> {
+        Ok(Content::Other)
+    }
+    fn visit_none<E>(self) -> Result<Self::Value, E> {
+        Ok(Content::Other)
+    }
+    fn visit_some<D: serde::Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+        Content::deserialize(d)
+    }
+}
+
+/// One element of a content list: a [`Part`], or anything that is not one (which makes the
+/// whole list `Content::Other`, as the untagged `Vec<Part>` variant did).
 #[derive(Deserialize)]
 #[serde(untagged)]
-enum Content<'a> {
-    Text(#[serde(borrow)] Cow<'a, str>),
-    Parts(#[serde(borrow)] Vec<Part<'a>>),
+enum MaybePart<'a> {
+    Part(#[serde(borrow)] Part<'a>),
     Other(IgnoredAny),
 }
 
@@ -189,7 +268,14 @@ pub fn parse_request(path: &str, body: &[u8]) -> Result<ParsedRequest, Rejection
             ApiKind::Other
         };
     }
-    let mut prompt = String::new();
+    // The prompt is built from the body's own text (fewer bytes than the body: keys, quotes and
+    // escapes are dropped), so one reservation spares the reallocations and their copies.
+    let has_prompt = raw.tools.is_some()
+        || raw.instructions.is_some()
+        || raw.messages.is_some()
+        || raw.prompt.is_some()
+        || raw.input.is_some();
+    let mut prompt = if has_prompt { String::with_capacity(body.len()) } else { String::new() };
     if let Some(tools) = &raw.tools {
         if !tools.is_null() {
             prompt.push_str("[tools]");
@@ -259,7 +345,7 @@ fn push_message(
                 }
             }
         }
-        Some(Content::Other(_)) | None => {}
+        Some(Content::Other) | None => {}
     }
     for call in tool_calls.unwrap_or(&[]) {
         if let Some(f) = &call.function {
@@ -350,6 +436,100 @@ mod tests {
 
     fn parse(path: &str, body: &str) -> Result<ParsedRequest, Rejection> {
         parse_request(path, body.as_bytes())
+    }
+
+    /// The untagged enum `Content` replaced, kept here as the reference for its results.
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum OldContent<'a> {
+        Text(#[serde(borrow)] Cow<'a, str>),
+        Parts(#[serde(borrow)] Vec<Part<'a>>),
+        Other(IgnoredAny),
+    }
+
+    /// Comparable form: text, or parts as (type, text, image url), or other.
+    #[derive(Debug, PartialEq)]
+    enum Seen {
+        Text(String),
+        Parts(Vec<(Option<String>, Option<String>, Option<String>)>),
+        Other,
+    }
+
+    fn seen_parts(parts: &[Part<'_>]) -> Seen {
+        Seen::Parts(
+            parts
+                .iter()
+                .map(|p| {
+                    let url = p.image_url.as_ref().map(|u| match u {
+                        ImageUrl::Object { url } => url.to_string(),
+                        ImageUrl::Plain(u) => u.to_string(),
+                    });
+                    (p.kind.as_ref().map(|k| k.to_string()), p.text.as_ref().map(|t| t.to_string()), url)
+                })
+                .collect(),
+        )
+    }
+
+    fn seen_new(c: &Content<'_>) -> Seen {
+        match c {
+            Content::Text(t) => Seen::Text(t.to_string()),
+            Content::Parts(p) => seen_parts(p),
+            Content::Other => Seen::Other,
+        }
+    }
+
+    fn seen_old(c: &OldContent<'_>) -> Seen {
+        match c {
+            OldContent::Text(t) => Seen::Text(t.to_string()),
+            OldContent::Parts(p) => seen_parts(p),
+            OldContent::Other(_) => Seen::Other,
+        }
+    }
+
+    /// Inside an untagged enum (as in a Responses `input` item) the value comes buffered.
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Nested<C> {
+        Msg { content: Option<C> },
+        Other(IgnoredAny),
+    }
+
+    #[test]
+    fn hand_written_content_matches_the_untagged_enum_it_replaced() {
+        let cases = [
+            r#""plain""#,
+            r#""with \"escapes\"\n and \u00e9""#,
+            r#""""#,
+            r#"[]"#,
+            r#"[{"type":"text","text":"a"},{"type":"image_url","image_url":{"url":"u"}}]"#,
+            r#"[{"type":"image_url","image_url":"plain-url"},{"type":"input_audio"}]"#,
+            r#"[{"type":"text","text":"a\nb"}]"#,
+            r#"[{"type":"text","text":"a"},5]"#,
+            r#"[5,{"type":"text","text":"a"}]"#,
+            r#"[{"type":"text","text":7}]"#,
+            r#"[["text","positional"]]"#,
+            r#"[null]"#,
+            r#"{"type":"text","text":"an object"}"#,
+            r#"42"#,
+            r#"-1.5"#,
+            r#"true"#,
+            r#"[[1,2],{"a":[{"b":null}]}]"#,
+        ];
+        for c in cases {
+            let new: Content<'_> = serde_json::from_str(c).unwrap();
+            let old: OldContent<'_> = serde_json::from_str(c).unwrap();
+            assert_eq!(seen_new(&new), seen_old(&old), "{c}");
+            let doc = format!(r#"{{"content":{c}}}"#);
+            let new: Nested<Content<'_>> = serde_json::from_str(&doc).unwrap();
+            let old: Nested<OldContent<'_>> = serde_json::from_str(&doc).unwrap();
+            let (Nested::Msg { content: new }, Nested::Msg { content: old }) = (new, old) else {
+                panic!("{c}: not read as a message");
+            };
+            assert_eq!(new.as_ref().map(seen_new), old.as_ref().map(seen_old), "nested {c}");
+        }
+        // null content is no content either way.
+        let new: Nested<Content<'_>> = serde_json::from_str(r#"{"content":null}"#).unwrap();
+        assert!(matches!(new, Nested::Msg { content: None }));
     }
 
     #[test]

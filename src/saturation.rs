@@ -182,6 +182,17 @@ fn signal(v: Option<f64>) -> Option<f64> {
     v.filter(|x| x.is_finite()).map(|x| x.max(0.0))
 }
 
+/// Is `ep` stale at `now_ms` (counted as full, see the module doc): no metrics, never scraped,
+/// a failed scrape since the last success, or a scrape older than `stale_after_ms`. A failed
+/// scrape makes the endpoint stale at once, as it does for the scheduler
+/// (`scheduler::filter::healthy`): its old metrics may describe a dead server.
+pub fn is_stale(cfg: &SaturationParams, ep: &EndpointStatus, now_ms: u64) -> bool {
+    ep.metrics.is_none()
+        || ep.failures > 0
+        || ep.scraped_ms == 0
+        || now_ms.saturating_sub(ep.scraped_ms) > ep.stale_limit_ms(cfg.stale_after_ms)
+}
+
 /// The load of one endpoint with `inflight` requests from this proxy in flight.
 pub fn endpoint_load(
     cfg: &SaturationParams,
@@ -191,12 +202,7 @@ pub fn endpoint_load(
 ) -> EndpointLoad {
     let stale_load = EndpointLoad { load: 1.0, stale: true, blind: false, room: 0 };
     let Some(m) = ep.metrics.as_ref() else { return stale_load };
-    // A failed scrape since the last success makes the endpoint stale at once, as it does for
-    // the scheduler (`scheduler::filter::healthy`): its old metrics may describe a dead server.
-    if ep.failures > 0
-        || ep.scraped_ms == 0
-        || now_ms.saturating_sub(ep.scraped_ms) > ep.stale_limit_ms(cfg.stale_after_ms)
-    {
+    if is_stale(cfg, ep, now_ms) {
         return stale_load;
     }
     // The live estimate: the scraped queue plus what this gateway sent since that scrape and
