@@ -152,6 +152,8 @@ fn a_short_prompt_or_a_cached_one_is_not_split() {
     let text = prompt("conv", 8000);
     let first = r.go(&sn, &text, &HealthView::default(), 2).unwrap();
     assert_eq!(first.decision, Decision::Split);
+    // The next turn comes after the first one finished.
+    r.sched.request_done(first.pick.ticket);
     let again = r.go(&sn, &text, &HealthView::default(), 3).unwrap();
     assert_eq!(again.pick.primary, first.pick.primary, "prefix affinity keeps the decode pod");
     assert_eq!(

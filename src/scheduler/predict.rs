@@ -4,7 +4,8 @@
 //! For each healthy candidate `e` and this request:
 //! ```text
 //! uncached(e) = prompt_tokens − cached_tokens(e)                 (≥ 0)
-//! ahead(e)    = max(pending_tokens(e), waiting(e) × per_request(e))
+//! ahead(e)    = max(pending_tokens(e) + pending_n(e) × overhead_tokens,
+//!                   waiting(e) × (per_request(e) + overhead_tokens))
 //! work(e)     = ahead(e) + uncached(e) + overhead_tokens
 //! ttft(e)     = rate(e) × work(e) × lora_factor(e)                (ms)
 //! ```
@@ -20,7 +21,9 @@
 //! - `per_request(e)` = `pending_tokens(e) ÷ pending_n(e)` when this worker has some there, else
 //!   the worker's running mean of the uncached tokens it sends ([`Ledger::mean_tokens`]).
 //! - `overhead_tokens` (256): the fixed cost of any request (a scheduler step, the network), so
-//!   that a fully cached prompt on an idle endpoint does not predict 0.
+//!   that a fully cached prompt on an idle endpoint does not predict 0. Every request ahead
+//!   costs it too: with tiny prompts a queue of 50 would otherwise weigh less than one request's
+//!   overhead, and fall within the rendezvous slack of an idle endpoint.
 //! - `rate(e)`: ms per token learned online per endpoint (`crate::rates`, shared by the workers).
 //! - `lora_factor(e)` = `1 / max(lora_score(e), 0.1)` for an adapter request (the LoRA scorer's
 //!   1 running → ×1 · 0.8 free slot → ×1.25 · 0.6 waiting → ×1.67 · 0 every slot held by other
@@ -243,7 +246,9 @@ pub fn work(i: &Inputs, mean_tokens: f64) -> f64 {
     let (p_tokens, p_n) = i.pending;
     let per_request = if p_n > 0 { p_tokens / f64::from(p_n) } else { mean_tokens };
     let waiting = i.waiting.filter(|w| w.is_finite()).unwrap_or(f64::from(i.inflight)).max(0.0);
-    let ahead = p_tokens.max(waiting * per_request);
+    // Every request ahead costs its fixed overhead too, as this one's does: with tiny prompts a
+    // queue of 50 would otherwise weigh less than one request's overhead.
+    let ahead = (p_tokens + f64::from(p_n) * OVERHEAD_TOKENS).max(waiting * (per_request + OVERHEAD_TOKENS));
     let active = if i.active.is_finite() { i.active.max(0.0) } else { 0.0 };
     let v = ahead + i.uncached.max(0.0) + active + OVERHEAD_TOKENS;
     if v.is_finite() {
@@ -336,15 +341,19 @@ mod tests {
     fn work_counts_what_is_queued_ahead_and_the_uncached_prompt() {
         // Idle, 1000 uncached tokens.
         assert_eq!(work(&inp(1000.0, (0.0, 0), Some(0.0), 0), 500.0), 1256.0);
-        // 2 waiting at the pod, none of ours pending: 2 × the mean.
-        assert_eq!(work(&inp(1000.0, (0.0, 0), Some(2.0), 2), 500.0), 2256.0);
-        // Ours pending: 3 requests of 3000 tokens in all; the queue says 4 → 4 × 1000.
-        assert_eq!(work(&inp(0.0, (3000.0, 3), Some(4.0), 4), 500.0), 4256.0);
-        // Our pending tokens exceed the (stale) queue view: they count.
-        assert_eq!(work(&inp(0.0, (9000.0, 1), Some(0.0), 1), 500.0), 9256.0);
+        // 2 waiting at the pod, none of ours pending: 2 × (the mean + the overhead).
+        assert_eq!(work(&inp(1000.0, (0.0, 0), Some(2.0), 2), 500.0), 2768.0);
+        // Ours pending: 3 requests of 3000 tokens in all; the queue says 4 → 4 × (1000 + 256).
+        assert_eq!(work(&inp(0.0, (3000.0, 3), Some(4.0), 4), 500.0), 5280.0);
+        // Our pending tokens exceed the (stale) queue view: they count, with their overhead.
+        assert_eq!(work(&inp(0.0, (9000.0, 1), Some(0.0), 1), 500.0), 9512.0);
         // Queue missing: the in-flight count stands in.
-        assert_eq!(work(&inp(0.0, (0.0, 0), None, 3), 100.0), 556.0);
-        assert_eq!(work(&inp(0.0, (0.0, 0), Some(f64::NAN), 3), 100.0), 556.0);
+        assert_eq!(work(&inp(0.0, (0.0, 0), None, 3), 100.0), 1324.0);
+        assert_eq!(work(&inp(0.0, (0.0, 0), Some(f64::NAN), 3), 100.0), 1324.0);
+        // Tiny prompts: a queue of 50 is far worse than an idle pod (beyond any rendezvous slack).
+        let busy = work(&inp(1.0, (0.0, 0), Some(50.0), 0), 1.0);
+        let idle = work(&inp(1.0, (0.0, 0), Some(0.0), 0), 1.0);
+        assert!(busy > 10.0 * idle, "{busy} vs {idle}");
     }
 
     #[test]

@@ -248,21 +248,31 @@ def test_predicted_ttft_learns_each_pods_rate_from_streamed_responses():
     # prior rate (equal, idle, same prompt); after streamed requests the workers have learnt,
     # through shared data, that one pod is slower, and predict it so.
     fast, slow = Sim("rate-fast"), Sim("rate-slow", extra=["--speed", "0.1"])
-    envoy = Envoy(picker_config([endpoint(fast), endpoint(slow)], scheduler={"debug_scores": True}), concurrency=2)
+    cfg = picker_config([endpoint(fast), endpoint(slow)], scheduler={"debug_scores": True})
+    # Conformance mode lets the test send the learning traffic to each pod in turn (its
+    # `test-epp-endpoint-selection` header): a pod learns only from requests it serves, and the
+    # scheduler alone would soon stop sending any to the pod it finds slow.
+    cfg["filter"] = {"conformance_mode": True}
+    envoy = Envoy(cfg, concurrency=2)
     try:
         envoy.wait_routable()
         prompt = "tell me about rates " * 200
         before = _predicted(envoy.chat(content=prompt))
         assert set(before) == {fast.address, slow.address}, before
         assert abs(before[fast.address] - before[slow.address]) < 0.01 * before[fast.address], before
+        fast.reset_stats()
+        slow.reset_stats()
         with requests.Session() as s:
-            for i in range(30):
+            for i in range(40):
+                pod = (fast, slow)[i % 2]
                 body = {"model": LLAMA, "stream": True, "max_tokens": 2,
                         "messages": [{"role": "user", "content": f"request {i} " + "x " * 600}]}
-                r = s.post(envoy.url + "/v1/chat/completions", json=body, timeout=60, stream=True)
+                r = s.post(envoy.url + "/v1/chat/completions", json=body, timeout=60, stream=True,
+                           headers={"test-epp-endpoint-selection": pod.address})
                 assert r.status_code == 200, r.text
                 for _ in r.iter_content(chunk_size=None):
                     pass
+        assert (fast.requests_total(), slow.requests_total()) == (20, 20)
         time.sleep(0.5)  # the workers re-read the shared rates every 250 ms
         after = {}
         for _ in range(4):  # whichever worker answers, it reads the same learnt rates
