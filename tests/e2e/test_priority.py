@@ -78,7 +78,8 @@ def inflight(envoy: Envoy, sim: Sim) -> float:
 def start_blockers(envoy: Envoy, sim: Sim, pool: cf.ThreadPoolExecutor, max_tokens: int):
     """Two long requests that take both slots; returns their futures once both are in flight."""
     futs = [pool.submit(post, envoy, f"blocker {i}", max_tokens) for i in range(2)]
-    wait_until(lambda: inflight(envoy, sim) == 2, 10, "both blockers in flight")
+    # Bounded generously: on a loaded 2-core CI machine the two sends can take seconds to land.
+    wait_until(lambda: inflight(envoy, sim) == 2, 30, "both blockers in flight")
     return futs
 
 
