@@ -390,18 +390,8 @@ pub fn route(
     inputs: &BodyInputs<'_>,
     health: &HealthView,
 ) -> Result<PdPick, Rejection> {
-    let req = PickRequest {
-        model: &prepared.requested_model,
-        prompt: &prepared.prompt,
-        cache_salt: prepared.cache_salt.as_deref(),
-        session_id: head.session_id.as_deref(),
-        session_token: head.session_token.as_deref(),
-    };
     // Conformance mode: the test's endpoint selection narrows both picks, as in `route_with`.
-    let restricted = match &head.test_selection {
-        Some(sel) => Some(crate::request::restrict_to_selection(inputs.snapshot, sel)?),
-        None => None,
-    };
+    let (req, restricted) = crate::request::pick_inputs(head, prepared, inputs.snapshot)?;
     pick(
         cfg,
         scheduler,

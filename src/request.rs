@@ -448,6 +448,28 @@ pub fn prepare_routed(
     })
 }
 
+/// What every pick of a prepared request starts from: the scheduler's request, and the
+/// snapshot narrowed to the conformance test's endpoint selection when it sent one (`None`: use
+/// the whole snapshot). Shared by [`route_with`] and `crate::pd::route`.
+pub(crate) fn pick_inputs<'a>(
+    head: &'a RequestHead,
+    prepared: &'a Prepared,
+    snapshot: &Snapshot,
+) -> Result<(PickRequest<'a>, Option<Snapshot>), Rejection> {
+    let req = PickRequest {
+        model: &prepared.requested_model,
+        prompt: &prepared.prompt,
+        cache_salt: prepared.cache_salt.as_deref(),
+        session_id: head.session_id.as_deref(),
+        session_token: head.session_token.as_deref(),
+    };
+    let restricted = match &head.test_selection {
+        Some(sel) => Some(restrict_to_selection(snapshot, sel)?),
+        None => None,
+    };
+    Ok((req, restricted))
+}
+
 /// [`route`] with the passive-health view (`crate::health`): ejected endpoints are left out and
 /// recent failures count as load.
 pub fn route_with(
@@ -458,17 +480,7 @@ pub fn route_with(
     inputs: &BodyInputs<'_>,
     health: &crate::health::HealthView,
 ) -> Result<Pick, Rejection> {
-    let req = PickRequest {
-        model: &prepared.requested_model,
-        prompt: &prepared.prompt,
-        cache_salt: prepared.cache_salt.as_deref(),
-        session_id: head.session_id.as_deref(),
-        session_token: head.session_token.as_deref(),
-    };
-    let restricted = match &head.test_selection {
-        Some(sel) => Some(restrict_to_selection(inputs.snapshot, sel)?),
-        None => None,
-    };
+    let (req, restricted) = pick_inputs(head, prepared, inputs.snapshot)?;
     scheduler.pick_for_with(
         &prepared.route,
         &req,

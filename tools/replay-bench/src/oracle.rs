@@ -240,18 +240,24 @@ mod tests {
         }
     }
 
-    #[test]
-    fn picks_the_server_that_caches_the_prompt_and_the_idle_one_otherwise() {
+    /// Two servers: `a` has computed a 4,096-token prompt (256 units, returned) and is idle
+    /// again at the returned time; `b` is empty.
+    fn a_cached_b_idle() -> (Vec<Server>, Vec<u64>, f64) {
         let cfg = ServerConfig { tokens_per_hash: Some(16), ..Default::default() };
         let mut a = Server::new(cfg.clone()).unwrap();
         let b = Server::new(cfg).unwrap();
-        // Server a has computed a 4,096-token prompt (256 units) and is idle again.
         let h: Vec<u64> = (1..=256).collect();
         a.submit(req(1, 4096, h.clone(), 0.0)).unwrap();
         a.advance_to(f64::INFINITY);
         let now = a.now_ms().max(1_000.0);
         a.advance_to(now);
-        let mut servers = vec![a, b];
+        (vec![a, b], h, now)
+    }
+
+    #[test]
+    fn picks_the_server_that_caches_the_prompt_and_the_idle_one_otherwise() {
+        // Server a has computed a 4,096-token prompt (256 units) and is idle again.
+        let (mut servers, h, now) = a_cached_b_idle();
         let mut rng = SplitMix64::new(1);
         // The same prompt: a only computes the last block, b all 4,096 tokens.
         assert_eq!(pick(&mut servers, &req(2, 4096, h, now), now, &mut rng), 0);
@@ -274,16 +280,8 @@ mod tests {
 
     #[test]
     fn the_approximate_oracle_acts_on_its_belief_not_on_the_real_cache() {
-        let cfg = ServerConfig { tokens_per_hash: Some(16), ..Default::default() };
-        let mut a = Server::new(cfg.clone()).unwrap();
-        let b = Server::new(cfg).unwrap();
         // Server a really caches the 4,096-token prompt, but the index believes b does.
-        let h: Vec<u64> = (1..=256).collect();
-        a.submit(req(1, 4096, h.clone(), 0.0)).unwrap();
-        a.advance_to(f64::INFINITY);
-        let now = a.now_ms().max(1_000.0);
-        a.advance_to(now);
-        let mut servers = vec![a, b];
+        let (mut servers, h, now) = a_cached_b_idle();
         let mut rng = SplitMix64::new(3);
         assert_eq!(pick(&mut servers, &req(2, 4096, h.clone(), now), now, &mut rng), 0, "exact: a");
         let mut ix = ApproxIndex::new(2, 1_000);
