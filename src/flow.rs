@@ -17,7 +17,9 @@
 //!
 //! # Admission ([`FlowQueue::admit`], at request time)
 //! With the model's [`Capacity`] (from `crate::saturation`) and the shared record:
-//! 1. Saturated and sheddable (priority < 0): 429 at once (`request_shed`).
+//! 1. Sheddable (priority < 0) and saturated for its priority ([`Capacity::saturated_for`]: at
+//!    the reduced thresholds when it is below `flow_control.reserve.min_priority`): 429 at once
+//!    (`request_shed`).
 //! 2. Not saturated (for this priority: below `flow_control.reserve.min_priority`, at the
 //!    reduced thresholds, [`Capacity::saturated_for`]) and no request of equal or higher priority
 //!    waits anywhere: pass. When lower-priority requests wait somewhere, the release ledger is in
@@ -794,7 +796,7 @@ impl FlowQueue {
 
     /// Decides whether the request goes on now, waits, or is refused. See the module doc.
     pub fn admit(&mut self, store: &dyn SharedStore, t: &Ticket, cap: &Capacity, now_ms: u64) -> Admission {
-        if cap.saturated && t.priority < 0 {
+        if t.priority < 0 && cap.saturated_for(t.priority) {
             self.stats.at(t.priority).shed += 1;
             return Admission::Reject(self.rejection_shed());
         }
@@ -1777,8 +1779,8 @@ mod tests {
             Capacity { reserve: Some(Reserve { min_priority: 10, slots: 0, saturated: true }), ..room(1, 2) };
         assert!(held(&q.admit(&s, &t(1, 0, "a"), &low_full, 0)), "standard waits");
         assert_eq!(q.admit(&s, &t(2, 15, "a"), &low_full, 0), Admission::Pass, "premium takes the reserve");
-        // A sheddable request is held too (it is shed only when every endpoint is full).
-        assert!(held(&q.admit(&s, &t(3, -5, "a"), &low_full, 0)));
+        // A sheddable request below the reserve is shed: every endpoint is full for it.
+        assert!(matches!(q.admit(&s, &t(3, -5, "a"), &low_full, 0), Admission::Reject(_)));
         assert!(held(&q.admit(&s, &t(4, 0, "a"), &low_full, 0)));
         // Ticks release nothing below 10 while the reduced thresholds are reached...
         assert!(q.on_tick(&s, &Capacity { epoch: 2, ..low_full }, 10).is_empty());
