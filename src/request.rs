@@ -44,6 +44,12 @@ pub const CLIENT_ROUTING_HEADERS: [&str; 5] = [
 
 /// GIE destination header: primary first, then fallbacks.
 pub const DESTINATION_HEADER: &str = "x-gateway-destination-endpoint";
+/// Envoy's router header that sets the number of retries of this request, overriding the
+/// route's `num_retries`. The filter sets it to the number of fallbacks it listed: one try per
+/// listed pod, never a try with no listed pod left (the `override_host` policy would then find
+/// no host and Envoy would answer `503 no healthy upstream` in place of the last pod's own error).
+/// Whatever a client sent is overwritten.
+pub const MAX_RETRIES_HEADER: &str = "x-envoy-max-retries";
 /// The header the ORIGINAL_DST cluster reads (the primary only).
 pub const ORIGINAL_DST_HEADER: &str = "x-envoy-original-dst-host";
 /// Response header naming the endpoint that served.

@@ -24,6 +24,15 @@ pub struct Snapshot {
     pub endpoints: Vec<EndpointStatus>,
 }
 
+impl Snapshot {
+    /// Endpoints whose last scrape succeeded (metrics read, no failure since): what the poller
+    /// reports as `inference_picker_ready_endpoints` when it publishes (readers judge age on
+    /// their own, [`EndpointStatus::is_fresh`]).
+    pub fn ready_endpoints(&self) -> usize {
+        self.endpoints.iter().filter(|e| e.failures == 0 && e.metrics.is_some() && e.scraped_ms > 0).count()
+    }
+}
+
 /// One endpoint as the poller last saw it.
 #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -385,6 +394,18 @@ mod tests {
                 poll_ms: 0,
             }],
         }
+    }
+
+    #[test]
+    fn ready_endpoints_counts_only_successful_last_scrapes() {
+        let mut s = snap(1);
+        assert_eq!(s.ready_endpoints(), 1);
+        let ok = s.endpoints[0].clone();
+        // Never scraped; scraped then failed once; a second good one.
+        s.endpoints.push(EndpointStatus { metrics: None, scraped_ms: 0, ..ok.clone() });
+        s.endpoints.push(EndpointStatus { failures: 1, ..ok.clone() });
+        s.endpoints.push(EndpointStatus { address: "10.0.0.2:8000".into(), ..ok });
+        assert_eq!(s.ready_endpoints(), 2);
     }
 
     #[test]

@@ -58,6 +58,9 @@ pub const VM_MEMORY: &str = "inference_picker_vm_memory_bytes";
 /// (not 200), `not_utf8`, `metrics` (no routing metric found), `too_large` (over
 /// `poller.max_response_bytes`), `lost` (no callback within the timeout).
 pub const SCRAPE_FAILURES: &str = "inference_picker_scrape_failures_total";
+/// Gauge set by the poller at each publish: endpoints whose last scrape succeeded (GIE's
+/// `inference_pool_ready_pods` to its EPP). Below the pool's size, some pods are unreachable or lying.
+pub const READY_ENDPOINTS: &str = "inference_picker_ready_endpoints";
 /// Kubernetes pod-list calls that failed, by `reason`: `dispatch`, `status`, `bad_body`,
 /// `too_large`.
 pub const DISCOVERY_FAILURES: &str = "inference_picker_discovery_failures_total";

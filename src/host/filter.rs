@@ -23,7 +23,7 @@ use crate::ports::SharedStore;
 use crate::priority::PriorityHeaders;
 use crate::request::{
     self, BodyInputs, HeadDecision, Prepared, RequestHead, DEBUG_SCORES_HEADER, DESTINATION_HEADER,
-    ORIGINAL_DST_HEADER, QUEUE_MS_HEADER, SERVED_HEADER,
+    MAX_RETRIES_HEADER, ORIGINAL_DST_HEADER, QUEUE_MS_HEADER, SERVED_HEADER,
 };
 use crate::telemetry;
 
@@ -288,6 +288,7 @@ fn go(
     }
     let pick = pick.pick;
     io::set_request_header(DESTINATION_HEADER, Some(&pick.destination_header()));
+    io::set_request_header(MAX_RETRIES_HEADER, Some(&pick.fallbacks.len().to_string()));
     io::set_request_header(ORIGINAL_DST_HEADER, Some(&pick.primary));
     // The +1 counts locally even if publishing it fails (the next tick publishes it), so the
     // matching -1 is always due.
@@ -301,11 +302,10 @@ fn go(
     let model = ("model", pick.target_model.as_str());
     let outcome = ("outcome", pick.reason.as_str());
     if per_endpoint {
-        metrics.gauge_tagged(
-            telemetry::ENDPOINT_INFLIGHT,
-            &[("endpoint", &pick.primary)],
-            u64::from(inputs.inflight.get(&pick.primary)).saturating_add(1),
-        );
+        // Read again after our own increment: `inputs.inflight` was read before the pick, and
+        // another worker may have sent to the same pod since (both would set the old count + 1).
+        let now = worker.inflight_counts(inputs.now_ms).get(&pick.primary);
+        metrics.gauge_tagged(telemetry::ENDPOINT_INFLIGHT, &[("endpoint", &pick.primary)], u64::from(now));
     }
     match telemetry::endpoint_tag(per_endpoint, &pick.primary) {
         Some(ep) => metrics.count_tagged(telemetry::REQUESTS, &[model, ep, outcome]),

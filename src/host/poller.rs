@@ -301,6 +301,8 @@ impl PollerRole {
         if let Err(e) = snapshot::publish(&io::HostStore, &snap) {
             warn!("inference-picker-poller: publishing snapshot failed: {e:?}");
         }
+        let ready = u64::try_from(snap.ready_endpoints()).unwrap_or(u64::MAX);
+        self.metrics.gauge(telemetry::name(telemetry::READY_ENDPOINTS, &[]), ready);
     }
 }
 

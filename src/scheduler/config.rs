@@ -24,6 +24,8 @@ pub struct SchedulerConfig {
     /// How many fallback endpoints follow the primary in `x-gateway-destination-endpoint`.
     /// Default 2: with the shipped Envoy configs (override_host and a route retry policy with
     /// num_retries 2) a try that fails before the response starts goes to the next listed pod.
+    /// The filter sets `x-envoy-max-retries` to the number of fallbacks it listed, which overrides
+    /// the route's `num_retries` for each request.
     #[serde(default = "default_fallbacks")]
     pub fallbacks: usize,
     /// Totals within this of the best are ties, broken by a seeded random choice. Default 0.001

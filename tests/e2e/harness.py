@@ -27,6 +27,11 @@ LLAMA = "meta-llama/Llama-3.1-8B-Instruct"
 QWEN = "Qwen/Qwen2.5-7B-Instruct"
 
 _live: list[subprocess.Popen] = []
+# What each Envoy stopped during the current test left behind (its warnings and the picker's
+# health and scrape series), for conftest.py to show when the test fails: CI output is all
+# there is to diagnose a failure that does not repeat.
+STOPPED_REPORTS: list[str] = []
+LIVE_ENVOYS: list["Envoy"] = []
 
 
 @atexit.register
@@ -87,8 +92,28 @@ class Sim:
     def requests_total(self) -> int:
         return int(self.stats()["requests_total"])
 
-    def fake_load(self, **load) -> None:
+    def fake_load(self, wait: bool = True, **load) -> None:
+        """Makes this pod's /metrics report `load` (queue, running, kv, ...; none = its real
+        load), and waits (bounded) until the poller has scraped it four more times: the first
+        scrape after the change has then been published and read by the workers (each at most
+        one poll interval later). A fixed sleep is not enough on a busy 2-core machine.
+        `wait=False` only sets it (a test of the poller's own cadence)."""
+        before = self.stats()["metrics_scrapes_total"]
         requests.post(self.url + "/sim/fake-load", json=load, timeout=5).raise_for_status()
+        if wait:
+            self.wait_scraped(since=before)
+
+    def wait_scraped(self, n: int = 4, since: int | None = None, timeout: float = 15) -> None:
+        """Waits (bounded) until this pod's /metrics has been scraped `n` more times than
+        `since` (default: now): then what it reported at the first of them has been published
+        and read by the workers."""
+        if since is None:
+            since = self.stats()["metrics_scrapes_total"]
+        deadline = time.time() + timeout
+        while self.stats()["metrics_scrapes_total"] < since + n:
+            if time.time() >= deadline:
+                raise AssertionError(f"{self.name}: fewer than {n} scrapes in {timeout} s")
+            time.sleep(0.05)
 
     def reset_stats(self) -> None:
         requests.post(self.url + "/sim/reset-stats", timeout=5).raise_for_status()
@@ -162,6 +187,8 @@ class Envoy:
                  retry_policy: dict | None = None):
         self.port = free_port()
         self.admin_port = free_port()
+        self.config = config
+        LIVE_ENVOYS.append(self)
         self.tmp = tempfile.TemporaryDirectory(prefix="picker-envoy-")
         doc = yaml.safe_load(base_yaml.read_text())
         doc = render(doc, config, self.port, self.admin_port, front_filters or [], pool_hosts, retry_policy)
@@ -206,17 +233,36 @@ class Envoy:
         body.update(extra)
         return requests.post(self.url + "/v1/chat/completions", json=body, headers=headers or {}, timeout=timeout)
 
-    def wait_routable(self, model: str = LLAMA, timeout: float = 15) -> None:
-        """Waits (bounded) until the poller has published fresh metrics and a request routes."""
+    def wait_routable(self, model: str = LLAMA, timeout: float = 15, ready: int | None = None) -> None:
+        """Waits (bounded) until a request routes and the poller has published a snapshot in
+        which `ready` endpoints (default: every configured one) answered their last scrape
+        (`inference_picker_ready_endpoints`). One routable pod is not enough for a test that
+        compares pods: the others' first scrapes come at random phases. A test with a pod that
+        is down on purpose passes the number expected to be up."""
         deadline = time.time() + timeout
         last = None
         while time.time() < deadline:
             last = self.chat(model)
             if last.status_code == 200:
-                return
+                break
             time.sleep(0.1)
-        raise AssertionError(f"no route for {model}: {last.status_code if last else None} "
-                             f"{last.text if last else ''}\n{self.log()}")
+        else:
+            raise AssertionError(f"no route for {model}: {last.status_code if last else None} "
+                                 f"{last.text if last else ''}\n{self.log()}")
+        if ready is None:
+            # Multi-pool configurations label the gauge per pool; they wait per model above.
+            # (Subclasses that render their own configuration have no `config`.)
+            cfg = getattr(self, "config", None) or {}
+            if cfg.get("pool") or "endpoints" not in cfg:
+                return
+            ready = len(cfg["endpoints"])
+        seen = None
+        while time.time() < deadline:
+            seen = self.metric("inference_picker_ready_endpoints")
+            if seen >= ready:
+                return
+            time.sleep(0.05)
+        raise AssertionError(f"{seen} of {ready} endpoints ready after {timeout} s\n{self.log()}")
 
     def stats_prometheus(self) -> str:
         return requests.get(self.admin + "/stats/prometheus", timeout=5).text
@@ -225,7 +271,26 @@ class Envoy:
         """The value of one Prometheus series (0 when absent), matched on the given labels."""
         return metric_value(self.stats_prometheus(), name, **labels)
 
+    def _report(self) -> str:
+        lines = []
+        if self.proc.poll() is None:
+            try:
+                lines += [l for l in self.stats_prometheus().splitlines()
+                          if l.startswith(("inference_picker_scrape_failures", "inference_picker_ready",
+                                           "inference_picker_health", "inference_picker_rejections"))]
+            except requests.RequestException as e:
+                lines.append(f"(stats unavailable: {e})")
+        try:
+            log = self.log_path.read_text().splitlines()
+        except OSError:
+            log = []
+        lines += [l for l in log if "][warning]" in l or "][error]" in l or "][critical]" in l][-40:]
+        return "\n".join(lines)
+
     def stop(self) -> None:
+        if self in LIVE_ENVOYS:
+            LIVE_ENVOYS.remove(self)
+            STOPPED_REPORTS.append(self._report())
         if self.proc.poll() is None:
             self.proc.terminate()
             try:

@@ -159,6 +159,33 @@ def test_hung_pod_gets_a_fallback_and_all_hung_a_json_504():
             s.stop()
 
 
+def test_a_shorter_list_is_not_padded_with_a_no_host_try():
+    """With fewer listed pods than the route's num_retries + 1 (here scheduler.fallbacks 1, the
+    route's 2), the filter sets x-envoy-max-retries to the fallbacks it listed: when both listed
+    pods fail, the client gets the last pod's own error after two tries, not Envoy's
+    `503 no healthy upstream` from a third try with no listed pod left. The same happens when
+    passive health leaves fewer healthy pods than the route's retries. A client-sent
+    x-envoy-max-retries is overwritten."""
+    sims = [Sim(f"short-{i}") for i in range(3)]
+    envoy = Envoy(picker_config([endpoint(s) for s in sims], scheduler={"fallbacks": 1},
+                                health={"enabled": False}), concurrency=1)
+    try:
+        envoy.wait_routable()
+        for s in sims:
+            s.chaos("status", status=500)
+        body = {"model": LLAMA, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
+        r = requests.post(envoy.url + "/v1/chat/completions", json=body, timeout=30,
+                          headers={"x-envoy-max-retries": "9"})
+        tries = sum(s.chaos_total() for s in sims)
+        assert r.status_code == 500, (r.status_code, r.text)
+        assert "no healthy upstream" not in r.text, r.text
+        assert tries == 2, tries
+    finally:
+        envoy.stop()
+        for s in sims:
+            s.stop()
+
+
 def test_a_flowing_stream_outlives_per_try_timeout():
     """per_try_timeout bounds the time to the response headers only: a 3 s stream (20 tokens at
     150 ms) passes a 1 s per_try_timeout untouched, and is served by one pod."""
@@ -187,8 +214,9 @@ def test_a_flowing_stream_outlives_per_try_timeout():
                          ids=["503", "reset"])
 def test_every_listed_pod_failing_is_a_json_error_never_an_unlisted_pod(mode):
     """Both listed pods fail; a third pod is a member of Envoy's cluster but not of the picker's
-    configuration. The override_host list runs out and the NO_FALLBACK subset policy finds no
-    host: the client gets an OpenAI-style error and the unlisted pod never sees a request."""
+    configuration. The filter's x-envoy-max-retries ends the retries with the list (and were a
+    try left, the NO_FALLBACK subset policy would find no host): the client gets an OpenAI-style
+    error and the unlisted pod never sees a request."""
     listed = [Sim(f"listed-{i}") for i in range(2)]
     unlisted = Sim("unlisted")
     envoy = Envoy(picker_config([endpoint(s) for s in listed]), concurrency=2,

@@ -64,7 +64,7 @@ def test_idle_pods_back_off_stay_routable_and_a_moving_pod_is_polled_fast(pool):
     deadline = time.time() + 4.0
     k = 0
     while time.time() < deadline and k < 40:
-        b.fake_load(queue=k % 5 + 1, running=2, kv=0.3)
+        b.fake_load(wait=False, queue=k % 5 + 1, running=2, kv=0.3)
         k += 1
         time.sleep(0.25)
     s1 = scrapes(envoy)

@@ -338,7 +338,7 @@ def test_flow_control_steps_aside_when_every_endpoint_is_stale():
     cfg["poller"]["metrics_path"] = "/no-metrics-here"
     envoy = Envoy(cfg, concurrency=4)
     try:
-        envoy.wait_routable()
+        envoy.wait_routable(ready=0)
         wait_until(lambda: inflight(envoy, sim) == 0, 10, "warm-up request finished")
         with cf.ThreadPoolExecutor(4) as pool:
             blockers = start_blockers(envoy, sim, pool, max_tokens=30)

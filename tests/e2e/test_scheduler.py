@@ -64,12 +64,10 @@ def test_session_id_sticks_then_moves_when_overloaded_or_killed():
         home = homes.pop()
         # Overloaded: the hot-spot guard moves the session away.
         by_name[home].fake_load(queue=200, running=200, kv=0.99)
-        time.sleep(3 * POLL_S)
         moved = {served(post(envoy, {"model": LLAMA, "max_tokens": 2, "messages": [{"role": "user", "content": f"again {i}"}]}, hdr)) for i in range(8)}
         assert home not in moved and len(moved) == 1, moved
         # Load gone: it comes back home (rendezvous hashing is stateless).
         by_name[home].fake_load()
-        time.sleep(3 * POLL_S)
         back = {served(post(envoy, {"model": LLAMA, "max_tokens": 2, "messages": [{"role": "user", "content": f"back {i}"}]}, hdr)) for i in range(8)}
         assert back == {home}, back
         # Killed: it moves, and every request still succeeds.
@@ -131,7 +129,8 @@ def test_lora_request_prefers_the_endpoint_running_the_adapter():
                "chat-lora" in sims[0].stats()["model"]["running_lora_adapters"]:
                 break
             time.sleep(0.05)
-        time.sleep(3 * POLL_S)  # the poller sees vllm:lora_requests_info
+        for s in sims:
+            s.wait_scraped()  # the poller sees vllm:lora_requests_info
         for s in sims:
             s.reset_stats()
         # Scores: sim 1 = 1.0 (running), sim 2 = 0.8 (free slot), sim 0 = 0 (slot taken).
@@ -201,13 +200,11 @@ def test_mixed_vllm_and_sglang_pool_is_scored_on_both():
         envoy.wait_routable()
         # The SGLang server reports a long queue through sglang:num_queue_reqs: traffic avoids it.
         sglang.fake_load(queue=60, running=60, kv=0.9)
-        time.sleep(3 * POLL_S)
         got = [served(envoy.chat(content=f"a{i}")) for i in range(10)]
         assert got == ["mix-vllm"] * 10, got
         # And the other way round, through vllm:num_requests_waiting.
         sglang.fake_load()
         vllm.fake_load(queue=60, running=60, kv=0.9)
-        time.sleep(3 * POLL_S)
         r = envoy.chat(content="b")
         assert served(r) == "mix-sglang"
         # The opt-in debug header shows both endpoints scored from their own engine's metrics.
