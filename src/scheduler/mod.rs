@@ -211,6 +211,9 @@ pub struct Breakdown {
     pub total: f64,
     /// Predicted TTFT in ms (objective `predicted_ttft`; 0 otherwise).
     pub predicted_ms: f64,
+    /// The work (tokens) and learnt rate (ms per token) behind `predicted_ms`.
+    pub work: f64,
+    pub rate: f64,
 }
 
 impl Breakdown {
@@ -545,6 +548,8 @@ impl Scheduler {
                 lora: get(&lo),
                 total: 0.0,
                 predicted_ms: 0.0,
+                work: 0.0,
+                rate: 0.0,
             };
             b.total = b.weighted(&weights);
             rows.push(b);
@@ -592,10 +597,13 @@ impl Scheduler {
                     active: self.cfg.predicted.active_weight * self.ledger.active(c.address),
                 };
                 let ms = predict::ttft_ms(&inp, mean);
-                works.push(predict::work(&inp, mean));
+                let work = predict::work(&inp, mean);
+                works.push(work);
                 uncached.push(inp.uncached);
                 if let Some(r) = rows.get_mut(i) {
                     r.predicted_ms = ms;
+                    r.work = work;
+                    r.rate = inp.rate;
                 }
             }
         }
@@ -729,7 +737,7 @@ fn debug_string(cands: &[Candidate<'_>], rows: &[Breakdown], overloaded: &[bool]
             c.address, b.total, b.prefix, b.queue, b.kv_cache, b.inflight, b.session, b.lora
         );
         if predicted {
-            let _ = write!(s, " ttft={:.1}ms", b.predicted_ms);
+            let _ = write!(s, " ttft={:.1}ms work={:.0} rate={:.4}", b.predicted_ms, b.work, b.rate);
         }
         if overloaded.get(i).copied().unwrap_or(false) {
             s.push_str(" overloaded");

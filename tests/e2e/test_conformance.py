@@ -40,7 +40,7 @@ def config(pods, **filter_cfg) -> dict:
 def gateway(pods):
     envoy = Envoy(config(pods))
     try:
-        wait_until(lambda: send(envoy).status_code == 200, 15, "first route")
+        envoy.wait_routable(MODEL)  # and every pod scraped once
         yield envoy
     finally:
         envoy.stop()
@@ -118,7 +118,7 @@ def test_headers_are_ignored_outside_conformance_mode(pods):
     """The test header chooses the pod: without conformance mode a client must not be able to."""
     envoy = Envoy(config(pods, conformance_mode=False))
     try:
-        wait_until(lambda: send(envoy).status_code == 200, 15, "first route")
+        envoy.wait_routable(MODEL)  # and every pod scraped once
         # A selection naming nothing in the pool would be a 503 in conformance mode.
         r = send(envoy, "10.9.9.9")
         assert r.status_code == 200, r.text

@@ -231,19 +231,25 @@ def test_debug_scores_header_is_off_by_default():
             s.stop()
 
 
-def _predicted(r):
-    """{address: predicted TTFT ms} from the debug scores header."""
+def _predicted(r, field="ttft"):
+    """{address: value} from the debug scores header: `ttft` (predicted TTFT, ms), `work`
+    (tokens ahead) or `rate` (learnt ms per token)."""
     out = {}
     for entry in r.headers.get("x-inference-picker-scores", "").split(", "):
-        if "ttft=" in entry:
-            out[entry.split()[0]] = float(entry.split("ttft=")[1].removesuffix("ms"))
+        for part in entry.split()[1:]:
+            if part.startswith(field + "="):
+                out[entry.split()[0]] = float(part.split("=", 1)[1].removesuffix("ms"))
     return out
 
 
 def test_predicted_ttft_learns_each_pods_rate_from_streamed_responses():
     # One pod 10x slower than the other. Before any streamed response both are predicted at the
     # prior rate (equal, idle, same prompt); after streamed requests the workers have learnt,
-    # through shared data, that one pod is slower, and predict it so.
+    # through shared data, that one pod is slower, and predict it so. Each probe is a prompt no
+    # pod has seen (its first block differs), so the work ahead is the same on both pods and the
+    # prediction differs by the learnt rate alone (a repeated probe would be cached on whichever
+    # pod served it, and a cached prompt on the slow pod can predict faster than an uncached one
+    # on the fast pod).
     fast, slow = Sim("rate-fast"), Sim("rate-slow", extra=["--speed", "0.1"])
     cfg = picker_config([endpoint(fast), endpoint(slow)], scheduler={"debug_scores": True})
     # Conformance mode lets the test send the learning traffic to each pod in turn (its
@@ -253,10 +259,12 @@ def test_predicted_ttft_learns_each_pods_rate_from_streamed_responses():
     envoy = Envoy(cfg, concurrency=2)
     try:
         envoy.wait_routable()
-        prompt = "tell me about rates " * 200
-        before = _predicted(envoy.chat(content=prompt))
+        probe = lambda n: envoy.chat(content=f"probe {n} " + "tell me about rates " * 200)
+        r = probe("before")
+        before, rates = _predicted(r), _predicted(r, "rate")
         assert set(before) == {fast.address, slow.address}, before
         assert abs(before[fast.address] - before[slow.address]) < 0.01 * before[fast.address], before
+        assert rates[fast.address] == rates[slow.address], rates
         fast.reset_stats()
         slow.reset_stats()
         with requests.Session() as s:
@@ -271,10 +279,12 @@ def test_predicted_ttft_learns_each_pods_rate_from_streamed_responses():
                     pass
         assert (fast.requests_total(), slow.requests_total()) == (20, 20)
         time.sleep(0.5)  # the workers re-read the shared rates every 250 ms
-        after = {}
-        for _ in range(4):  # whichever worker answers, it reads the same learnt rates
-            after = _predicted(envoy.chat(content=prompt))
-            assert after[slow.address] > 2 * after[fast.address], (before, after)
+        for n in range(4):  # whichever worker answers, it reads the same learnt rates
+            r = probe(f"after {n}")
+            after, rates, work = _predicted(r), _predicted(r, "rate"), _predicted(r, "work")
+            assert work[slow.address] == work[fast.address], work
+            assert rates[slow.address] > 2 * rates[fast.address], (before, after, rates)
+            assert after[slow.address] > 2 * after[fast.address], (before, after, rates)
     finally:
         envoy.stop()
         fast.stop()
