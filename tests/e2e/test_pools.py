@@ -15,7 +15,7 @@ import pytest
 import requests
 import yaml
 
-from harness import (LLAMA, QWEN, REPO, WASM, ENVOY, ENVOY_YAML, Envoy, Sim, _live, endpoint, free_port,
+from harness import (LLAMA, QWEN, REPO, WASM, ENVOY, ENVOY_YAML, LIVE_ENVOYS, Envoy, Sim, _live, endpoint, free_port,
                      metric_value, picker_config, socket_address, wait_until)
 
 MULTI_YAML = REPO / "envoy" / "multi-pool.yaml"
@@ -68,9 +68,11 @@ def pool_config(pool: str, sims: list[Sim], model: str, mode: str = "singleton")
 class MultiPoolEnvoy(Envoy):
     """Envoy running envoy/multi-pool.yaml with its ports, .wasm path, the two pools'
     configurations (by vm_id: pool-llama, pool-qwen) and cluster members replaced, and the app
-    cluster pointed at `app_port`."""
+    cluster pointed at `app_port`; `mutate(doc)` may change the rest (routes, listeners) before
+    Envoy starts."""
 
-    def __init__(self, configs: dict[str, dict], app_port: int, concurrency: int = 2, singleton: bool = True):
+    def __init__(self, configs: dict[str, dict], app_port: int, concurrency: int = 2, singleton: bool = True,
+                 mutate=None):
         self.port = free_port()
         self.admin_port = free_port()
         self.tmp = tempfile.TemporaryDirectory(prefix="picker-envoy-pools-")
@@ -102,6 +104,9 @@ class MultiPoolEnvoy(Envoy):
             if c["name"] == "app":
                 c["load_assignment"]["endpoints"] = [{"lb_endpoints": [
                     {"endpoint": {"address": {"socket_address": socket_address(f"127.0.0.1:{app_port}")}}}]}]
+        if mutate is not None:
+            # A variant of multi-pool.yaml's routes or listeners (the conformance scenarios).
+            mutate(doc)
         path = Path(self.tmp.name) / "envoy.yaml"
         path.write_text(yaml.safe_dump(doc))
         self.log_path = Path(self.tmp.name) / "envoy.log"
@@ -111,6 +116,7 @@ class MultiPoolEnvoy(Envoy):
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )
         _live.append(self.proc)
+        LIVE_ENVOYS.append(self)
         self.url = f"http://127.0.0.1:{self.port}"
         self.admin = f"http://127.0.0.1:{self.admin_port}"
 
