@@ -7,7 +7,8 @@
 //! plus its own uncached prompt plus a fixed overhead (`crate::scheduler::predict`). One
 //! observation is `(work predicted at the pick, measured ms from sending upstream to the first
 //! response byte of a streamed response)`; the host skips non-streamed responses, whose first
-//! byte comes after the whole generation. The rate is a ratio of exponentially decayed sums:
+//! byte comes after the whole generation, and split P/D requests, whose first byte comes after
+//! another pod's prefill and the KV transfer (`Scheduler::first_byte_unobserved`). The rate is a ratio of exponentially decayed sums:
 //! ```text
 //! on observe(work, ms):  W ← (1 − α)·W + work ;  M ← (1 − α)·M + ms      (α = 1/128)
 //! rate(e) = clamp(M / W, prior / 100, prior × 100)                       (ms per token)

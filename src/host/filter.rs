@@ -59,6 +59,8 @@ pub(crate) struct Exchange {
     ticket: u64,
     /// The first response body chunk was reported.
     first_byte_seen: bool,
+    /// Split P/D request (a prefill pod was named): its first byte teaches no rate.
+    split: bool,
 }
 
 pub(crate) type Shared = Rc<RefCell<Exchange>>;
@@ -279,6 +281,7 @@ fn go(
             warn!("inference-picker: publishing the prefill in-flight increment failed: {e:?}");
         }
         ex.prefill_holding = Some(prefiller.clone());
+        ex.split = true;
     }
     if worker.cfg.pd.is_some() {
         worker
@@ -685,11 +688,21 @@ impl HttpContext for Filter {
             (ex.ticket, ex.first_byte_seen)
         };
         if ticket != 0 && !seen {
-            self.ex.borrow_mut().first_byte_seen = true;
-            let served = io::upstream_that_answered();
+            let split = {
+                let mut ex = self.ex.borrow_mut();
+                ex.first_byte_seen = true;
+                ex.split
+            };
             let mut scheduler = self.worker.scheduler.borrow_mut();
-            if let Err(e) = scheduler.first_byte(ticket, served.as_deref(), &io::HostStore, io::now_ms()) {
-                warn!("inference-picker: recording the first-byte time failed: {e:?}");
+            if split {
+                // A prefill pod did the prefill: this time is not the decode pod's rate.
+                scheduler.first_byte_unobserved(ticket);
+            } else {
+                let served = io::upstream_that_answered();
+                if let Err(e) = scheduler.first_byte(ticket, served.as_deref(), &io::HostStore, io::now_ms())
+                {
+                    warn!("inference-picker: recording the first-byte time failed: {e:?}");
+                }
             }
         }
         Action::Continue

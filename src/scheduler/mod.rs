@@ -318,6 +318,16 @@ impl Scheduler {
         }
     }
 
+    /// The first response byte of the request `ticket` arrived, but it teaches no rate: a split
+    /// P/D request, whose time to first byte is the prefill pod's queue and prefill plus the KV
+    /// transfer, not the decode pod's prefill (learning from it would make a decode pod look as
+    /// fast or slow as the prefill pods). Its prefill no longer counts as work ahead.
+    pub fn first_byte_unobserved(&mut self, ticket: u64) {
+        if ticket != 0 {
+            self.ledger.first_byte_unobserved(ticket);
+        }
+    }
+
     /// The request `ticket` ended (with or without a first byte): the ledger forgets it.
     pub fn request_done(&mut self, ticket: u64) {
         if ticket != 0 {

@@ -193,6 +193,13 @@ impl Ledger {
         }
     }
 
+    /// The first response byte of `ticket` arrived, but its time says nothing about the pod it
+    /// was sent to (a split P/D request: another pod did the prefill): its prefill is done, no
+    /// observation.
+    pub fn first_byte_unobserved(&mut self, ticket: u64) {
+        self.end_prefill(ticket);
+    }
+
     /// The first response byte of `ticket` arrived from `served` at `now_ms`: its prefill is
     /// done. Returns the observation for the rate learner when `served` is the endpoint it was
     /// sent to (after a retry to a fallback the prediction was for another pod).

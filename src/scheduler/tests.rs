@@ -756,6 +756,27 @@ fn prefill_ledger_releases_on_first_byte_and_end() {
 }
 
 #[test]
+fn a_split_requests_first_byte_ends_its_prefill_but_teaches_no_rate() {
+    let mut s = Scheduler::new(&config_ttft(""));
+    let sn = snap(vec![ep("a:1", &["llama"], 0.0, 0.1), ep("b:1", &["llama"], 0.0, 0.1)]);
+    let store = MemStore::new();
+    let prompt = fresh_prompt(4, 16);
+    let r = PickRequest { model: "llama", prompt: &prompt, ..Default::default() };
+    let p = s.pick(&r, &sn, &InflightCounts::default(), &store, &mut SplitMix64::new(1), NOW).unwrap();
+    assert!(s.ledger.pending(&p.primary).1 == 1, "pending prefill before the first byte");
+    s.first_byte_unobserved(p.ticket);
+    assert_eq!(s.ledger.pending(&p.primary), (0.0, 0), "its prefill no longer counts as work ahead");
+    let key = crate::rates::shard_key(endpoint_key(&p.primary));
+    assert!(store.get(&key).unwrap().is_none(), "no observation recorded");
+    // A later first byte of the same ticket teaches nothing either (already past prefill).
+    s.first_byte(p.ticket, Some(&p.primary), &store, NOW + 400).unwrap();
+    assert!(store.get(&key).unwrap().is_none());
+    s.request_done(p.ticket);
+    assert_eq!(s.pending_requests(), 0);
+    s.first_byte_unobserved(0);
+}
+
+#[test]
 fn a_pod_learnt_slow_gets_less_traffic() {
     // Two idle pods; the store has learnt that a:1 takes 4× longer per token than b:1 (beyond
     // the noise band). Fresh prompts of every key then go to b:1 unless a:1 is much emptier.

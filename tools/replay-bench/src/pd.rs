@@ -11,7 +11,10 @@
 //! `poll_ms` (delivered at once: the P/D comparison is about the pool, not about metric lag) and
 //! exact in-flight counts: a decode pod from the pick to the request's last token, a prefill
 //! pod from the pick to the decode pod's first token (the module holds it until the response
-//! headers; `prefill_inflight: false` measures without it).
+//! headers; `prefill_inflight: false` measures without it). Each request's first token and end
+//! are reported to the scheduler as the filter reports them (`Scheduler::first_byte`,
+//! `first_byte_unobserved` for a split request, `request_done`): the predicted-TTFT objective's
+//! prefill ledger drains and the pods' rates are learnt, as in Envoy.
 //!
 //! **A split request** (llm-d's protocol): the prefill pod runs the prompt with one output token;
 //! when that finishes, the KV is transferred (`prompt_tokens × kv_bytes_per_token ÷ kv_gbps`;
@@ -94,6 +97,10 @@ struct Live {
     prefilled_by: Option<usize>,
     first: Option<f64>,
     done: bool,
+    /// The decode pick's `Pick::ticket`: the scheduler hears its first token and its end, as
+    /// the filter reports them (prefill ledger, rate learning).
+    ticket: u64,
+    split: bool,
 }
 
 /// A KV transfer that lands at `at` (ordered earliest first in the heap).
@@ -200,6 +207,15 @@ pub fn run(trace: &Trace, run: &PdRun) -> Result<PdResult, String> {
                         Event::FirstToken { t_ms, .. } if l.prefill.is_none() && l.first.is_none() => {
                             l.first = Some(t_ms);
                             ttft.push(t_ms - l.arrival);
+                            // As the filter: a split request's first byte teaches no rate.
+                            if l.split {
+                                sched.first_byte_unobserved(l.ticket);
+                            } else {
+                                let served = addresses.get(l.decode).map(String::as_str);
+                                sched
+                                    .first_byte(l.ticket, served, &store, EPOCH_MS + t_ms as u64)
+                                    .map_err(|e| format!("{e:?}"))?;
+                            }
                             if let (Some(p), true) = (l.prefilled_by.take(), run.prefill_inflight) {
                                 inflight[p] = inflight[p].saturating_sub(1);
                             }
@@ -212,6 +228,7 @@ pub fn run(trace: &Trace, run: &PdRun) -> Result<PdResult, String> {
                         }
                         Event::Finished { t_ms, output_tokens, .. } if l.prefill.is_none() && !l.done => {
                             l.done = true;
+                            sched.request_done(l.ticket);
                             if let (Some(f), true) = (l.first, output_tokens > 1) {
                                 tpot.push((t_ms - f) / f64::from(output_tokens - 1));
                             }
@@ -219,6 +236,7 @@ pub fn run(trace: &Trace, run: &PdRun) -> Result<PdResult, String> {
                         }
                         Event::Rejected { .. } if !l.done => {
                             l.done = true;
+                            sched.request_done(l.ticket);
                             rejected += 1;
                             inflight[l.decode] = inflight[l.decode].saturating_sub(1);
                             if let (Some(p), true) = (l.prefilled_by.take(), run.prefill_inflight) {
@@ -251,6 +269,7 @@ pub fn run(trace: &Trace, run: &PdRun) -> Result<PdResult, String> {
             };
             if servers[d].submit(sub).is_err() {
                 l.done = true;
+                sched.request_done(l.ticket);
                 rejected += 1;
                 inflight[d] = inflight[d].saturating_sub(1);
                 if let (Some(p), true) = (l.prefilled_by.take(), run.prefill_inflight) {
@@ -302,8 +321,16 @@ pub fn run(trace: &Trace, run: &PdRun) -> Result<PdResult, String> {
             };
             let hashes = text::server_hashes(&msgs, trace.tokens_per_hash);
             let pre = pre.filter(|_| pick.decision == Decision::Split);
-            live[idx] =
-                Live { arrival: ta, decode: d, prefill: pre, prefilled_by: pre, first: None, done: false };
+            live[idx] = Live {
+                arrival: ta,
+                decode: d,
+                prefill: pre,
+                prefilled_by: pre,
+                first: None,
+                done: false,
+                ticket: pick.pick.ticket,
+                split: pre.is_some(),
+            };
             inflight[d] += 1;
             let (target, output) = match pre {
                 Some(p) => {
@@ -326,6 +353,7 @@ pub fn run(trace: &Trace, run: &PdRun) -> Result<PdResult, String> {
             if servers[target].submit(sub).is_err() {
                 rejected += 1;
                 live[idx].done = true;
+                sched.request_done(pick.pick.ticket);
                 inflight[d] = inflight[d].saturating_sub(1);
                 if target != d && run.prefill_inflight {
                     inflight[target] = inflight[target].saturating_sub(1);
