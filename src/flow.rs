@@ -813,6 +813,7 @@ impl FlowQueue {
             Pass,
             Hold { evict: Option<i32> },
             Full,
+            Shed,
         }
         let local = self.local_summary();
         let local_lowest = local.last().map(|(p, _)| *p);
@@ -856,6 +857,13 @@ impl FlowQueue {
                     return (Plan::Pass, true);
                 }
             }
+            // A sheddable request is never held: it would have to wait behind requests of its
+            // priority or higher (the room it sees is promised to them) or for the next
+            // capacity epoch, i.e. the pool is saturated for it. Holding it would serve it
+            // later, ahead of nothing it should yield to.
+            if t.priority < 0 {
+                return (Plan::Shed, false);
+            }
             let evict = if total < max_queue {
                 None
             } else {
@@ -884,6 +892,10 @@ impl FlowQueue {
             Plan::Full => {
                 self.stats.at(t.priority).queue_full += 1;
                 Admission::Reject(self.rejection_queue_full())
+            }
+            Plan::Shed => {
+                self.stats.at(t.priority).shed += 1;
+                Admission::Reject(self.rejection_shed())
             }
             Plan::Hold { evict } => {
                 let evicted = evict.and_then(|low| self.evict_newest(low, now_ms));
@@ -1228,18 +1240,16 @@ mod tests {
     fn releases_in_strict_priority_order() {
         let s = MemStore::new();
         let mut q = FlowQueue::new(&cfg(), "m", 1);
-        for (id, p) in [(1, 0), (2, 10), (3, -5), (4, 5), (5, 10), (6, 0)] {
-            // -5 is sheddable: saturated it would be shed, so it arrives while the pool has room,
-            // and is held only because others already wait.
-            let cap = if p < 0 { room(1, 0) } else { SAT };
-            assert!(held(&q.admit(&s, &t(id, p, "a"), &cap, 0)), "id {id}");
+        // (No negative priority: a sheddable request is never held.)
+        for (id, p) in [(1, 10), (2, 20), (3, 5), (4, 15), (5, 20), (6, 10)] {
+            assert!(held(&q.admit(&s, &t(id, p, "a"), &SAT, 0)), "id {id}");
         }
-        // Epoch 2 brings 3 tokens: the two 10s (in arrival order) then the 5.
+        // Epoch 2 brings 3 tokens: the two 20s (in arrival order) then the 15.
         let a = q.on_tick(&s, &room(2, 3), 10);
         assert_eq!(released(&a), vec![2, 5, 4]);
         // Same epoch again: no tokens left, nothing more.
         assert!(q.on_tick(&s, &room(2, 3), 20).is_empty());
-        // Epoch 3 with plenty: the 0s in order, then -5.
+        // Epoch 3 with plenty: the 10s in order, then the 5.
         let a = q.on_tick(&s, &room(3, 10), 30);
         assert_eq!(released(&a), vec![1, 6, 3]);
         assert!(q.is_empty());
@@ -1391,6 +1401,27 @@ mod tests {
         // Out of tokens in this epoch, and something waits: a high arrival is held, not passed.
         assert!(held(&q.admit(&s, &t(4, 0, "a"), &SAT, 4)));
         assert!(held(&q.admit(&s, &t(5, 9, "a"), &room(2, 3), 5)));
+    }
+
+    #[test]
+    fn a_sheddable_request_is_never_held() {
+        let s = MemStore::new();
+        let mut w1 = FlowQueue::new(&cfg(), "m", 1);
+        let mut w2 = FlowQueue::new(&cfg(), "m", 2);
+        // A standard request waits on worker 2.
+        assert!(held(&w2.admit(&s, &t(1, 0, "a"), &SAT, 0)));
+        // Room now, but a priority-0 request waits: a sheddable arrival on worker 1 is shed at
+        // once (before: held behind it, and served later).
+        let Admission::Reject(r) = w1.admit(&s, &t(2, -5, "b"), &room(2, 3), 1) else { panic!("not shed") };
+        assert_eq!((r.status, r.code), (429, "request_shed"));
+        assert_eq!(w1.take_stats().by_priority[&-5].shed, 1);
+        assert!(w1.is_empty());
+        // A non-sheddable request in the same spot is held behind it.
+        assert!(held(&w1.admit(&s, &t(3, 0, "b"), &room(2, 3), 2)));
+        // Once nobody waits (both released), a sheddable request with room goes on.
+        assert_eq!(released(&w2.on_tick(&s, &room(3, 5), 10)), vec![1]);
+        assert_eq!(released(&w1.on_tick(&s, &room(3, 5), 11)), vec![3]);
+        assert_eq!(w1.admit(&s, &t(4, -5, "b"), &room(3, 5), 12), Admission::Pass);
     }
 
     #[test]

@@ -277,7 +277,8 @@ class Envoy:
             try:
                 lines += [l for l in self.stats_prometheus().splitlines()
                           if l.startswith(("inference_picker_scrape_failures", "inference_picker_ready",
-                                           "inference_picker_health", "inference_picker_rejections"))]
+                                           "inference_picker_health", "inference_picker_rejections",
+                                           "inference_picker_flow_requests"))]
             except requests.RequestException as e:
                 lines.append(f"(stats unavailable: {e})")
         try:

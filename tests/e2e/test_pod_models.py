@@ -234,7 +234,10 @@ def test_discovered_pods_serve_what_they_report_not_every_configured_model(tmp_p
             envoy = Envoy(cfg, extra_clusters=[static_cluster("kubernetes_api", "127.0.0.1", api.port)],
                           pool_hosts=[s.address for s in sims])
             try:
+                # Both pods learnt and scraped (Qwen's routing says nothing about the Llama pod's
+                # first scrape, which comes at its own random phase).
                 wait_model_routes(envoy, QWEN, timeout=15)
+                wait_model_routes(envoy, LLAMA, timeout=15)
                 for i in range(20):
                     assert served_by(envoy.chat(LLAMA, content=f"l{i}")) == "k8s-llama"
                     assert served_by(envoy.chat(QWEN, content=f"q{i}")) == "k8s-qwen-1"
