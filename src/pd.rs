@@ -18,7 +18,12 @@
 //! - else `prompt_tokens = prompt_bytes / chars_per_token`, `cached_tokens = matched_blocks ×
 //!   block_chars / chars_per_token` on the chosen decode pod (the prefix scorer's belief; 0 when
 //!   the hot-spot guard found the pod overloaded), and the request is split when
-//!   `prompt_tokens − cached_tokens ≥ T`.
+//!   `prompt_tokens − cached_tokens ≥ T`;
+//! - **prefill-busy guard** (objective `predicted_ttft`; [`prefill_busy`]): a split that rule
+//!   allows is not made when `ttft(prefill pod) + uncached × transfer_ms_per_1k_tokens / 1000 >
+//!   prefill_busy_factor × ttft(decode pod)`, both as the scheduler predicts them (work ahead and
+//!   this prompt at the pod's rate); the decode pod prefills it (`prefill_busy`). Missing
+//!   prediction (objective `weighted`) or factor 0: the threshold rule alone.
 //!
 //! No split, whatever the length: `pd` absent, the decode pick failed open (no fresh decode
 //! pod: the pool is degraded, keep the request simple), no prefill-capable endpoint serves the
@@ -110,6 +115,23 @@ pub struct PdConfig {
     #[serde(default = "default_decode_prefix_factor")]
     #[cfg_attr(feature = "schema", schemars(range(min = 0.0, max = 1.0)))]
     pub decode_prefix_factor: f64,
+    /// Prefill-busy guard (objective `predicted_ttft` only): a split the threshold allows is
+    /// not made when the prefill path's predicted TTFT (the prefill pod's work ahead and this
+    /// prompt at its rate, plus the KV transfer) exceeds this factor times the decode pod's
+    /// predicted TTFT prefilling the prompt itself; the decode pod prefills it (decision
+    /// `prefill_busy`). P/D trades some TTFT for steadier decoding, so an idle pool, where both
+    /// paths cost about the same, still splits; saturated prefill pods do not make every request
+    /// wait behind them.
+    /// 0 disables the guard (llm-d's rule alone). 0 or 1 to 1000; default 2.
+    #[serde(default = "default_prefill_busy_factor")]
+    #[cfg_attr(feature = "schema", schemars(range(min = 0.0, max = 1000.0)))]
+    pub prefill_busy_factor: f64,
+    /// KV transfer time per 1,000 prompt tokens, in ms, added to the prefill path by the
+    /// prefill-busy guard. Default 5 (Llama-3-8B fp16, 128 KiB a token, over 25 GB/s); 0 to
+    /// 60000.
+    #[serde(default = "default_transfer_ms_per_1k_tokens")]
+    #[cfg_attr(feature = "schema", schemars(range(min = 0.0, max = 60000.0)))]
+    pub transfer_ms_per_1k_tokens: f64,
 }
 
 fn default_threshold() -> u64 {
@@ -118,12 +140,20 @@ fn default_threshold() -> u64 {
 fn default_decode_prefix_factor() -> f64 {
     0.5
 }
+fn default_prefill_busy_factor() -> f64 {
+    2.0
+}
+fn default_transfer_ms_per_1k_tokens() -> f64 {
+    5.0
+}
 
 impl Default for PdConfig {
     fn default() -> Self {
         PdConfig {
             pd_threshold_tokens: default_threshold(),
             decode_prefix_factor: default_decode_prefix_factor(),
+            prefill_busy_factor: default_prefill_busy_factor(),
+            transfer_ms_per_1k_tokens: default_transfer_ms_per_1k_tokens(),
         }
     }
 }
@@ -138,6 +168,19 @@ impl PdConfig {
         }
         if !(0.0..=1.0).contains(&self.decode_prefix_factor) {
             errs.push(ConfigError::new(format!("{path}.decode_prefix_factor"), "must be between 0 and 1"));
+        }
+        let f = self.prefill_busy_factor;
+        if !(f == 0.0 || (1.0..=1000.0).contains(&f)) {
+            errs.push(ConfigError::new(
+                format!("{path}.prefill_busy_factor"),
+                "must be 0 (off) or between 1 and 1000",
+            ));
+        }
+        if !(0.0..=60000.0).contains(&self.transfer_ms_per_1k_tokens) {
+            errs.push(ConfigError::new(
+                format!("{path}.transfer_ms_per_1k_tokens"),
+                "must be between 0 and 60000",
+            ));
         }
     }
 }
@@ -240,6 +283,9 @@ pub enum Decision {
     NoPrefillPods,
     /// Prefill pods exist but none is healthy and not ejected.
     NoHealthyPrefill,
+    /// The prefill path was predicted more than `pd.prefill_busy_factor` times slower than the
+    /// decode pod prefilling itself.
+    PrefillBusy,
     /// Split: a prefill pod is named.
     Split,
 }
@@ -252,6 +298,7 @@ impl Decision {
             Decision::BelowThreshold => "below_threshold",
             Decision::NoPrefillPods => "no_prefill_pods",
             Decision::NoHealthyPrefill => "no_healthy_prefill",
+            Decision::PrefillBusy => "prefill_busy",
             Decision::Split => "split",
         }
     }
@@ -285,6 +332,19 @@ pub fn uncached_tokens(
     let left = (prompt - cached).max(0.0);
     // A finite, non-negative float below 2^53: the cast saturates anyway.
     left as u64
+}
+
+/// The prefill-busy guard: true when the prefill path (the prefill pod's predicted TTFT plus
+/// the KV transfer of `uncached` tokens) is predicted more than `pd.prefill_busy_factor` times
+/// slower than the decode pod prefilling itself. False when the guard is off or either
+/// prediction is missing (objective `weighted`): llm-d's rule alone then.
+pub fn prefill_busy(pd: &PdConfig, decode_ms: Option<f64>, prefill_ms: Option<f64>, uncached: u64) -> bool {
+    let (Some(d), Some(p)) = (decode_ms, prefill_ms) else { return false };
+    if pd.prefill_busy_factor <= 0.0 || !(d.is_finite() && p.is_finite()) {
+        return false;
+    }
+    let transfer = uncached as f64 / 1000.0 * pd.transfer_ms_per_1k_tokens;
+    p + transfer > pd.prefill_busy_factor * d
 }
 
 /// llm-d's rule: split when the threshold is 0, or the uncached tokens reach it.
@@ -368,6 +428,9 @@ pub fn pick(
             // pod's sidecar reads it), so it would never end. The prefill pod's load between
             // polls is its in-flight count, which the filter holds until the response headers.
             scheduler.request_done(p.ticket);
+            if prefill_busy(pd, pick.predicted_ms, p.predicted_ms, uncached) {
+                return no(Decision::PrefillBusy);
+            }
             Ok(PdPick {
                 prefiller: Some(p.primary),
                 pick,

@@ -16,7 +16,7 @@
 /// `session_token`, `fail_open`).
 pub const REQUESTS: &str = "inference_picker_requests_total";
 /// Requests routed with the `pd` section, by split decision (`crate::pd::Decision`: `split`,
-/// `below_threshold`, `no_prefill_pods`, `no_healthy_prefill`, `fail_open`).
+/// `below_threshold`, `no_prefill_pods`, `no_healthy_prefill`, `prefill_busy`, `fail_open`).
 pub const PD_DECISIONS: &str = "inference_picker_pd_decisions_total";
 /// Requests answered by the filter itself, by reason (the error `code`).
 pub const REJECTIONS: &str = "inference_picker_rejections_total";

@@ -222,8 +222,10 @@ fn a_both_pod_is_not_its_own_prefiller() {
     let mut r = Run::new(pd_config(0));
     let p = r.go(&sn, &prompt("b", 4000), &HealthView::default(), 1).unwrap();
     assert_eq!((p.pick.primary.as_str(), p.decision), ("10.0.0.5:8000", Decision::NoPrefillPods));
-    // With a second `both` pod, each can prefill for the other.
+    // With a second `both` pod, each can prefill for the other (a fresh worker: in `r` the
+    // first request is still prefilling on 10.0.0.5, which the prefill-busy guard would see).
     let sn = snap(vec![ep("10.0.0.5:8000", Role::Both, 0.0), ep("10.0.0.6:8000", Role::Both, 0.0)]);
+    let mut r = Run::new(pd_config(0));
     let p = r.go(&sn, &prompt("c", 4000), &HealthView::default(), 2).unwrap();
     let pre = p.prefiller.unwrap();
     assert_ne!(pre, p.pick.primary);
@@ -296,6 +298,9 @@ fn config_reads_roles_and_reports_bad_pd_fields_with_their_paths() {
     let e = bad(r#","pd":{"decode_prefix_factor":1.5,"pd_threshold_tokens":20000000}"#, one);
     let paths: Vec<&str> = e.iter().map(|e| e.path.as_str()).collect();
     assert_eq!(paths, ["pd.pd_threshold_tokens", "pd.decode_prefix_factor"], "{e:?}");
+    let e = bad(r#","pd":{"prefill_busy_factor":0.5,"transfer_ms_per_1k_tokens":-1}"#, one);
+    let paths: Vec<&str> = e.iter().map(|e| e.path.as_str()).collect();
+    assert_eq!(paths, ["pd.prefill_busy_factor", "pd.transfer_ms_per_1k_tokens"], "{e:?}");
     let e = bad(r#","pd":{"threshold":5}"#, one);
     assert!(e[0].path.starts_with("pd") && e[0].reason.contains("threshold"), "{e:?}");
     let e = bad("", r#"{"address":"10.0.0.1:8000","models":["llama"],"role":"encode"}"#);
@@ -420,4 +425,42 @@ fn custom_role_selectors_are_read() {
     let d = crate::discovery::parse_pod_list(&body, k).unwrap();
     let roles: Vec<Role> = d.endpoints.iter().map(|e| e.role).collect();
     assert_eq!(roles, [Role::Prefill, Role::Decode]);
+}
+
+#[test]
+fn prefill_busy_compares_the_two_paths_with_the_transfer() {
+    let pd = PdConfig::default();
+    // 1,000 tokens: 5 ms of transfer. 150 + 5 ≤ 2 × 100: split; 196 + 5 > 200: busy.
+    assert!(!prefill_busy(&pd, Some(100.0), Some(150.0), 1000));
+    assert!(prefill_busy(&pd, Some(100.0), Some(196.0), 1000));
+    // Off, or a prediction missing (objective `weighted`): llm-d's rule alone.
+    assert!(!prefill_busy(&PdConfig { prefill_busy_factor: 0.0, ..pd.clone() }, Some(1.0), Some(1e9), 1000));
+    assert!(!prefill_busy(&pd, None, Some(1e9), 1000));
+    assert!(!prefill_busy(&pd, Some(1.0), None, 1000));
+    assert!(!prefill_busy(&pd, Some(f64::NAN), Some(1e9), 1000));
+}
+
+#[test]
+fn backed_up_prefill_pods_are_not_named_and_idle_ones_are() {
+    // Idle pool: the prefill path costs about the same as the decode pod prefilling itself
+    // (plus the transfer), well within 2×: split.
+    let mut r = Run::new(pd_config(0));
+    let p = r.go(&pool(), &prompt("idle", 8000), &HealthView::default(), 1).unwrap();
+    assert_eq!(p.decision, Decision::Split);
+    // Both prefill pods have 30 requests queued, the decode pods none: the decode pod prefills.
+    let mut sn = pool();
+    for e in sn.endpoints.iter_mut().filter(|e| e.role == Role::Prefill) {
+        e.metrics.as_mut().unwrap().queue = Some(30.0);
+    }
+    let mut r = Run::new(pd_config(0));
+    let p = r.go(&sn, &prompt("busy", 8000), &HealthView::default(), 1).unwrap();
+    assert_eq!((p.decision, p.prefiller.as_deref()), (Decision::PrefillBusy, None));
+    assert_eq!(role_of(&sn, &p.pick.primary), Role::Decode);
+    // The guard off: llm-d's rule splits anyway.
+    let mut r = Run::new(config(
+        r#","pd":{"pd_threshold_tokens":0,"prefill_busy_factor":0}"#,
+        r#"{"address":"10.0.0.1:8000","models":["llama"]}"#,
+    ));
+    let p = r.go(&sn, &prompt("busy", 8000), &HealthView::default(), 1).unwrap();
+    assert_eq!(p.decision, Decision::Split);
 }

@@ -58,6 +58,8 @@ pub struct PdRun {
     pub threshold: u64,
     /// `pd.decode_prefix_factor`.
     pub decode_prefix_factor: f64,
+    /// `pd.prefill_busy_factor` (0: llm-d's rule alone).
+    pub prefill_busy_factor: f64,
     pub server: ServerConfig,
     pub poll_ms: u64,
     pub load: f64,
@@ -135,8 +137,14 @@ pub fn config(run: &PdRun) -> Result<Config, String> {
         doc["poller"] = json!({"interval_ms": run.poll_ms, "stale_after_ms": (5 * run.poll_ms).max(1000)});
     }
     if run.prefill > 0 {
-        doc["pd"] =
-            json!({"pd_threshold_tokens": run.threshold, "decode_prefix_factor": run.decode_prefix_factor});
+        // The guard's transfer estimate is the replay's own transfer model.
+        let transfer_ms_per_1k = 1000.0 * run.kv_bytes_per_token / (run.kv_gbps * 1e9) * 1000.0;
+        doc["pd"] = json!({
+            "pd_threshold_tokens": run.threshold,
+            "decode_prefix_factor": run.decode_prefix_factor,
+            "prefill_busy_factor": run.prefill_busy_factor,
+            "transfer_ms_per_1k_tokens": transfer_ms_per_1k,
+        });
     }
     let bytes = serde_json::to_vec(&doc).map_err(|e| e.to_string())?;
     Config::from_json(&bytes).map_err(|errs| inference_picker::config::describe_errors(&errs))

@@ -42,6 +42,9 @@ struct Args {
     /// `pd.decode_prefix_factor`.
     #[arg(long, default_value_t = 0.5)]
     decode_prefix_factor: f64,
+    /// `pd.prefill_busy_factor` (the module's default 2; 0: llm-d's rule alone).
+    #[arg(long, default_value_t = 2.0)]
+    prefill_busy_factor: f64,
     /// KV transfer bandwidth, GB/s.
     #[arg(long, default_value_t = 25.0)]
     kv_gbps: f64,
@@ -102,6 +105,7 @@ fn run(args: Args) -> Result<(), String> {
                     prefill: *prefill,
                     threshold: *threshold,
                     decode_prefix_factor: args.decode_prefix_factor,
+                    prefill_busy_factor: args.prefill_busy_factor,
                     server: ServerConfig::default(),
                     poll_ms: 200,
                     load,

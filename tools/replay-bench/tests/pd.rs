@@ -26,6 +26,8 @@ fn pd_run(prefill: usize, threshold: u64) -> PdRun {
         prefill,
         threshold,
         decode_prefix_factor: 0.5,
+        // llm-d's rule alone; the guard has its own test.
+        prefill_busy_factor: 0.0,
         server: ServerConfig { num_gpu_blocks: 4000, ..Default::default() },
         poll_ms: 100,
         load: 1.0,
@@ -55,4 +57,20 @@ fn split_follows_the_threshold_and_every_request_finishes_once() {
     assert_eq!(some.finished, n);
     // Decoding with the KV imported: the TPOT is measured for every split request too.
     assert!(all.tpot_p50_ms > 0.0 && all.ttft_p50_ms > 0.0);
+}
+
+#[test]
+fn the_prefill_busy_guard_keeps_requests_off_a_saturated_prefill_pod() {
+    // One prefill pod for three decode pods, llm-d's threshold 0, under load: without the guard
+    // every request waits for the one prefill pod; with it, the decode pods prefill what the
+    // prefill pod cannot take in time.
+    let t = tiny();
+    let n = t.requests.len();
+    let loaded = |factor: f64| PdRun { load: 6.0, prefill_busy_factor: factor, ..pd_run(1, 0) };
+    let off = run(&t, &loaded(0.0)).unwrap();
+    let on = run(&t, &loaded(2.0)).unwrap();
+    assert_eq!((off.finished, on.finished), (n, n));
+    assert_eq!(off.split_pct, 100.0, "{off:?}");
+    assert!(on.split_pct < 100.0, "the guard kept some requests local: {on:?}");
+    assert!(on.ttft_p90_ms < off.ttft_p90_ms, "and the TTFT p90 fell: {on:?} vs {off:?}");
 }
