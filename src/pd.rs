@@ -122,7 +122,10 @@ pub struct PdConfig {
     /// `prefill_busy`). P/D trades some TTFT for steadier decoding, so an idle pool, where both
     /// paths cost about the same, still splits; saturated prefill pods do not make every request
     /// wait behind them.
-    /// 0 disables the guard (llm-d's rule alone). 0 or 1 to 1000; default 2.
+    /// 0 disables the guard (llm-d's rule alone). 0 or 1 to 1000; default 0 (off): in the P/D
+    /// replay it rescued prefill-bound pools (2 prefill + 6 decode) but made a pool whose decode
+    /// pods then prefilled long prompts (4 + 4) collapse at some loads (docs/pd.md); enable it,
+    /// 2 to 8, where the prefill pods are the bottleneck.
     #[serde(default = "default_prefill_busy_factor")]
     #[cfg_attr(feature = "schema", schemars(range(min = 0.0, max = 1000.0)))]
     pub prefill_busy_factor: f64,
@@ -141,7 +144,7 @@ fn default_decode_prefix_factor() -> f64 {
     0.5
 }
 fn default_prefill_busy_factor() -> f64 {
-    2.0
+    0.0
 }
 fn default_transfer_ms_per_1k_tokens() -> f64 {
     5.0

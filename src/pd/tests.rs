@@ -429,12 +429,12 @@ fn custom_role_selectors_are_read() {
 
 #[test]
 fn prefill_busy_compares_the_two_paths_with_the_transfer() {
-    let pd = PdConfig::default();
+    let pd = PdConfig { prefill_busy_factor: 2.0, ..PdConfig::default() };
     // 1,000 tokens: 5 ms of transfer. 150 + 5 ≤ 2 × 100: split; 196 + 5 > 200: busy.
     assert!(!prefill_busy(&pd, Some(100.0), Some(150.0), 1000));
     assert!(prefill_busy(&pd, Some(100.0), Some(196.0), 1000));
     // Off, or a prediction missing (objective `weighted`): llm-d's rule alone.
-    assert!(!prefill_busy(&PdConfig { prefill_busy_factor: 0.0, ..pd.clone() }, Some(1.0), Some(1e9), 1000));
+    assert!(!prefill_busy(&PdConfig::default(), Some(1.0), Some(1e9), 1000), "off by default");
     assert!(!prefill_busy(&pd, None, Some(1e9), 1000));
     assert!(!prefill_busy(&pd, Some(1.0), None, 1000));
     assert!(!prefill_busy(&pd, Some(f64::NAN), Some(1e9), 1000));
@@ -442,9 +442,15 @@ fn prefill_busy_compares_the_two_paths_with_the_transfer() {
 
 #[test]
 fn backed_up_prefill_pods_are_not_named_and_idle_ones_are() {
+    let guarded = || {
+        config(
+            r#","pd":{"pd_threshold_tokens":0,"prefill_busy_factor":2}"#,
+            r#"{"address":"10.0.0.1:8000","models":["llama"]}"#,
+        )
+    };
     // Idle pool: the prefill path costs about the same as the decode pod prefilling itself
     // (plus the transfer), well within 2×: split.
-    let mut r = Run::new(pd_config(0));
+    let mut r = Run::new(guarded());
     let p = r.go(&pool(), &prompt("idle", 8000), &HealthView::default(), 1).unwrap();
     assert_eq!(p.decision, Decision::Split);
     // Both prefill pods have 30 requests queued, the decode pods none: the decode pod prefills.
@@ -452,15 +458,12 @@ fn backed_up_prefill_pods_are_not_named_and_idle_ones_are() {
     for e in sn.endpoints.iter_mut().filter(|e| e.role == Role::Prefill) {
         e.metrics.as_mut().unwrap().queue = Some(30.0);
     }
-    let mut r = Run::new(pd_config(0));
+    let mut r = Run::new(guarded());
     let p = r.go(&sn, &prompt("busy", 8000), &HealthView::default(), 1).unwrap();
     assert_eq!((p.decision, p.prefiller.as_deref()), (Decision::PrefillBusy, None));
     assert_eq!(role_of(&sn, &p.pick.primary), Role::Decode);
-    // The guard off: llm-d's rule splits anyway.
-    let mut r = Run::new(config(
-        r#","pd":{"pd_threshold_tokens":0,"prefill_busy_factor":0}"#,
-        r#"{"address":"10.0.0.1:8000","models":["llama"]}"#,
-    ));
+    // The guard off (the default): llm-d's rule splits anyway.
+    let mut r = Run::new(pd_config(0));
     let p = r.go(&sn, &prompt("busy", 8000), &HealthView::default(), 1).unwrap();
     assert_eq!(p.decision, Decision::Split);
 }

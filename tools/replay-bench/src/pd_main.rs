@@ -42,8 +42,8 @@ struct Args {
     /// `pd.decode_prefix_factor`.
     #[arg(long, default_value_t = 0.5)]
     decode_prefix_factor: f64,
-    /// `pd.prefill_busy_factor` (the module's default 2; 0: llm-d's rule alone).
-    #[arg(long, default_value_t = 2.0)]
+    /// `pd.prefill_busy_factor` (0, the module's default: llm-d's rule alone).
+    #[arg(long, default_value_t = 0.0)]
     prefill_busy_factor: f64,
     /// KV transfer bandwidth, GB/s.
     #[arg(long, default_value_t = 25.0)]
