@@ -735,14 +735,21 @@ fn a_burst_from_one_worker_spreads_before_any_scrape_sees_it() {
     assert_eq!(s.pending_requests(), 8);
 }
 
-#[test]
-fn prefill_ledger_releases_on_first_byte_and_end() {
+/// One predicted-TTFT pick of a fresh prompt (`id`) on two idle pods: the scheduler, its store
+/// and the pick, for the ledger tests.
+fn one_ttft_pick(id: u32) -> (Scheduler, MemStore, Pick) {
     let mut s = Scheduler::new(&config_ttft(""));
     let sn = snap(vec![ep("a:1", &["llama"], 0.0, 0.1), ep("b:1", &["llama"], 0.0, 0.1)]);
     let store = MemStore::new();
-    let prompt = fresh_prompt(3, 16);
+    let prompt = fresh_prompt(id, 16);
     let r = PickRequest { model: "llama", prompt: &prompt, ..Default::default() };
-    let p1 = s.pick(&r, &sn, &InflightCounts::default(), &store, &mut SplitMix64::new(1), NOW).unwrap();
+    let p = s.pick(&r, &sn, &InflightCounts::default(), &store, &mut SplitMix64::new(1), NOW).unwrap();
+    (s, store, p)
+}
+
+#[test]
+fn prefill_ledger_releases_on_first_byte_and_end() {
+    let (mut s, store, p1) = one_ttft_pick(3);
     // The first byte after 400 ms teaches the store a rate for that pod.
     s.first_byte(p1.ticket, Some(&p1.primary), &store, NOW + 400).unwrap();
     let key = crate::rates::shard_key(endpoint_key(&p1.primary));
@@ -757,12 +764,7 @@ fn prefill_ledger_releases_on_first_byte_and_end() {
 
 #[test]
 fn a_split_requests_first_byte_ends_its_prefill_but_teaches_no_rate() {
-    let mut s = Scheduler::new(&config_ttft(""));
-    let sn = snap(vec![ep("a:1", &["llama"], 0.0, 0.1), ep("b:1", &["llama"], 0.0, 0.1)]);
-    let store = MemStore::new();
-    let prompt = fresh_prompt(4, 16);
-    let r = PickRequest { model: "llama", prompt: &prompt, ..Default::default() };
-    let p = s.pick(&r, &sn, &InflightCounts::default(), &store, &mut SplitMix64::new(1), NOW).unwrap();
+    let (mut s, store, p) = one_ttft_pick(4);
     assert!(s.ledger.pending(&p.primary).1 == 1, "pending prefill before the first byte");
     s.first_byte_unobserved(p.ticket);
     assert_eq!(s.ledger.pending(&p.primary), (0.0, 0), "its prefill no longer counts as work ahead");

@@ -102,7 +102,6 @@ struct Live {
     /// The decode pick's `Pick::ticket`: the scheduler hears its first token and its end, as
     /// the filter reports them (prefill ledger, rate learning).
     ticket: u64,
-    split: bool,
 }
 
 /// A KV transfer that lands at `at` (ordered earliest first in the heap).
@@ -215,8 +214,9 @@ pub fn run(trace: &Trace, run: &PdRun) -> Result<PdResult, String> {
                         Event::FirstToken { t_ms, .. } if l.prefill.is_none() && l.first.is_none() => {
                             l.first = Some(t_ms);
                             ttft.push(t_ms - l.arrival);
-                            // As the filter: a split request's first byte teaches no rate.
-                            if l.split {
+                            // As the filter: a split request's first byte teaches no rate
+                            // (`prefilled_by` is still set here for a split request).
+                            if l.prefilled_by.is_some() {
                                 sched.first_byte_unobserved(l.ticket);
                             } else {
                                 let served = addresses.get(l.decode).map(String::as_str);
@@ -337,7 +337,6 @@ pub fn run(trace: &Trace, run: &PdRun) -> Result<PdResult, String> {
                 first: None,
                 done: false,
                 ticket: pick.pick.ticket,
-                split: pre.is_some(),
             };
             inflight[d] += 1;
             let (target, output) = match pre {
