@@ -54,10 +54,13 @@ LLAMA = "meta-llama/Llama-3.1-8B-Instruct"
 METRICS_CLUSTER = "inference_pool_metrics"  # the poller's cluster in envoy/envoy.yaml
 METRICS_FIXTURE = REPO / "tests/fixtures/metrics/vllm_v1_0.33_dp2_lora_constructed.prom"
 MARK = "QQQQBENCHMARKQQQ"  # 16 letters: no Lua pattern characters
-VARIANTS = ("plain", "pass", "module")
+VARIANTS = ("plain", "pass", "parse", "module")
 # Top-level sections added to the module's configuration (--module-extra), e.g. body-based
 # routing: {"pool": {"name": "bench", "route_by_model": true}}.
 MODULE_EXTRA: dict = {}
+# Scrapes per second of the poll-floor fronts (`--floor-rate`; 0: none).
+FLOOR_RATE: list[float] = [200.0]
+FLOORS = ("floor-headers", "floor-body")
 CHAT_RESPONSE = json.dumps({
     "id": "chatcmpl-bench", "object": "chat.completion", "created": 0, "model": LLAMA,
     "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}],
@@ -166,7 +169,7 @@ def front_did_its_job(variant: str, headers: dict, body_len: int, pod_addrs: set
     Envoy added neither."""
     seen_len = headers.get("x-bench-body-bytes", "")
     dest = headers.get("x-bench-destination", "")
-    if variant == "pass":
+    if variant in ("pass", "parse"):  # `parse` sets 0 for a body that is not JSON
         return seen_len == str(body_len) and not dest
     if variant == "module":
         return dest.split(",")[0] in pod_addrs and not seen_len
@@ -276,13 +279,33 @@ def front_config(variant: str, base: dict, addresses: list[str], pod_port: int, 
         return doc
     doc.pop("bootstrap_extensions", None)
     filters = [ROUTER]
-    if variant == "pass":
+    if variant.startswith("floor-"):
+        # The poll floor (issue #19): the pass-through filter, whose root context scrapes the pods
+        # through the shipped metrics cluster at FLOOR_RATE and reads the response's headers only
+        # or its body too. Nothing routes through it; only its idle CPU is measured.
+        what = variant.removeprefix("floor-")
+        plugin = f"poll {FLOOR_RATE[0]:g} {what} {METRICS_CLUSTER} /metrics " + " ".join(
+            f"{a}:{pod_port}" for a in addresses)
+        filters = [{"name": "envoy.filters.http.wasm", "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm",
+            "config": {
+                "name": "floor", "root_id": "passthrough",
+                "vm_config": {"vm_id": "floor", "runtime": "envoy.wasm.runtime.v8",
+                              "code": {"local": {"filename": str(pass_wasm)}}},
+                "configuration": {"@type": "type.googleapis.com/google.protobuf.StringValue", "value": plugin},
+                "allow_on_headers_stop_iteration": True,
+                "failure_policy": "FAIL_CLOSED",
+            }}}, ROUTER]
+    if variant in ("pass", "parse"):
+        # `parse`: the same filter also checks the body is JSON (the parse floor of issue #12).
         filters = [{"name": "envoy.filters.http.wasm", "typed_config": {
             "@type": "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm",
             "config": {
                 "name": "passthrough", "root_id": "passthrough",
                 "vm_config": {"vm_id": "passthrough", "runtime": "envoy.wasm.runtime.v8",
                               "code": {"local": {"filename": str(pass_wasm)}}},
+                **({"configuration": {"@type": "type.googleapis.com/google.protobuf.StringValue",
+                                      "value": "parse"}} if variant == "parse" else {}),
                 "allow_on_headers_stop_iteration": True,
                 "failure_policy": "FAIL_CLOSED",
             }}}, ROUTER]
@@ -466,8 +489,16 @@ def main() -> int:
     ap.add_argument("--module-extra", default="{}",
                     help="JSON object of top-level sections added to the module's configuration "
                          "(e.g. '{\"pool\": {\"name\": \"bench\", \"route_by_model\": true}}')")
+    ap.add_argument("--metrics", default=str(METRICS_FIXTURE),
+                    help="the pods' /metrics body (default: the 27 KB vLLM V1 fixture; its waiting series "
+                         "are set to 0)")
+    ap.add_argument("--floor-rate", type=float, default=200.0,
+                    help="scrapes per second of the poll-floor fronts measured beside the module's poller "
+                         "at idle (the pass-through wasm scraping the same pods, reading headers only or "
+                         "the body too, parsing nothing); 0 skips them (default 200)")
     args = ap.parse_args()
     MODULE_EXTRA.update(json.loads(args.module_extra))
+    FLOOR_RATE[0] = args.floor_rate
     if args.combine:
         return combine(args.combine, Path(args.out))
 
@@ -492,7 +523,7 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="envoy-bench-"))
     metrics_file = work / "metrics.prom"
-    metrics_file.write_text(healthy_metrics(METRICS_FIXTURE.read_text()))
+    metrics_file.write_text(healthy_metrics(Path(args.metrics).read_text()))
     base = yaml.safe_load((REPO / "envoy/envoy.yaml").read_text())
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
@@ -534,28 +565,57 @@ def main() -> int:
             # Idle: no traffic to any front; the module's poller scrapes the pods.
             # Let the probe settle and the poller reach its idle cadence (an idle, unchanged endpoint
             # backs off 200, 400, 800, 1600, 3200, 5000 ms with the shipped defaults: ~11 s).
+            floors: dict[str, Envoy] = {}
+            for v in FLOORS if FLOOR_RATE[0] > 0 else ():
+                port, admin = free_port(), free_port()
+                doc = front_config(v, base, addresses, pod_port, port, admin, Path(args.wasm), Path(args.passthrough))
+                floors[v] = Envoy(f"{v}-{n}", Path(args.envoy), doc, work, concurrency=1, admin_port=admin, port=port)
+            for f in floors.values():
+                f.wait_ready(60)
             time.sleep(1 if q else args.settle_seconds)
+            idle_fronts = {"plain": fronts["plain"], "module": fronts["module"], **floors}
+            scraping = {v: f for v, f in idle_fronts.items() if v != "plain"}
+            rq = f"cluster.{METRICS_CLUSTER}.upstream_rq_total"
             for rep in range(reps):
-                c0 = {v: fronts[v].cpu_ns() for v in ("plain", "module")}
-                s0, t0 = pods.counter("http.pods.downstream_rq_total"), time.monotonic()
-                cx0 = fronts["module"].counter(f"cluster.{METRICS_CLUSTER}.upstream_cx_total")
+                cx = f"cluster.{METRICS_CLUSTER}.upstream_cx_total"
+                c0 = {v: f.cpu_ns() for v, f in idle_fronts.items()}
+                s0 = {v: f.counter(rq) for v, f in scraping.items()}
+                x0 = {v: f.counter(cx) for v, f in scraping.items()}
+                t0 = time.monotonic()
                 time.sleep(idle_seconds)
-                c1 = {v: fronts[v].cpu_ns() for v in ("plain", "module")}
-                s1, t1 = pods.counter("http.pods.downstream_rq_total"), time.monotonic()
-                cx1 = fronts["module"].counter(f"cluster.{METRICS_CLUSTER}.upstream_cx_total")
+                c1 = {v: f.cpu_ns() for v, f in idle_fronts.items()}
+                s1 = {v: f.counter(rq) for v, f in scraping.items()}
+                x1 = {v: f.counter(cx) for v, f in scraping.items()}
+                t1 = time.monotonic()
+                cx0, cx1 = x0["module"], x1["module"]
                 span = t1 - t0
-                idle.append({"endpoints": n, "rep": rep, "seconds": span, "loadavg": loadavg(),
-                             "plain_ms_per_s": (c1["plain"] - c0["plain"]) / 1e6 / span,
-                             "module_ms_per_s": (c1["module"] - c0["module"]) / 1e6 / span,
-                             "scrapes_per_s": (s1 - s0) / span,
-                             # New connections the poller opened per scrape (keep-alive: ~0).
-                             "connections_per_scrape": (cx1 - cx0) / (s1 - s0) if s1 > s0 else float("nan")})
-                print(f"  {n:>5} ep idle rep {rep}: module {idle[-1]['module_ms_per_s']:.1f} ms/s, plain "
-                      f"{idle[-1]['plain_ms_per_s']:.1f} ms/s, {idle[-1]['scrapes_per_s']:.0f} scrapes/s, "
-                      f"{idle[-1]['connections_per_scrape']:.3f} new connections per scrape", flush=True)
+                # Scrapes are counted at each front's own metrics cluster (requests it sent).
+                sm = s1["module"] - s0["module"]
+                row = {"endpoints": n, "rep": rep, "seconds": span, "loadavg": loadavg(),
+                       "plain_ms_per_s": (c1["plain"] - c0["plain"]) / 1e6 / span,
+                       "module_ms_per_s": (c1["module"] - c0["module"]) / 1e6 / span,
+                       "scrapes_per_s": sm / span,
+                       # New connections the poller opened per scrape (keep-alive: ~0).
+                       "connections_per_scrape": (cx1 - cx0) / sm if sm > 0 else float("nan")}
+                for v in floors:
+                    key = v.replace("-", "_")
+                    row[f"{key}_ms_per_s"] = (c1[v] - c0[v]) / 1e6 / span
+                    row[f"{key}_scrapes_per_s"] = (s1[v] - s0[v]) / span
+                    row[f"{key}_connections_per_scrape"] = (x1[v] - x0[v]) / max(1, s1[v] - s0[v])
+                idle.append(row)
+                floor_text = "".join(
+                    f", {v} {row[v.replace('-', '_') + '_ms_per_s']:.1f} ms/s at "
+                    f"{row[v.replace('-', '_') + '_scrapes_per_s']:.0f}/s "
+                    f"({row[v.replace('-', '_') + '_connections_per_scrape']:.3f} new connections per scrape)"
+                    for v in floors)
+                print(f"  {n:>5} ep idle rep {rep}: module {row['module_ms_per_s']:.1f} ms/s, plain "
+                      f"{row['plain_ms_per_s']:.1f} ms/s, {row['scrapes_per_s']:.0f} scrapes/s, "
+                      f"{row['connections_per_scrape']:.3f} new connections per scrape{floor_text}", flush=True)
+            for f in floors.values():
+                f.stop()
 
             for b in bodies:
-                cases = [("plain", False), ("pass", False), ("module", False), ("module", True)]
+                cases = [("plain", False), ("pass", False), ("parse", False), ("module", False), ("module", True)]
                 for v, new in cases if warmup else ():  # warm up connections, VMs and caches
                     run_wrk(args.wrk, fronts[v].url, scripts[(b, new)], warmup, args.connections)
                 for rep in range(reps):  # interleaved, so drifting load hits every variant alike
@@ -580,7 +640,7 @@ def main() -> int:
         idle_seconds=idle_seconds, connections=args.connections,
         envoy=subprocess.run([args.envoy, "--version"], capture_output=True, text=True, timeout=30).stdout.strip().split()[-1],
         wasm_bytes=Path(args.wasm).stat().st_size, pass_bytes=Path(args.passthrough).stat().st_size,
-        metrics_bytes=metrics_file.stat().st_size, nproc=os.cpu_count())
+        metrics_bytes=metrics_file.stat().st_size, metrics_name=Path(args.metrics).name, nproc=os.cpu_count())
     shutil.rmtree(work, ignore_errors=True)
     write_outputs(out, results, idle, env)
     return 0
@@ -624,7 +684,7 @@ def render_report(results: list[dict], idle: list[dict], env: dict) -> tuple[str
           f"{env['connections']} connections){' - QUICK smoke run, not for quoting' if env['quick'] else ''}.",
           f"inference_picker.wasm {env['wasm_bytes']:,} bytes (release, shipped defaults); "
           f"passthrough_wasm.wasm {env['pass_bytes']:,} bytes; pods' /metrics {env['metrics_bytes']:,} bytes "
-          "(tests/fixtures/metrics/vllm_v1_0.33_dp2_lora_constructed.prom, waiting set to 0).", "",
+          f"({env.get('metrics_name', METRICS_FIXTURE.name)}, waiting set to 0).", "",
           "CPU = front Envoy utime+stime (/proc/<pid>/stat) over the run / requests completed; "
           "worker = the same for its worker thread only (excludes the main thread, where the module's "
           "poller runs).", "",
@@ -633,7 +693,7 @@ def render_report(results: list[dict], idle: list[dict], env: dict) -> tuple[str
           "|---:|---:|---|---|---:|---:|---:|---:|---:|---:|"]
     combos = sorted({(r["endpoints"], r["body"]) for r in results})
     for n, b in combos:
-        for v, p in (("plain", "-"), ("pass", "-"), ("module", "hit"), ("module", "new")):
+        for v, p in (("plain", "-"), ("pass", "-"), ("parse", "-"), ("module", "hit"), ("module", "new")):
             sel = dict(endpoints=n, body=b, variant=v, prompt=p)
             runs = [r for r in results if all(r[k] == x for k, x in sel.items())]
             errs = sum(r["errors"] for r in runs)
@@ -643,27 +703,36 @@ def render_report(results: list[dict], idle: list[dict], env: dict) -> tuple[str
                       f"{fmt(med('p99_ms', **sel), 2)} | {fmt(med('cpu_us_per_req', **sel))} | "
                       f"{fmt(med('worker_us_per_req', **sel))} | {errs} |")
     md += ["", "## What the module adds (µs of CPU per request, medians)", "",
-           "| endpoints | body | prompt | pass − plain | module − pass | module − plain | worker: module − pass | worker: module − plain |",
-           "|---:|---:|---|---:|---:|---:|---:|---:|"]
+           "`parse` is the pass-through filter that also checks the body is JSON (serde_json into "
+           "`IgnoredAny`, nothing kept): the least any filter routing on the body must do, so "
+           "*worker: parse − pass* is a floor under *worker: module − pass*.", "",
+           "| endpoints | body | prompt | pass − plain | module − pass | module − plain | worker: parse − pass | "
+           "worker: module − pass | worker: module − parse | worker: module − plain |",
+           "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
     for n, b in combos:
         plain = med("cpu_us_per_req", endpoints=n, body=b, variant="plain")
         pas = med("cpu_us_per_req", endpoints=n, body=b, variant="pass")
         wplain = med("worker_us_per_req", endpoints=n, body=b, variant="plain")
         wpass = med("worker_us_per_req", endpoints=n, body=b, variant="pass")
+        wparse = med("worker_us_per_req", endpoints=n, body=b, variant="parse")
         for p in ("hit", "new"):
             mod = med("cpu_us_per_req", endpoints=n, body=b, variant="module", prompt=p)
             wmod = med("worker_us_per_req", endpoints=n, body=b, variant="module", prompt=p)
             md.append(f"| {n} | {b} | {p} | {fmt(pas - plain)} | {fmt(mod - pas)} | {fmt(mod - plain)} | "
-                      f"{fmt(wmod - wpass)} | {fmt(wmod - wplain)} |")
+                      f"{fmt(wparse - wpass)} | {fmt(wmod - wpass)} | {fmt(wmod - wparse)} | {fmt(wmod - wplain)} |")
             lines.append(f"ENVOY_COST endpoints={n} body={b} module_vs_pass_us={fmt(mod - pas)} "
                          f"module_vs_plain_us={fmt(mod - plain)} prompt={p} "
-                         f"worker_module_vs_pass_us={fmt(wmod - wpass)} worker_module_vs_plain_us={fmt(wmod - wplain)}")
+                         f"worker_module_vs_pass_us={fmt(wmod - wpass)} worker_module_vs_plain_us={fmt(wmod - wplain)} "
+                         f"worker_parse_vs_pass_us={fmt(wparse - wpass)} worker_module_vs_parse_us={fmt(wmod - wparse)}")
     md += ["", "## The poller at idle (no traffic)", "",
            "CPU of the whole front Envoy process (sum of its threads' /proc/<pid>/task/<tid>/schedstat) over "
-           f"{env['idle_seconds']:g} s windows, medians; scrapes counted at the fake pods; "
-           "per scrape = (module − plain) / scrapes.", "",
-           "| endpoints | plain Envoy ms/s | module Envoy ms/s | scrapes/s | µs per scrape | new connections per scrape |",
-           "|---:|---:|---:|---:|---:|---:|"]
+           f"{env['idle_seconds']:g} s windows, medians; scrapes counted at each front's metrics cluster "
+           "(`upstream_rq_total`); per scrape = (front − plain) / its scrapes. The poll floors are the "
+           "pass-through wasm scraping the same pods at a fixed rate and reading the response's headers "
+           "only, or its body too, parsing nothing: what any proxy-wasm poller pays per scrape in Envoy.", "",
+           "| endpoints | plain Envoy ms/s | module Envoy ms/s | scrapes/s | module µs per scrape | "
+           "floor, headers only: µs per scrape | floor, body read: µs per scrape | new connections per scrape |",
+           "|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for n in sorted({i["endpoints"] for i in idle}):
         rows = [i for i in idle if i["endpoints"] == n]
         pl = median([i["plain_ms_per_s"] for i in rows])
@@ -671,9 +740,18 @@ def render_report(results: list[dict], idle: list[dict], env: dict) -> tuple[str
         sc = median([i["scrapes_per_s"] for i in rows])
         per = (mo - pl) * 1000 / sc if sc > 0 else float("nan")
         cx = median([i.get("connections_per_scrape", float("nan")) for i in rows])
-        md.append(f"| {n} | {fmt(pl, 2)} | {fmt(mo, 2)} | {fmt(sc)} | {fmt(per)} | {fmt(cx, 3)} |")
+        floor = {}
+        for key in ("floor_headers", "floor_body"):
+            if all(f"{key}_ms_per_s" in i for i in rows):
+                fm = median([i[f"{key}_ms_per_s"] for i in rows])
+                fs = median([i[f"{key}_scrapes_per_s"] for i in rows])
+                floor[key] = (fm - pl) * 1000 / fs if fs > 0 else float("nan")
+        md.append(f"| {n} | {fmt(pl, 2)} | {fmt(mo, 2)} | {fmt(sc)} | {fmt(per)} | "
+                  f"{fmt(floor.get('floor_headers', float('nan')))} | {fmt(floor.get('floor_body', float('nan')))} | "
+                  f"{fmt(cx, 3)} |")
         lines.append(f"POLLER_COST endpoints={n} idle_cpu_ms_per_s={fmt(mo, 2)} per_scrape_us={fmt(per)} "
-                     f"plain_idle_cpu_ms_per_s={fmt(pl, 2)} scrapes_per_s={fmt(sc)}")
+                     f"plain_idle_cpu_ms_per_s={fmt(pl, 2)} scrapes_per_s={fmt(sc)}"
+                     + "".join(f" {k}_per_scrape_us={fmt(v)}" for k, v in floor.items()))
     return "\n".join(md) + "\n", lines
 
 

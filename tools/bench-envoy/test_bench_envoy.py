@@ -85,6 +85,9 @@ def test_front_did_its_job():
     pods = {"127.88.0.2:9000"}
     assert be.front_did_its_job("pass", {"x-bench-body-bytes": "1024"}, 1024, pods)
     assert not be.front_did_its_job("pass", {"x-bench-body-bytes": "512"}, 1024, pods)
+    assert be.front_did_its_job("parse", {"x-bench-body-bytes": "1024"}, 1024, pods)
+    # The parse floor sets 0 when the body was not JSON: not its job done.
+    assert not be.front_did_its_job("parse", {"x-bench-body-bytes": "0"}, 1024, pods)
     assert be.front_did_its_job("module", {"x-bench-destination": "127.88.0.2:9000,127.88.0.3:9000"}, 1024, pods)
     assert not be.front_did_its_job("module", {"x-bench-destination": "10.0.0.1:1"}, 1024, pods)
     assert be.front_did_its_job("plain", {}, 1024, pods)
@@ -100,13 +103,16 @@ def test_front_configs_share_the_listener_and_differ_only_in_filters():
            for v, d in docs.items()}
     names = {v: [f["name"] for f in h["http_filters"]] for v, h in hcm.items()}
     assert names["plain"] == ["envoy.filters.http.router"]
-    assert names["pass"] == ["envoy.filters.http.wasm", "envoy.filters.http.router"]
+    assert names["pass"] == names["parse"] == ["envoy.filters.http.wasm", "envoy.filters.http.router"]
+    wasm_cfg = {v: hcm[v]["http_filters"][0]["typed_config"]["config"] for v in ("pass", "parse")}
+    assert "configuration" not in wasm_cfg["pass"]
+    assert wasm_cfg["parse"]["configuration"]["value"] == "parse"
     assert names["module"] == ["inference-picker", "envoy.filters.http.router"]
     assert "bootstrap_extensions" not in docs["plain"] and "bootstrap_extensions" in docs["module"]
     # Comparable upstream side: the shipped route (retries) and pool cluster for every front,
     # listing the pods; only plain/pass fall back to round robin, as they name no pod.
     routes = {v: h["route_config"]["virtual_hosts"][0]["routes"][0]["route"] for v, h in hcm.items()}
-    assert routes["plain"] == routes["pass"] == routes["module"]
+    assert routes["plain"] == routes["pass"] == routes["parse"] == routes["module"]
     assert "retry_policy" in routes["plain"] and routes["plain"]["cluster"] == "inference_pool"
     pools = {v: next(c for c in d["static_resources"]["clusters"] if c["name"] == "inference_pool")
              for v, d in docs.items()}
@@ -128,6 +134,23 @@ def test_front_configs_share_the_listener_and_differ_only_in_filters():
     assert boot["vm_config"]["code"]["local"]["filename"] == "/m.wasm"
     # The base file is not modified in place.
     assert "127.88." not in json.dumps(base)
+
+
+@pytest.mark.parametrize("what", ["headers", "body"])
+def test_poll_floor_front_scrapes_the_pods_through_the_shipped_metrics_cluster(what):
+    base = yaml.safe_load((REPO / "envoy/envoy.yaml").read_text())
+    addrs = be.pod_addresses(3)
+    doc = be.front_config(f"floor-{what}", base, addrs, 9000, 8000, 8001, Path("/m.wasm"), Path("/p.wasm"))
+    assert "bootstrap_extensions" not in doc  # no module poller beside it
+    filters = doc["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]["http_filters"]
+    cfg = filters[0]["typed_config"]["config"]
+    assert cfg["vm_config"]["code"]["local"]["filename"] == "/p.wasm"
+    words = cfg["configuration"]["value"].split()
+    assert words[:5] == ["poll", f"{be.FLOOR_RATE[0]:g}", what, be.METRICS_CLUSTER, "/metrics"]
+    assert words[5:] == [f"{a}:9000" for a in addrs]
+    metrics = next(c for c in doc["static_resources"]["clusters"] if c["name"] == be.METRICS_CLUSTER)
+    shipped = next(c for c in base["static_resources"]["clusters"] if c["name"] == be.METRICS_CLUSTER)
+    assert metrics == shipped
 
 
 def test_quick_run_writes_the_report_and_the_lines(tmp_path):
@@ -153,13 +176,19 @@ def test_quick_run_writes_the_report_and_the_lines(tmp_path):
     for l in cost:
         assert re.match(rf"ENVOY_COST endpoints=8 body=1024 module_vs_pass_us={num}+ module_vs_plain_us={num}+ "
                         r"prompt=(hit|new) ", l), l
+        assert re.search(rf" worker_parse_vs_pass_us={num}+ worker_module_vs_parse_us={num}+$", l), l
     poller = [l for l in lines if l.startswith("POLLER_COST ")]
     assert len(poller) == 1 and re.match(rf"POLLER_COST endpoints=8 idle_cpu_ms_per_s={num}+ per_scrape_us={num}+ ",
                                          poller[0]), poller
+    # The poll floors scraped: their per-scrape figures are numbers, not n/a.
+    assert re.search(rf" floor_headers_per_scrape_us={num}+ floor_body_per_scrape_us={num}+$", poller[0]), poller
     report = (tmp_path / "report.md").read_text()
     assert "## Per request" in report and "## The poller at idle" in report
     runs = json.loads((tmp_path / "results.json").read_text())["runs"]
-    assert {(r["variant"], r["prompt"]) for r in runs} == {("plain", "-"), ("pass", "-"), ("module", "hit"), ("module", "new")}
+    assert {(r["variant"], r["prompt"]) for r in runs} == {
+        ("plain", "-"), ("pass", "-"), ("parse", "-"), ("module", "hit"), ("module", "new")}
+    idle = json.loads((tmp_path / "results.json").read_text())["idle"]
+    assert all(i["floor_headers_scrapes_per_s"] > 0 and i["floor_body_scrapes_per_s"] > 0 for i in idle), idle
 
 
 def test_combine_takes_the_median_over_every_run(tmp_path, capsys):
@@ -170,7 +199,7 @@ def test_combine_takes_the_median_over_every_run(tmp_path, capsys):
     def run(cpu_module: float, path: Path) -> str:
         rows = [dict(endpoints=8, body=1024, variant=v, prompt=p, rps=1.0, p50_ms=1.0, p99_ms=1.0,
                      cpu_us_per_req=c, worker_us_per_req=c, errors=0, statuses="")
-                for v, p, c in (("plain", "-", 100.0), ("pass", "-", 120.0),
+                for v, p, c in (("plain", "-", 100.0), ("pass", "-", 120.0), ("parse", "-", 130.0),
                                 ("module", "hit", cpu_module), ("module", "new", cpu_module))]
         idle = [dict(endpoints=8, plain_ms_per_s=1.0, module_ms_per_s=5.0, scrapes_per_s=40.0)]
         path.write_text(json.dumps({"env": env, "runs": rows, "idle": idle}))
@@ -181,5 +210,6 @@ def test_combine_takes_the_median_over_every_run(tmp_path, capsys):
     lines = [l for l in capsys.readouterr().out.splitlines() if l.startswith(("ENVOY_COST", "POLLER_COST"))]
     # Module medians 160 -> 160 - 120 = 40 over pass, 60 over plain; poller (5 - 1) / 40 s = 100 us.
     assert "ENVOY_COST endpoints=8 body=1024 module_vs_pass_us=40.0 module_vs_plain_us=60.0 prompt=hit" in lines[0]
+    assert lines[0].endswith(" worker_parse_vs_pass_us=10.0 worker_module_vs_parse_us=30.0")
     assert lines[-1].startswith("POLLER_COST endpoints=8 idle_cpu_ms_per_s=5.00 per_scrape_us=100.0 ")
     assert "Medians of 3 interleaved repetitions" in (tmp_path / "out" / "report.md").read_text()
