@@ -572,6 +572,7 @@ impl Scheduler {
         let prompt_tokens = req.prompt.len() as f64 / cpt;
         let mut works: Vec<f64> = Vec::new();
         let mut uncached: Vec<f64> = Vec::new();
+        let mut queued: Vec<f64> = Vec::new();
         if predicted {
             let keys: Vec<u32> = cands.iter().map(|c| endpoint_key(c.address)).collect();
             let rates = self.rates.rates(store, &keys, self.cfg.predicted.prior_ms_per_token, now_ms);
@@ -610,6 +611,8 @@ impl Scheduler {
                 let work = predict::work(&inp, mean);
                 works.push(work);
                 uncached.push(inp.uncached);
+                queued
+                    .push(inp.waiting.filter(|w| w.is_finite()).unwrap_or(f64::from(inp.inflight)).max(0.0));
                 if let Some(r) = rows.get_mut(i) {
                     r.predicted_ms = ms;
                     r.work = work;
@@ -621,7 +624,30 @@ impl Scheduler {
         // 5 + 6. Session token, then the picker.
         let token_pick = req.session_token.and_then(|t| self.session_keys.resolve(t, &cands, &eligible));
         let mut order = if predicted {
-            let costs: Vec<f64> = rows.iter().map(|b| b.predicted_ms).collect();
+            // Rank by predicted TTFT plus `miss_weight` × the prefill of the tokens a candidate
+            // lacks beyond the best-cached eligible one (`PredictedConfig::miss_weight`).
+            let mw = self.cfg.predicted.miss_weight;
+            let least = uncached
+                .iter()
+                .zip(&eligible)
+                .filter(|(_, ok)| **ok)
+                .map(|(u, _)| *u)
+                .fold(f64::INFINITY, f64::min);
+            let (qsum, qn) = queued
+                .iter()
+                .zip(&eligible)
+                .filter(|(_, ok)| **ok)
+                .fold((0.0, 0.0), |(s, n), (q, _)| (s + q, n + 1.0));
+            let busy = if qn > 0.0 { qsum / qn } else { 0.0 };
+            let mw = mw * (1.0 + busy);
+            let costs: Vec<f64> = rows
+                .iter()
+                .zip(&uncached)
+                .map(|(b, u)| {
+                    let extra = if mw > 0.0 && least.is_finite() { (u - least).max(0.0) } else { 0.0 };
+                    b.predicted_ms + mw * b.rate * extra
+                })
+                .collect();
             let addrs: Vec<&str> = cands.iter().map(|c| c.address).collect();
             let key = predict::rendezvous_key(req.session_id, &hashes, self.cfg.predicted.rendezvous_blocks);
             let slack = self.cfg.predicted.affinity_slack;

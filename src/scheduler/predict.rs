@@ -29,8 +29,22 @@
 //!   1 running → ×1 · 0.8 free slot → ×1.25 · 0.6 waiting → ×1.67 · 0 every slot held by other
 //!   adapters → ×10: the request cannot start until a slot frees), 1 for a base-model request.
 //!
-//! # Choice: lowest predicted TTFT, replicas agree on ties (bounded-load rendezvous)
-//! The candidates within `(1 + affinity_slack)` of the lowest predicted TTFT are "as good"; among
+//! # Cost: predicted TTFT plus a miss penalty that grows with the pool's queues
+//! ```text
+//! extra(e) = uncached(e) − min over eligible candidates of uncached        (≥ 0)
+//! busy     = mean over eligible candidates of waiting(e)
+//! cost(e)  = ttft(e) + miss_weight × (1 + busy) × rate(e) × extra(e)       (ms)
+//! ```
+//! A request sent where its prefix is not cached also delays every request that queues behind
+//! its extra prefill there, and evicts other prefixes: costs its own TTFT does not show. Near
+//! saturation, ranking by TTFT alone sends a hot group's request away from its cached pod as
+//! soon as that pod has a few requests queued, and the misses eat the capacity the pool needs
+//! (`scheduler.predicted.miss_weight`, default 0.5; 0 ranks by `ttft(e)` alone). At low load
+//! `busy` ≈ 0 and the penalty is half the extra prefill. `ttft(e)` is still what is reported
+//! (`predicted_ms`, debug scores) and what the rates learn from; the penalty only ranks.
+//!
+//! # Choice: lowest cost, replicas agree on ties (bounded-load rendezvous)
+//! The candidates within `(1 + affinity_slack)` of the lowest cost are "as good"; among
 //! them the primary is the rendezvous winner `max xxh3(key, seed = xxh3(address))`, where `key`
 //! is the session id when one is sent, else the hash of the prompt's first
 //! `min(n, rendezvous_blocks)` blocks. Every gateway replica and worker computes the same winner
@@ -53,6 +67,7 @@
 //!   (`predicted.prior_ms_per_token`, see `crate::rates`).
 //! - No LoRA info: the LoRA scorer's neutral score.
 //! - KV usage is not a term: a full cache shows as waiting requests (vLLM cannot admit them).
+//! - Miss penalty: with no eligible candidate, or no prompt blocks, `extra` is 0 everywhere.
 
 use hashbrown::HashMap;
 use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
