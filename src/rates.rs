@@ -183,14 +183,19 @@ impl RateCache {
                 self.read_ms = Some(now_ms);
             }
         }
-        let mut seen: Vec<f64> = keys.iter().filter_map(|k| self.known.get(k).copied()).collect();
+        if self.known.is_empty() {
+            return vec![prior; keys.len()];
+        }
+        // One lookup per key.
+        let found: Vec<Option<f64>> = keys.iter().map(|k| self.known.get(k).copied()).collect();
+        let mut seen: Vec<f64> = found.iter().flatten().copied().collect();
         let median = if seen.is_empty() {
             prior
         } else {
             seen.sort_by(f64::total_cmp);
             seen.get(seen.len() / 2).copied().unwrap_or(prior)
         };
-        keys.iter().map(|k| self.known.get(k).map_or(median, |&r| dead_band(r, median))).collect()
+        found.into_iter().map(|r| r.map_or(median, |r| dead_band(r, median))).collect()
     }
 }
 

@@ -480,7 +480,11 @@ impl Scheduler {
             .with_retry_after(1));
         }
         // Passive health: ejected endpoints are not candidates, even to fail open.
-        let serving = filter::not_ejected(&serving, health, now_ms, &self.health);
+        let serving = if health.is_empty() {
+            serving
+        } else {
+            filter::not_ejected(&serving, health, now_ms, &self.health)
+        };
         let load =
             |addr: &str| inflight.get(addr).saturating_add(health.phantom_load(addr, now_ms, &self.health));
         let healthy: Vec<&EndpointStatus> =
@@ -497,14 +501,33 @@ impl Scheduler {
             }
             return self.fail_open(&serving, &load, rng, target_model, model_rewritten);
         }
+        let predicted = self.cfg.objective == Objective::PredictedTtft;
+        // Per candidate, each looked up once: this gateway's in-flight count, and the live queue
+        // estimate (read by the queue scorer with `live_queue`, and by the prediction).
+        let counts: Vec<u32> = healthy.iter().map(|e| inflight.get(&e.address)).collect();
+        let live: Vec<Option<f64>> = if self.cfg.live_queue || predicted {
+            healthy
+                .iter()
+                .zip(&counts)
+                .map(|(e, &n)| crate::load::live_queue(e, n, now_ms, self.stale_after_ms))
+                .collect()
+        } else {
+            Vec::new()
+        };
         let cands: Vec<Candidate<'_>> = healthy
             .iter()
-            .map(|e| Candidate {
+            .zip(&counts)
+            .enumerate()
+            .map(|(i, (e, &n))| Candidate {
                 address: &e.address,
                 metrics: e.metrics.as_ref(),
-                inflight: load(&e.address),
+                inflight: if health.is_empty() {
+                    n
+                } else {
+                    n.saturating_add(health.phantom_load(&e.address, now_ms, &self.health))
+                },
                 queue: if self.cfg.live_queue {
-                    crate::load::live_queue(e, inflight.get(&e.address), now_ms, self.stale_after_ms)
+                    live.get(i).copied().flatten()
                 } else {
                     e.metrics.as_ref().and_then(|m| m.queue)
                 },
@@ -528,17 +551,28 @@ impl Scheduler {
         self.local.sync(snapshot.version, &mut snapshot.endpoints.iter().map(|e| e.address.as_str()));
         let mut lookup =
             if hashes.is_empty() { Default::default() } else { self.shared.lookup(store, &hashes) };
-        let matched: Vec<usize> = cands
-            .iter()
-            .map(|c| {
-                if hashes.is_empty() {
-                    return 0;
-                }
-                let local = self.local.matched(c.address, &hashes);
-                let shared = if lookup.hits.is_empty() { 0 } else { lookup.matched(endpoint_key(c.address)) };
-                local.max(shared)
-            })
-            .collect();
+        // Each candidate's key in the cross-worker tables (prefix and rates), hashed once.
+        let keys: Vec<u32> = if predicted || !lookup.hits.is_empty() {
+            cands.iter().map(|c| endpoint_key(c.address)).collect()
+        } else {
+            Vec::new()
+        };
+        let matched: Vec<usize> = if hashes.is_empty() {
+            vec![0; cands.len()]
+        } else {
+            cands
+                .iter()
+                .zip(0..)
+                .map(|(c, i)| {
+                    let local = self.local.matched(c.address, &hashes);
+                    let shared = match keys.get(i) {
+                        Some(&k) if !lookup.hits.is_empty() => lookup.matched(k),
+                        _ => 0,
+                    };
+                    local.max(shared)
+                })
+                .collect()
+        };
         let px: Vec<f64> = matched.iter().map(|&m| prefix::score(m, hashes.len())).collect();
         let q = queue::scores(&cands);
         let kv = kv::scores(&cands);
@@ -564,17 +598,18 @@ impl Scheduler {
             b.total = b.weighted(&weights);
             rows.push(b);
         }
-        let totals: Vec<f64> = rows.iter().map(|b| b.total).collect();
 
         // Objective `predicted_ttft`: each candidate's predicted TTFT (`predict`).
-        let predicted = self.cfg.objective == Objective::PredictedTtft;
         let cpt = pc.chars_per_token.max(1) as f64;
         let prompt_tokens = req.prompt.len() as f64 / cpt;
         let mut works: Vec<f64> = Vec::new();
         let mut uncached: Vec<f64> = Vec::new();
         let mut queued: Vec<f64> = Vec::new();
+        let addrs: Vec<&str> = if predicted { cands.iter().map(|c| c.address).collect() } else { Vec::new() };
         if predicted {
-            let keys: Vec<u32> = cands.iter().map(|c| endpoint_key(c.address)).collect();
+            works.reserve(cands.len());
+            uncached.reserve(cands.len());
+            queued.reserve(cands.len());
             let rates = self.rates.rates(store, &keys, self.cfg.predicted.prior_ms_per_token, now_ms);
             let mean = self.ledger.mean_tokens().unwrap_or(prompt_tokens);
             // Nothing known about this prefix anywhere: the rendezvous winner is where another
@@ -582,7 +617,6 @@ impl Scheduler {
             let pr = &self.cfg.predicted;
             let unknown = matched.iter().all(|&m| m == 0);
             let winner = if unknown && pr.rendezvous_credit > 0.0 {
-                let addrs: Vec<&str> = cands.iter().map(|c| c.address).collect();
                 predict::rendezvous_key(req.session_id, &hashes, pr.rendezvous_blocks)
                     .and_then(|k| predict::rendezvous_winner(k, &addrs, &eligible))
             } else {
@@ -596,16 +630,15 @@ impl Scheduler {
                 if winner == Some(i) {
                     own *= 1.0 - pr.rendezvous_credit.clamp(0.0, 1.0);
                 }
+                let (pending, active) = self.ledger.pending_and_active(c.address);
                 let inp = predict::Inputs {
                     uncached: own,
-                    pending: self.ledger.pending(c.address),
-                    waiting: healthy.get(i).and_then(|e| {
-                        crate::load::live_queue(e, inflight.get(c.address), now_ms, self.stale_after_ms)
-                    }),
+                    pending,
+                    waiting: live.get(i).copied().flatten(),
                     inflight: c.inflight,
                     rate: rates.get(i).copied().unwrap_or(self.cfg.predicted.prior_ms_per_token),
                     lora: resolved.adapter.map(|_| lo.get(i).copied().unwrap_or(0.0)),
-                    active: self.cfg.predicted.active_weight * self.ledger.active(c.address),
+                    active: self.cfg.predicted.active_weight * active,
                 };
                 let ms = predict::ttft_ms(&inp, mean);
                 let work = predict::work(&inp, mean);
@@ -648,12 +681,12 @@ impl Scheduler {
                     b.predicted_ms + mw * b.rate * extra
                 })
                 .collect();
-            let addrs: Vec<&str> = cands.iter().map(|c| c.address).collect();
             let key = predict::rendezvous_key(req.session_id, &hashes, self.cfg.predicted.rendezvous_blocks);
             let slack = self.cfg.predicted.affinity_slack;
             let key = if slack > 0.0 || req.session_id.is_some() { key } else { None };
             predict::order(&costs, &addrs, &eligible, key, slack, self.cfg.fallbacks, rng)
         } else {
+            let totals: Vec<f64> = rows.iter().map(|b| b.total).collect();
             picker::order(&totals, self.cfg.tie_epsilon, self.cfg.top_k, self.cfg.fallbacks, rng)
         };
         let reason = match token_pick {

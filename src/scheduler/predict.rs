@@ -135,6 +135,11 @@ impl Ledger {
         self.per_endpoint.get(address).map_or(0.0, |s| s.active)
     }
 
+    /// [`Ledger::pending`] and [`Ledger::active`] of `address` in one lookup.
+    pub fn pending_and_active(&self, address: &str) -> ((f64, u32), f64) {
+        self.per_endpoint.get(address).map_or(((0.0, 0), 0.0), |s| ((s.pending, s.pending_n), s.active))
+    }
+
     /// Running mean of the uncached tokens this worker sends (`None` before the first pick).
     pub fn mean_tokens(&self) -> Option<f64> {
         self.mean
@@ -328,10 +333,12 @@ pub fn order(
     }
     let best = costs.iter().copied().fold(f64::INFINITY, f64::min);
     let bound = best * (1.0 + slack.max(0.0)) + 1e-9;
-    let near: Vec<usize> = (0..n).filter(|&i| costs.get(i).is_some_and(|&c| c <= bound)).collect();
-    let near_eligible: Vec<bool> =
-        (0..n).map(|i| near.contains(&i) && eligible.get(i).copied().unwrap_or(false)).collect();
-    let by_key = key.and_then(|k| rendezvous_winner(k, addresses, &near_eligible));
+    let by_key = key.and_then(|k| {
+        let near_eligible: Vec<bool> = (0..n)
+            .map(|i| costs.get(i).is_some_and(|&c| c <= bound) && eligible.get(i).copied().unwrap_or(false))
+            .collect();
+        rendezvous_winner(k, addresses, &near_eligible)
+    });
     let primary = match by_key {
         Some(p) => p,
         None => {
@@ -340,14 +347,40 @@ pub fn order(
             ties.get(rng.below(ties.len().max(1))).copied().unwrap_or(0)
         }
     };
-    let mut rest: Vec<usize> = (0..n).filter(|&i| i != primary).collect();
-    rest.sort_by(|&a, &b| {
-        let ca = costs.get(a).copied().unwrap_or(f64::INFINITY);
-        let cb = costs.get(b).copied().unwrap_or(f64::INFINITY);
-        ca.total_cmp(&cb)
-    });
-    rest.truncate(fallbacks);
-    std::iter::once(primary).chain(rest).collect()
+    let mut out = Vec::with_capacity(1 + fallbacks.min(n));
+    out.push(primary);
+    out.extend(lowest_costs(costs, primary, fallbacks));
+    out
+}
+
+/// The `m` lowest costs but `skip`, lowest first (`f64::total_cmp`), equal costs in index order:
+/// the first `m` of a stable sort, by an O(n·m) partial selection (`m` is the few fallbacks),
+/// or by the sort itself when `m` is large.
+fn lowest_costs(costs: &[f64], skip: usize, m: usize) -> Vec<usize> {
+    let cost = |i: usize| costs.get(i).copied().unwrap_or(f64::INFINITY);
+    if m > 16 {
+        let mut rest: Vec<usize> = (0..costs.len()).filter(|&i| i != skip).collect();
+        rest.sort_by(|&a, &b| cost(a).total_cmp(&cost(b)));
+        rest.truncate(m);
+        return rest;
+    }
+    let mut best: Vec<usize> = Vec::with_capacity(m + 1);
+    if m == 0 {
+        return best;
+    }
+    for (i, &c) in costs.iter().enumerate() {
+        if i == skip {
+            continue;
+        }
+        if best.len() == m && best.last().is_some_and(|&l| cost(l).total_cmp(&c).is_le()) {
+            continue;
+        }
+        // After every entry not above it: equal costs stay in index order.
+        let pos = best.iter().position(|&b| cost(b).total_cmp(&c).is_gt()).unwrap_or(best.len());
+        best.insert(pos, i);
+        best.truncate(m);
+    }
+    best
 }
 
 #[cfg(test)]
@@ -357,6 +390,23 @@ mod tests {
 
     fn inp(uncached: f64, pending: (f64, u32), waiting: Option<f64>, inflight: u32) -> Inputs {
         Inputs { uncached, pending, waiting, inflight, rate: 0.03, lora: None, active: 0.0 }
+    }
+
+    #[test]
+    fn lowest_costs_is_the_head_of_a_stable_sort() {
+        let mut rng = SplitMix64::new(7);
+        let pool = [0.0, -0.0, 1.0, 1.0, 2.5, f64::NAN, f64::INFINITY, 3.0, 0.5];
+        for round in 0..400 {
+            let n = 1 + rng.below(40);
+            let costs: Vec<f64> = (0..n).map(|_| pool[rng.below(pool.len())]).collect();
+            let skip = rng.below(n + 1);
+            for m in [0, 1, 2, 3, 5, 17, 50] {
+                let mut want: Vec<usize> = (0..n).filter(|&i| i != skip).collect();
+                want.sort_by(|&a, &b| costs[a].total_cmp(&costs[b]));
+                want.truncate(m);
+                assert_eq!(lowest_costs(&costs, skip, m), want, "round {round} m {m} {costs:?}");
+            }
+        }
     }
 
     #[test]
