@@ -574,10 +574,19 @@ impl Scheduler {
                 .collect()
         };
         let px: Vec<f64> = matched.iter().map(|&m| prefix::score(m, hashes.len())).collect();
-        let q = queue::scores(&cands);
-        let kv = kv::scores(&cands);
-        let inf = inflight::scores(&cands);
-        let sess = session::scores(req.session_id, &cands, &eligible);
+        // Under `predicted_ttft` the queue, KV, in-flight and session scores and the weighted
+        // total decide nothing (they are shown in the debug scores): computed only when read.
+        let weighted_scores = !predicted || self.cfg.debug_scores;
+        let (q, kv, inf, sess) = if weighted_scores {
+            (
+                queue::scores(&cands),
+                kv::scores(&cands),
+                inflight::scores(&cands),
+                session::scores(req.session_id, &cands, &eligible),
+            )
+        } else {
+            (Vec::new(), Vec::new(), Vec::new(), Vec::new())
+        };
         let lo = lora::scores(resolved.adapter, &cands);
         let mut rows: Vec<Breakdown> = Vec::with_capacity(cands.len());
         for i in 0..cands.len() {
@@ -640,8 +649,8 @@ impl Scheduler {
                     lora: resolved.adapter.map(|_| lo.get(i).copied().unwrap_or(0.0)),
                     active: self.cfg.predicted.active_weight * active,
                 };
-                let ms = predict::ttft_ms(&inp, mean);
                 let work = predict::work(&inp, mean);
+                let ms = predict::ttft_of_work(&inp, work);
                 works.push(work);
                 uncached.push(inp.uncached);
                 queued

@@ -121,6 +121,10 @@ pub struct Ledger {
     mean: Option<f64>,
     next_ticket: u64,
     inserts: u64,
+    /// At most the oldest `sent_ms` among `entries` (`None`: nothing was ever tracked), so that
+    /// [`Ledger::expire`] scans only when some entry may be past the TTL: a full ledger (a host
+    /// that never reports ends) would otherwise be scanned whole at every pick.
+    oldest_ms: Option<u64>,
 }
 
 impl Ledger {
@@ -179,6 +183,7 @@ impl Ledger {
             ticket,
             Entry { address: address.to_string(), tokens, work, sent_ms: now_ms, prefilling: true },
         );
+        self.oldest_ms = Some(self.oldest_ms.map_or(now_ms, |o| o.min(now_ms)));
         ticket
     }
 
@@ -237,6 +242,16 @@ impl Ledger {
     }
 
     fn expire(&mut self, now_ms: u64) {
+        // Every entry was sent at `oldest_ms` or later: none is older than the TTL.
+        if self.oldest_ms.is_none_or(|o| now_ms.saturating_sub(o) <= LEDGER_TTL_MS) {
+            return;
+        }
+        self.oldest_ms = self
+            .entries
+            .values()
+            .filter(|e| now_ms.saturating_sub(e.sent_ms) <= LEDGER_TTL_MS)
+            .map(|e| e.sent_ms)
+            .min();
         let old: Vec<u64> = self
             .entries
             .iter()
@@ -287,9 +302,14 @@ pub fn work(i: &Inputs, mean_tokens: f64) -> f64 {
 
 /// Predicted TTFT in ms (the module doc's `ttft(e)`).
 pub fn ttft_ms(i: &Inputs, mean_tokens: f64) -> f64 {
+    ttft_of_work(i, work(i, mean_tokens))
+}
+
+/// [`ttft_ms`] from `work(i, mean_tokens)` already computed.
+pub fn ttft_of_work(i: &Inputs, work: f64) -> f64 {
     let lora = i.lora.map_or(1.0, |s| 1.0 / s.clamp(0.1, 1.0));
     let rate = if i.rate.is_finite() && i.rate > 0.0 { i.rate } else { 0.0 };
-    rate * work(i, mean_tokens) * lora
+    rate * work * lora
 }
 
 /// Rendezvous weight of `address` for `key`.
@@ -476,6 +496,28 @@ mod tests {
             l.done(t);
         }
         assert_eq!(l.pending("a"), (0.0, 0), "expired after the TTL");
+    }
+
+    #[test]
+    fn a_full_ledger_still_expires_exactly_at_the_ttl() {
+        let mut l = Ledger::default();
+        // Sent out of order: the oldest is not the first.
+        l.sent("b", 1.0, 1.0, 500);
+        l.sent("a", 1.0, 1.0, 100);
+        for i in 0..(LEDGER_MAX as u64 - 2) {
+            l.sent("c", 1.0, 1.0, 1_000 + i % 7);
+        }
+        assert_eq!(l.len(), LEDGER_MAX);
+        // Full: each pick tries to expire; nothing is past the TTL yet, so nothing goes and the
+        // pick is not tracked.
+        l.sent("d", 1.0, 1.0, 100 + LEDGER_TTL_MS);
+        assert_eq!((l.len(), l.pending("a").1, l.pending("d").1), (LEDGER_MAX, 1, 0));
+        // 1 ms later "a" is past the TTL: it goes and the new pick is tracked.
+        l.sent("d", 1.0, 1.0, 101 + LEDGER_TTL_MS);
+        assert_eq!((l.len(), l.pending("a").1, l.pending("b").1, l.pending("d").1), (LEDGER_MAX, 0, 1, 1));
+        // Then "b" (sent at 500).
+        l.sent("e", 1.0, 1.0, 501 + LEDGER_TTL_MS);
+        assert_eq!((l.pending("b").1, l.pending("e").1), (0, 1));
     }
 
     #[test]
