@@ -122,6 +122,10 @@ fn bench_hash(c: &mut Criterion) {
     g.finish();
 }
 
+/// Every case below ends each request as the host does (`Scheduler::request_done`, from
+/// `on_log`), inside the timed loop: without it the prefill ledger only grows, the default
+/// objective spreads the repeated prompt over every endpoint, and the case drifts to a state no
+/// running gateway reaches (every endpoint's index holding the same 32 KiB prompt).
 fn bench_decision(c: &mut Criterion) {
     let mut g = c.benchmark_group("decision");
     let big = body_32k();
@@ -142,7 +146,9 @@ fn bench_decision(c: &mut Criterion) {
                     session_id: None,
                     session_token: None,
                 };
-                sched.pick(&r, &snap, &inflight, &store, &mut rng, NOW).unwrap()
+                let pick = sched.pick(&r, &snap, &inflight, &store, &mut rng, NOW).unwrap();
+                sched.request_done(pick.ticket);
+                pick
             })
         });
         // Fresh: a prompt never seen (a new cache_salt each time makes every block hash new):
@@ -162,7 +168,9 @@ fn bench_decision(c: &mut Criterion) {
                     session_id: Some(&salt),
                     session_token: None,
                 };
-                sched.pick(&r, &snap, &inflight, &store, &mut rng, NOW).unwrap()
+                let pick = sched.pick(&r, &snap, &inflight, &store, &mut rng, NOW).unwrap();
+                sched.request_done(pick.ticket);
+                pick
             })
         });
         // Pick only (body parsed once): the scheduler's own cost.
@@ -178,7 +186,9 @@ fn bench_decision(c: &mut Criterion) {
                     session_id: None,
                     session_token: None,
                 };
-                sched.pick(&r, &snap, &inflight, &store, &mut rng, NOW).unwrap()
+                let pick = sched.pick(&r, &snap, &inflight, &store, &mut rng, NOW).unwrap();
+                sched.request_done(pick.ticket);
+                pick
             })
         });
     }
