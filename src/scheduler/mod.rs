@@ -613,12 +613,12 @@ impl Scheduler {
         let prompt_tokens = req.prompt.len() as f64 / cpt;
         let mut works: Vec<f64> = Vec::new();
         let mut uncached: Vec<f64> = Vec::new();
-        let mut queued: Vec<f64> = Vec::new();
+        // Sum and count of the eligible candidates' queues: the miss penalty's `busy`.
+        let (mut queue_sum, mut queue_n) = (0.0, 0.0);
         let addrs: Vec<&str> = if predicted { cands.iter().map(|c| c.address).collect() } else { Vec::new() };
         if predicted {
             works.reserve(cands.len());
             uncached.reserve(cands.len());
-            queued.reserve(cands.len());
             let rates = self.rates.rates(store, &keys, self.cfg.predicted.prior_ms_per_token, now_ms);
             let mean = self.ledger.mean_tokens().unwrap_or(prompt_tokens);
             // Nothing known about this prefix anywhere: the rendezvous winner is where another
@@ -653,8 +653,10 @@ impl Scheduler {
                 let ms = predict::ttft_of_work(&inp, work);
                 works.push(work);
                 uncached.push(inp.uncached);
-                queued
-                    .push(inp.waiting.filter(|w| w.is_finite()).unwrap_or(f64::from(inp.inflight)).max(0.0));
+                if ok {
+                    queue_sum += predict::waiting(&inp);
+                    queue_n += 1.0;
+                }
                 if let Some(r) = rows.get_mut(i) {
                     r.predicted_ms = ms;
                     r.work = work;
@@ -666,29 +668,14 @@ impl Scheduler {
         // 5 + 6. Session token, then the picker.
         let token_pick = req.session_token.and_then(|t| self.session_keys.resolve(t, &cands, &eligible));
         let mut order = if predicted {
-            // Rank by predicted TTFT plus `miss_weight` × the prefill of the tokens a candidate
-            // lacks beyond the best-cached eligible one (`PredictedConfig::miss_weight`).
+            // Rank by predicted TTFT plus the miss penalty (`predict`, "Cost").
+            let least = predict::least_uncached(&uncached, &eligible);
+            let busy = if queue_n > 0.0 { queue_sum / queue_n } else { 0.0 };
             let mw = self.cfg.predicted.miss_weight;
-            let least = uncached
-                .iter()
-                .zip(&eligible)
-                .filter(|(_, ok)| **ok)
-                .map(|(u, _)| *u)
-                .fold(f64::INFINITY, f64::min);
-            let (qsum, qn) = queued
-                .iter()
-                .zip(&eligible)
-                .filter(|(_, ok)| **ok)
-                .fold((0.0, 0.0), |(s, n), (q, _)| (s + q, n + 1.0));
-            let busy = if qn > 0.0 { qsum / qn } else { 0.0 };
-            let mw = mw * (1.0 + busy);
             let costs: Vec<f64> = rows
                 .iter()
                 .zip(&uncached)
-                .map(|(b, u)| {
-                    let extra = if mw > 0.0 && least.is_finite() { (u - least).max(0.0) } else { 0.0 };
-                    b.predicted_ms + mw * b.rate * extra
-                })
+                .map(|(b, &u)| b.predicted_ms + predict::miss_penalty(b.rate, u, least, busy, mw))
                 .collect();
             let key = predict::rendezvous_key(req.session_id, &hashes, self.cfg.predicted.rendezvous_blocks);
             let slack = self.cfg.predicted.affinity_slack;

@@ -287,7 +287,7 @@ pub struct Inputs {
 pub fn work(i: &Inputs, mean_tokens: f64) -> f64 {
     let (p_tokens, p_n) = i.pending;
     let per_request = if p_n > 0 { p_tokens / f64::from(p_n) } else { mean_tokens };
-    let waiting = i.waiting.filter(|w| w.is_finite()).unwrap_or(f64::from(i.inflight)).max(0.0);
+    let waiting = waiting(i);
     // Every request ahead costs its fixed overhead too, as this one's does: with tiny prompts a
     // queue of 50 would otherwise weigh less than one request's overhead.
     let ahead = (p_tokens + f64::from(p_n) * OVERHEAD_TOKENS).max(waiting * (per_request + OVERHEAD_TOKENS));
@@ -308,8 +308,36 @@ pub fn ttft_ms(i: &Inputs, mean_tokens: f64) -> f64 {
 /// [`ttft_ms`] from `work(i, mean_tokens)` already computed.
 pub fn ttft_of_work(i: &Inputs, work: f64) -> f64 {
     let lora = i.lora.map_or(1.0, |s| 1.0 / s.clamp(0.1, 1.0));
-    let rate = if i.rate.is_finite() && i.rate > 0.0 { i.rate } else { 0.0 };
-    rate * work * lora
+    usable_rate(i.rate) * work * lora
+}
+
+/// Requests queued ahead (`waiting(e)` of the module doc): the live queue estimate, else this
+/// gateway's in-flight count.
+pub fn waiting(i: &Inputs) -> f64 {
+    i.waiting.filter(|w| w.is_finite()).unwrap_or(f64::from(i.inflight)).max(0.0)
+}
+
+fn usable_rate(rate: f64) -> f64 {
+    if rate.is_finite() && rate > 0.0 {
+        rate
+    } else {
+        0.0
+    }
+}
+
+/// The fewest uncached tokens among the eligible candidates (`min uncached` of the module
+/// doc's cost); infinite when none is eligible.
+pub fn least_uncached(uncached: &[f64], eligible: &[bool]) -> f64 {
+    uncached.iter().zip(eligible).filter(|(_, ok)| **ok).map(|(u, _)| *u).fold(f64::INFINITY, f64::min)
+}
+
+/// The miss penalty of one candidate, in ms (the module doc's cost minus `ttft(e)`):
+/// `miss_weight × (1 + busy) × rate × (uncached − least)`; 0 when `least` is not finite.
+pub fn miss_penalty(rate: f64, uncached: f64, least: f64, busy: f64, miss_weight: f64) -> f64 {
+    if !least.is_finite() {
+        return 0.0;
+    }
+    miss_weight * (1.0 + busy.max(0.0)) * usable_rate(rate) * (uncached - least).max(0.0)
 }
 
 /// Rendezvous weight of `address` for `key`.
@@ -410,6 +438,21 @@ mod tests {
 
     fn inp(uncached: f64, pending: (f64, u32), waiting: Option<f64>, inflight: u32) -> Inputs {
         Inputs { uncached, pending, waiting, inflight, rate: 0.03, lora: None, active: 0.0 }
+    }
+
+    #[test]
+    fn miss_penalty_charges_the_tokens_beyond_the_best_cached_eligible_candidate() {
+        // Ineligible candidates do not set the baseline: the least is 1000, not 10.
+        let least = least_uncached(&[10.0, 1000.0, 5000.0], &[false, true, true]);
+        assert_eq!(least, 1000.0);
+        // 0.5 × (1 + 2) × 0.03 ms/token × 4000 tokens = 180 ms.
+        assert!((miss_penalty(0.03, 5000.0, least, 2.0, 0.5) - 180.0).abs() < 1e-9);
+        assert_eq!(miss_penalty(0.03, 1000.0, least, 2.0, 0.5), 0.0);
+        assert_eq!(miss_penalty(0.03, 5000.0, least, 2.0, 0.0), 0.0);
+        // No eligible candidate, or a rate that is not a rate: no penalty.
+        assert_eq!(least_uncached(&[1.0], &[false]), f64::INFINITY);
+        assert_eq!(miss_penalty(0.03, 5000.0, f64::INFINITY, 2.0, 0.5), 0.0);
+        assert_eq!(miss_penalty(f64::NAN, 5000.0, least, 2.0, 0.5), 0.0);
     }
 
     #[test]

@@ -931,8 +931,8 @@ fn predicted_adapter_request_prefers_the_pod_running_it_unless_it_is_far_busier(
 }
 
 /// Turn 1 of a 16 KiB prompt goes to `a:1` (the only pod then); turn 2, 1 KiB longer, is picked
-/// with `a:1` one request busier than an idle `b:1`. Returns turn 2's pick.
-fn turn_two_with_a_busier_cached_pod(extra: &str) -> Pick {
+/// with `queue_on_a` requests queued on `a:1` and none on `b:1`. Returns turn 2's pick.
+fn turn_two_with_a_busier_cached_pod(queue_on_a: f64, extra: &str) -> Pick {
     let cfg = config_ttft(&format!(r#","scheduler":{{"predicted":{{"affinity_slack":0{extra}}}}}"#));
     let mut s = Scheduler::new(&cfg);
     let store = MemStore::new();
@@ -949,7 +949,7 @@ fn turn_two_with_a_busier_cached_pod(extra: &str) -> Pick {
     let both = Snapshot {
         version: 2,
         published_ms: NOW - 50,
-        endpoints: vec![ep("a:1", &["llama"], 1.0, 0.3), ep("b:1", &["llama"], 0.0, 0.3)],
+        endpoints: vec![ep("a:1", &["llama"], queue_on_a, 0.3), ep("b:1", &["llama"], 0.0, 0.3)],
     };
     let r2 = PickRequest { model: "llama", prompt: &t2, ..Default::default() };
     s.pick(&r2, &both, &inf, &store, &mut SplitMix64::new(2), NOW).unwrap()
@@ -960,9 +960,9 @@ fn the_miss_penalty_keeps_a_prefix_on_its_pod_when_the_saving_is_only_a_short_qu
     // By predicted TTFT alone the idle pod wins (one queued request on `a` weighs more than
     // prefilling 16 KiB on `b`); the default miss penalty charges `b` the 4k tokens it lacks,
     // scaled by the pool's mean queue, and the conversation stays on its cache.
-    let alone = turn_two_with_a_busier_cached_pod(r#","miss_weight":0"#);
+    let alone = turn_two_with_a_busier_cached_pod(1.0, r#","miss_weight":0"#);
     assert_eq!(alone.primary, "b:1");
-    let default = turn_two_with_a_busier_cached_pod("");
+    let default = turn_two_with_a_busier_cached_pod(1.0, "");
     assert_eq!(default.primary, "a:1");
     assert_eq!(default.fallbacks, vec!["b:1".to_string()]);
     // The reported prediction is still the TTFT, not the ranking cost: `a`'s is above `b`'s.
@@ -973,23 +973,5 @@ fn the_miss_penalty_keeps_a_prefix_on_its_pod_when_the_saving_is_only_a_short_qu
 #[test]
 fn a_much_busier_cached_pod_still_loses_to_an_idle_one_with_the_penalty() {
     // The penalty is bounded: with eight requests queued on the cached pod the idle one wins.
-    let cfg = config_ttft(r#","scheduler":{"predicted":{"affinity_slack":0}}"#);
-    let mut s = Scheduler::new(&cfg);
-    let store = MemStore::new();
-    let inf = InflightCounts::default();
-    let t1 = fresh_prompt(9, 16);
-    let mut t2 = t1.clone();
-    t2.push_str(&"and one more question ".repeat(48));
-    let only_a =
-        Snapshot { version: 1, published_ms: NOW - 50, endpoints: vec![ep("a:1", &["llama"], 0.0, 0.3)] };
-    let r1 = PickRequest { model: "llama", prompt: &t1, ..Default::default() };
-    let p1 = s.pick(&r1, &only_a, &inf, &store, &mut SplitMix64::new(1), NOW).unwrap();
-    s.request_done(p1.ticket);
-    let both = Snapshot {
-        version: 2,
-        published_ms: NOW - 50,
-        endpoints: vec![ep("a:1", &["llama"], 8.0, 0.3), ep("b:1", &["llama"], 0.0, 0.3)],
-    };
-    let r2 = PickRequest { model: "llama", prompt: &t2, ..Default::default() };
-    assert_eq!(s.pick(&r2, &both, &inf, &store, &mut SplitMix64::new(2), NOW).unwrap().primary, "b:1");
+    assert_eq!(turn_two_with_a_busier_cached_pod(8.0, "").primary, "b:1");
 }

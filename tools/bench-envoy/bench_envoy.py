@@ -235,6 +235,22 @@ def pods_config(addresses: list[str], port: int, admin_port: int, metrics_file: 
     }
 
 
+def passthrough_filter(name: str, wasm: Path, plugin: str | None = None) -> dict:
+    """The pass-through wasm as an HTTP filter (VM `name`), with `plugin` as its configuration
+    (`parse`, `poll ...`; none: pass-through only)."""
+    config = {
+        "name": name, "root_id": "passthrough",
+        "vm_config": {"vm_id": name, "runtime": "envoy.wasm.runtime.v8",
+                      "code": {"local": {"filename": str(wasm)}}},
+        "allow_on_headers_stop_iteration": True,
+        "failure_policy": "FAIL_CLOSED",
+    }
+    if plugin is not None:
+        config["configuration"] = {"@type": "type.googleapis.com/google.protobuf.StringValue", "value": plugin}
+    return {"name": "envoy.filters.http.wasm", "typed_config": {
+        "@type": "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm", "config": config}}
+
+
 def front_config(variant: str, base: dict, addresses: list[str], pod_port: int, port: int,
                  admin_port: int, module_wasm: Path, pass_wasm: Path) -> dict:
     """`module`: envoy/envoy.yaml as shipped, with ports, the .wasm path and a default-only
@@ -286,29 +302,12 @@ def front_config(variant: str, base: dict, addresses: list[str], pod_port: int, 
         what = variant.removeprefix("floor-")
         plugin = f"poll {FLOOR_RATE[0]:g} {what} {METRICS_CLUSTER} /metrics " + " ".join(
             f"{a}:{pod_port}" for a in addresses)
-        filters = [{"name": "envoy.filters.http.wasm", "typed_config": {
-            "@type": "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm",
-            "config": {
-                "name": "floor", "root_id": "passthrough",
-                "vm_config": {"vm_id": "floor", "runtime": "envoy.wasm.runtime.v8",
-                              "code": {"local": {"filename": str(pass_wasm)}}},
-                "configuration": {"@type": "type.googleapis.com/google.protobuf.StringValue", "value": plugin},
-                "allow_on_headers_stop_iteration": True,
-                "failure_policy": "FAIL_CLOSED",
-            }}}, ROUTER]
-    if variant in ("pass", "parse"):
-        # `parse`: the same filter also checks the body is JSON (the parse floor of issue #12).
-        filters = [{"name": "envoy.filters.http.wasm", "typed_config": {
-            "@type": "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm",
-            "config": {
-                "name": "passthrough", "root_id": "passthrough",
-                "vm_config": {"vm_id": "passthrough", "runtime": "envoy.wasm.runtime.v8",
-                              "code": {"local": {"filename": str(pass_wasm)}}},
-                **({"configuration": {"@type": "type.googleapis.com/google.protobuf.StringValue",
-                                      "value": "parse"}} if variant == "parse" else {}),
-                "allow_on_headers_stop_iteration": True,
-                "failure_policy": "FAIL_CLOSED",
-            }}}, ROUTER]
+        filters = [passthrough_filter("floor", pass_wasm, plugin), ROUTER]
+    elif variant == "pass":
+        filters = [passthrough_filter("passthrough", pass_wasm), ROUTER]
+    elif variant == "parse":
+        # The same filter also checks the body is JSON (the parse floor of issue #12).
+        filters = [passthrough_filter("passthrough", pass_wasm, "parse"), ROUTER]
     hcm_cfg["http_filters"] = filters
     return doc
 
@@ -597,17 +596,15 @@ def main() -> int:
                        "scrapes_per_s": sm / span,
                        # New connections the poller opened per scrape (keep-alive: ~0).
                        "connections_per_scrape": (cx1 - cx0) / sm if sm > 0 else float("nan")}
+                floor_text = ""
                 for v in floors:
                     key = v.replace("-", "_")
                     row[f"{key}_ms_per_s"] = (c1[v] - c0[v]) / 1e6 / span
                     row[f"{key}_scrapes_per_s"] = (s1[v] - s0[v]) / span
                     row[f"{key}_connections_per_scrape"] = (x1[v] - x0[v]) / max(1, s1[v] - s0[v])
+                    floor_text += (f", {v} {row[f'{key}_ms_per_s']:.1f} ms/s at {row[f'{key}_scrapes_per_s']:.0f}/s "
+                                   f"({row[f'{key}_connections_per_scrape']:.3f} new connections per scrape)")
                 idle.append(row)
-                floor_text = "".join(
-                    f", {v} {row[v.replace('-', '_') + '_ms_per_s']:.1f} ms/s at "
-                    f"{row[v.replace('-', '_') + '_scrapes_per_s']:.0f}/s "
-                    f"({row[v.replace('-', '_') + '_connections_per_scrape']:.3f} new connections per scrape)"
-                    for v in floors)
                 print(f"  {n:>5} ep idle rep {rep}: module {row['module_ms_per_s']:.1f} ms/s, plain "
                       f"{row['plain_ms_per_s']:.1f} ms/s, {row['scrapes_per_s']:.0f} scrapes/s, "
                       f"{row['connections_per_scrape']:.3f} new connections per scrape{floor_text}", flush=True)
