@@ -157,6 +157,14 @@ pub struct SlotRecord {
 /// Parses a slot record. `None` for an empty value (a free slot) or anything that is not a
 /// well-formed record (treated as free). Pure; never panics.
 pub fn decode(bytes: &[u8]) -> Option<SlotRecord> {
+    let (owner, heartbeat_ms, rest) = decode_head(bytes)?;
+    let counts = InflightCounts::decode(rest);
+    Some(SlotRecord { owner, heartbeat_ms, counts })
+}
+
+/// A record's owner and heartbeat, and the bytes of its counts, without decoding the counts: the
+/// write path only checks who owns the slot.
+fn decode_head(bytes: &[u8]) -> Option<(u64, u64, &[u8])> {
     let text = std::str::from_utf8(bytes).ok()?;
     let mut parts = text.splitn(4, ' ');
     let (Some(tag), Some(owner), Some(hb)) = (parts.next(), parts.next(), parts.next()) else {
@@ -167,14 +175,17 @@ pub fn decode(bytes: &[u8]) -> Option<SlotRecord> {
     }
     let owner = u64::from_str_radix(owner, 16).ok().filter(|&o| o != 0)?;
     let heartbeat_ms = hb.parse().ok()?;
-    let counts = InflightCounts::decode(parts.next().unwrap_or("").as_bytes());
-    Some(SlotRecord { owner, heartbeat_ms, counts })
+    Some((owner, heartbeat_ms, parts.next().unwrap_or("").as_bytes()))
 }
 
 /// Serialises a slot record (see [`decode`]).
 pub fn encode(rec: &SlotRecord) -> Vec<u8> {
-    let mut out = format!("{RECORD_TAG} {:016x} {} ", rec.owner, rec.heartbeat_ms).into_bytes();
-    out.extend_from_slice(&rec.counts.encode());
+    encode_parts(rec.owner, rec.heartbeat_ms, &rec.counts)
+}
+
+fn encode_parts(owner: u64, heartbeat_ms: u64, counts: &InflightCounts) -> Vec<u8> {
+    let mut out = format!("{RECORD_TAG} {owner:016x} {heartbeat_ms} ").into_bytes();
+    out.extend_from_slice(&counts.encode());
     out
 }
 
@@ -306,12 +317,12 @@ impl InflightTable {
                 self.slot = None;
                 continue;
             };
-            if decode(&bytes).is_none_or(|r| r.owner != self.owner) {
+            if decode_head(&bytes).is_none_or(|(owner, _, _)| owner != self.owner) {
                 // Another VM owns this slot now: move, with our full state.
                 self.slot = None;
                 continue;
             }
-            match store.set(&key, &encode(&self.record(now_ms)), cas) {
+            match store.set(&key, &encode_parts(self.owner, now_ms, &self.local), cas) {
                 Ok(()) => {
                     self.last_beat_ms = now_ms;
                     return Ok(());

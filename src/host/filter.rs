@@ -14,6 +14,7 @@ use log::warn;
 use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::Action;
 
+use super::prof::timed;
 use super::{io, Worker};
 use crate::admission::{self, Decision};
 use crate::errors::Rejection;
@@ -92,13 +93,16 @@ impl Filter {
         if body_size > cfg.filter.max_body_bytes {
             return self.reject(&request::too_large(cfg));
         }
-        let body = if body_size == 0 { Vec::new() } else { io::request_body(body_size).unwrap_or_default() };
-        let snapshot = worker.snapshot();
+        let body = timed!(
+            "body_read",
+            if body_size == 0 { Vec::new() } else { io::request_body(body_size).unwrap_or_default() }
+        );
+        let snapshot = timed!("snapshot", worker.snapshot());
         // Before the first metrics, model names resolve against the configured endpoints.
         let ready = admission::snapshot_ready(&snapshot);
         let resolving =
             if ready { snapshot.clone() } else { Rc::new(admission::startup_snapshot(cfg, &snapshot)) };
-        let prepared = {
+        let prepared = timed!("prepare", {
             let scheduler = worker.scheduler.borrow();
             let mut rng = worker.rng.borrow_mut();
             let ex = self.ex.borrow();
@@ -116,7 +120,7 @@ impl Filter {
             } else {
                 request::prepare(cfg, &scheduler, &mut *rng, &ex.head, &body, &resolving).map(Some)
             }
-        };
+        });
         let mut prepared = match prepared {
             Ok(Some(p)) => p,
             // Body-based routing: not this pool's model; the next pool's filter decides.
@@ -155,7 +159,7 @@ impl Filter {
 
         let store = io::HostStore;
         let now_ms = io::now_ms();
-        let inflight = worker.inflight_counts(now_ms);
+        let inflight = timed!("inflight_read", worker.inflight_counts(now_ms));
         let group = prepared.route.base.clone();
         let priority = prepared.priority.clone();
         self.ex.borrow_mut().prepared = Some(prepared);
@@ -163,21 +167,27 @@ impl Filter {
             return self.before_metrics(&worker, snapshot, &inflight, now_ms);
         }
         // Flow control judges capacity without the endpoints passive health ejected.
-        let health = health_view(&worker, &store, now_ms);
-        let judged = health::without_ejected(&snapshot, &health, now_ms, &cfg.health).map(Rc::new);
-        let decision = worker.gate.borrow_mut().admit(
-            &store,
-            judged.as_ref().unwrap_or(&snapshot),
-            &inflight,
-            self.id,
-            &group,
-            &priority,
-            now_ms,
+        let health = timed!("health_view", health_view(&worker, &store, now_ms));
+        let judged = timed!(
+            "without_ejected",
+            health::without_ejected(&snapshot, &health, now_ms, &cfg.health).map(Rc::new)
+        );
+        let decision = timed!(
+            "admit",
+            worker.gate.borrow_mut().admit(
+                &store,
+                judged.as_ref().unwrap_or(&snapshot),
+                &inflight,
+                self.id,
+                &group,
+                &priority,
+                now_ms,
+            )
         );
         match decision {
             Decision::Go => {
                 let inputs = BodyInputs { snapshot: &snapshot, inflight: &inflight, store: &store, now_ms };
-                let routed = go(&worker, &mut self.ex.borrow_mut(), &inputs, Some(&health));
+                let routed = timed!("go", go(&worker, &mut self.ex.borrow_mut(), &inputs, Some(&health)));
                 match routed {
                     Ok(()) => Action::Continue,
                     Err(rej) => self.reject(&rej),
@@ -273,7 +283,10 @@ fn go(
     let pick = {
         let mut scheduler = worker.scheduler.borrow_mut();
         let mut rng = worker.rng.borrow_mut();
-        crate::pd::route(&worker.cfg, &mut scheduler, &mut *rng, &ex.head, &prepared, inputs, health)?
+        timed!(
+            "go.route",
+            crate::pd::route(&worker.cfg, &mut scheduler, &mut *rng, &ex.head, &prepared, inputs, health)
+        )?
     };
     if let Some(prefiller) = &pick.prefiller {
         io::set_request_header(crate::pd::PREFILLER_HEADER, Some(prefiller));
@@ -290,13 +303,18 @@ fn go(
             .count(telemetry::name(telemetry::PD_DECISIONS, &[("decision", pick.decision.as_str())]));
     }
     let pick = pick.pick;
-    io::set_request_header(DESTINATION_HEADER, Some(&pick.destination_header()));
-    io::set_request_header(MAX_RETRIES_HEADER, Some(&pick.fallbacks.len().to_string()));
-    io::set_request_header(ORIGINAL_DST_HEADER, Some(&pick.primary));
+    timed!("go.headers", {
+        io::set_request_header(DESTINATION_HEADER, Some(&pick.destination_header()));
+        io::set_request_header(MAX_RETRIES_HEADER, Some(&pick.fallbacks.len().to_string()));
+        io::set_request_header(ORIGINAL_DST_HEADER, Some(&pick.primary));
+    });
     // The +1 counts locally even if publishing it fails (the next tick publishes it), so the
     // matching -1 is always due.
     ex.holding = Some(pick.primary.clone());
-    if let Err(e) = worker.inflight.borrow_mut().adjust(inputs.store, &pick.primary, 1, inputs.now_ms) {
+    if let Err(e) = timed!(
+        "go.inflight_adjust",
+        worker.inflight.borrow_mut().adjust(inputs.store, &pick.primary, 1, inputs.now_ms)
+    ) {
         warn!("inference-picker: publishing the in-flight increment failed: {e:?}");
     }
     let mut metrics = worker.metrics.borrow_mut();
@@ -460,7 +478,7 @@ impl Filter {
         if destinations.is_empty() {
             return;
         }
-        let r = io::upstream_result();
+        let r = timed!("rh.upstream_result", io::upstream_result(&destinations));
         let outcome = health::classify(r.status, &r.details, r.flags);
         let tried = health::attribute(&destinations, r.address.as_deref(), r.attempts, outcome);
         let now_ms = io::now_ms();
@@ -474,7 +492,7 @@ impl Filter {
                 health::Outcome::Load => "load",
             };
             metrics.count_tagged(telemetry::HEALTH_RESULTS, &[("outcome", kind)]);
-            match worker.health.borrow_mut().record(&store, cfg, addr, o, now_ms) {
+            match timed!("rh.record", worker.health.borrow_mut().record(&store, cfg, addr, o, now_ms)) {
                 Ok(Some(e)) => {
                     warn!(
                         "inference-picker: endpoint {addr} ejected for {} ms ({}, ejection {} in a row)",
@@ -527,6 +545,74 @@ impl Filter {
 
 impl HttpContext for Filter {
     fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
+        timed!("hook.request_headers", self.request_headers(end_of_stream))
+    }
+
+    fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+        timed!("hook.request_body", self.request_body(body_size, end_of_stream))
+    }
+
+    fn on_http_request_trailers(&mut self, _num_trailers: usize) -> Action {
+        let body_size = {
+            let ex = self.ex.borrow();
+            if ex.passthrough {
+                return Action::Continue;
+            }
+            if ex.answered {
+                return Action::Pause;
+            }
+            ex.body_size
+        };
+        self.on_complete_request(body_size)
+    }
+
+    fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
+        timed!("hook.response_headers", self.response_headers())
+    }
+
+    fn on_http_response_body(&mut self, _body_size: usize, _end_of_stream: bool) -> Action {
+        timed!("hook.response_body", self.response_body())
+    }
+
+    fn on_log(&mut self) {
+        timed!("hook.log", self.on_log_inner());
+        super::prof::request_ended();
+    }
+}
+
+impl Filter {
+    fn on_log_inner(&mut self) {
+        let ticket = std::mem::take(&mut self.ex.borrow_mut().ticket);
+        if ticket != 0 {
+            timed!("log.request_done", self.worker.scheduler.borrow_mut().request_done(ticket));
+        }
+        timed!("log.forget", self.forget());
+        self.release_prefill();
+        timed!("log.record_health", self.record_health());
+        let holding = self.ex.borrow_mut().holding.take();
+        if let Some(addr) = holding {
+            let now_ms = io::now_ms();
+            let published = timed!(
+                "log.inflight_adjust",
+                self.worker.inflight.borrow_mut().adjust(&io::HostStore, &addr, -1, now_ms)
+            );
+            if let Err(e) = published {
+                warn!("inference-picker: publishing the in-flight release for {addr} failed: {e:?}");
+            }
+            if self.worker.cfg.filter.endpoint_metrics {
+                let n = self.worker.inflight_counts(now_ms).get(&addr);
+                let name = telemetry::name(telemetry::ENDPOINT_INFLIGHT, &[("endpoint", &addr)]);
+                self.worker.metrics.borrow_mut().gauge(name, u64::from(n));
+            }
+            // Release as capacity frees: the finish lowered the live estimate at once.
+            timed!("log.on_finish", self.worker.on_finish(&addr, self.id));
+        }
+    }
+}
+
+/// The HTTP hooks' bodies (the trait methods above time them with `timed!`).
+impl Filter {
+    fn request_headers(&mut self, end_of_stream: bool) -> Action {
         let worker = self.worker.clone();
         let cfg = &worker.cfg;
         // Several pools, body-based routing: a request another pool claimed is not ours; any
@@ -605,7 +691,7 @@ impl HttpContext for Filter {
         }
     }
 
-    fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+    fn request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
         {
             let mut ex = self.ex.borrow_mut();
             if ex.passthrough {
@@ -625,28 +711,16 @@ impl HttpContext for Filter {
         self.on_complete_request(body_size)
     }
 
-    fn on_http_request_trailers(&mut self, _num_trailers: usize) -> Action {
-        let body_size = {
-            let ex = self.ex.borrow();
-            if ex.passthrough {
-                return Action::Continue;
-            }
-            if ex.answered {
-                return Action::Pause;
-            }
-            ex.body_size
-        };
-        self.on_complete_request(body_size)
-    }
-
-    fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
+    fn response_headers(&mut self) -> Action {
         self.release_prefill();
         // Only a streamed response's first body byte is its first token: a non-streamed one
         // arrives whole at the end, so it teaches no prefill rate (its ledger entry ends in
         // `on_log`).
         if self.ex.borrow().ticket != 0 {
-            let streamed =
-                io::response_header("content-type").is_some_and(|c| c.contains("text/event-stream"));
+            let streamed = timed!(
+                "rsp.content_type",
+                io::response_header("content-type").is_some_and(|c| c.contains("text/event-stream"))
+            );
             if !streamed {
                 self.ex.borrow_mut().first_byte_seen = true;
             }
@@ -658,15 +732,16 @@ impl HttpContext for Filter {
         // Name the pod that really answered: after a retry Envoy's override_host policy sent the
         // request to a fallback. A reply Envoy made itself (every listed pod failed) names none.
         if ex.primary.is_some() {
-            if let Some(served) = io::upstream_that_answered() {
+            if let Some(served) = timed!("rsp.upstream", io::upstream_that_answered()) {
                 if self.worker.cfg.filter.expose_served_endpoint {
-                    io::set_response_header(SERVED_HEADER, &served);
+                    timed!("rsp.served_header", io::set_response_header(SERVED_HEADER, &served));
                 }
                 if self.worker.cfg.filter.conformance_mode {
                     io::set_response_header(request::CONFORMANCE_SERVED_HEADER, &served);
                 }
                 if ex.session_token.is_some() {
-                    let token = self.worker.scheduler.borrow().session_keys().token_for(&served);
+                    let token =
+                        timed!("rsp.token", self.worker.scheduler.borrow().session_keys().token_for(&served));
                     io::set_response_header(&self.worker.cfg.scheduler.session.token_header, &token);
                 }
             }
@@ -680,7 +755,7 @@ impl HttpContext for Filter {
         Action::Continue
     }
 
-    fn on_http_response_body(&mut self, _body_size: usize, _end_of_stream: bool) -> Action {
+    fn response_body(&mut self) -> Action {
         // The first response byte ends the request's prefill: the scheduler learns the endpoint's
         // rate from the time since it was sent (one shared-data CAS write, once per request).
         let (ticket, seen) = {
@@ -706,30 +781,5 @@ impl HttpContext for Filter {
             }
         }
         Action::Continue
-    }
-
-    fn on_log(&mut self) {
-        let ticket = std::mem::take(&mut self.ex.borrow_mut().ticket);
-        if ticket != 0 {
-            self.worker.scheduler.borrow_mut().request_done(ticket);
-        }
-        self.forget();
-        self.release_prefill();
-        self.record_health();
-        let holding = self.ex.borrow_mut().holding.take();
-        if let Some(addr) = holding {
-            let now_ms = io::now_ms();
-            let published = self.worker.inflight.borrow_mut().adjust(&io::HostStore, &addr, -1, now_ms);
-            if let Err(e) = published {
-                warn!("inference-picker: publishing the in-flight release for {addr} failed: {e:?}");
-            }
-            if self.worker.cfg.filter.endpoint_metrics {
-                let n = self.worker.inflight_counts(now_ms).get(&addr);
-                let name = telemetry::name(telemetry::ENDPOINT_INFLIGHT, &[("endpoint", &addr)]);
-                self.worker.metrics.borrow_mut().gauge(name, u64::from(n));
-            }
-            // Release as capacity frees: the finish lowered the live estimate at once.
-            self.worker.on_finish(&addr, self.id);
-        }
     }
 }

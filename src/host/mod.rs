@@ -10,6 +10,7 @@
 mod filter;
 mod io;
 mod poller;
+mod prof;
 
 use std::cell::RefCell;
 use std::rc::Rc;

@@ -491,6 +491,8 @@ def main() -> int:
     ap.add_argument("--metrics", default=str(METRICS_FIXTURE),
                     help="the pods' /metrics body (default: the 27 KB vLLM V1 fixture; its waiting series "
                          "are set to 0)")
+    ap.add_argument("--keep-logs", action="store_true",
+                    help="keep the working directory with every Envoy's log (e.g. a phase-timing build's table)")
     ap.add_argument("--floor-rate", type=float, default=200.0,
                     help="scrapes per second of the poll-floor fronts measured beside the module's poller "
                          "at idle (the pass-through wasm scraping the same pods, reading headers only or "
@@ -638,7 +640,10 @@ def main() -> int:
         envoy=subprocess.run([args.envoy, "--version"], capture_output=True, text=True, timeout=30).stdout.strip().split()[-1],
         wasm_bytes=Path(args.wasm).stat().st_size, pass_bytes=Path(args.passthrough).stat().st_size,
         metrics_bytes=metrics_file.stat().st_size, metrics_name=Path(args.metrics).name, nproc=os.cpu_count())
-    shutil.rmtree(work, ignore_errors=True)
+    if args.keep_logs:
+        print(f"bench-envoy: Envoy logs kept in {work}")
+    else:
+        shutil.rmtree(work, ignore_errors=True)
     write_outputs(out, results, idle, env)
     return 0
 
