@@ -93,17 +93,20 @@ pub fn push_key(path: &mut String, key: &str) {
     path.push_str(key);
 }
 
-/// Reads `v` as a `T` at `path` extended by `segment` (see [`push_key`]), then restores `path`.
-fn read_at<T: FromJson>(
-    v: &Value,
-    path: &mut String,
-    segment: impl FnOnce(&mut String),
-) -> Result<T, ConfigError> {
+/// Extends `path` by `[i]` and returns its length before.
+#[inline(never)]
+fn enter_index(path: &mut String, i: usize) -> usize {
     let len = path.len();
-    segment(path);
-    let out = T::read(v, path);
-    path.truncate(len);
-    out
+    path.push_str(&format!("[{i}]"));
+    len
+}
+
+/// Extends `path` by the key (see [`push_key`]) and returns its length before.
+#[inline(never)]
+fn enter_key(path: &mut String, key: &str) -> usize {
+    let len = path.len();
+    push_key(path, key);
+    len
 }
 
 /// Reads a whole document as a `T`, the root at path `$`.
@@ -178,7 +181,10 @@ impl<T: FromJson> FromJson for Vec<T> {
         };
         let mut out = Vec::with_capacity(items.len());
         for (i, item) in items.iter().enumerate() {
-            out.push(read_at(item, path, |p| p.push_str(&format!("[{i}]")))?);
+            let len = enter_index(path, i);
+            let item = T::read(item, path);
+            path.truncate(len);
+            out.push(item?);
         }
         Ok(out)
     }
@@ -191,16 +197,21 @@ impl<T: FromJson> FromJson for BTreeMap<String, T> {
         };
         let mut out = BTreeMap::new();
         for (key, item) in map {
-            out.insert(key.clone(), read_at(item, path, |p| push_key(p, key))?);
+            let len = enter_key(path, key);
+            let item = T::read(item, path);
+            path.truncate(len);
+            out.insert(key.clone(), item?);
         }
         Ok(out)
     }
 }
 
-/// Reads one JSON object field by field; see [`from_json_struct!`].
+/// Reads one JSON object field by field; see [`from_json_struct!`]. The first error is kept and
+/// the fields after it are not read, so that a struct's reader has one exit on error.
 pub struct Obj<'v, 'p> {
     map: &'v Map<String, Value>,
     path: &'p mut String,
+    error: Option<ConfigError>,
 }
 
 impl<'v, 'p> Obj<'v, 'p> {
@@ -215,23 +226,56 @@ impl<'v, 'p> Obj<'v, 'p> {
             let list = if fields.is_empty() { "there are no fields".into() } else { expected(fields) };
             return Err(error(&at, format!("unknown field `{key}`, {list}")));
         }
-        Ok(Self { map, path })
+        Ok(Self { map, path, error: None })
     }
 
-    /// The field `key`, if present.
-    pub fn opt<T: FromJson>(&mut self, key: &str) -> Result<Option<T>, ConfigError> {
-        match self.map.get(key) {
-            None => Ok(None),
-            Some(v) => read_at(v, self.path, |p| push_key(p, key)).map(Some),
+    /// The field `key`, if present and no error came before; an error reading it is kept.
+    pub fn opt<T: FromJson>(&mut self, key: &str) -> Option<T> {
+        // Only the call is generic: the rest is shared by every field type.
+        let (v, len) = self.enter(key)?;
+        let out = T::read(v, self.path);
+        self.path.truncate(len);
+        match out {
+            Ok(v) => Some(v),
+            Err(e) => {
+                self.error = Some(e);
+                None
+            }
         }
+    }
+
+    /// The value of `key` with `path` extended to it, and the path's length before; `None` when
+    /// the key is absent or an error came before.
+    #[inline(never)]
+    fn enter(&mut self, key: &str) -> Option<(&'v Value, usize)> {
+        if self.error.is_some() {
+            return None;
+        }
+        let v = self.map.get(key)?;
+        Some((v, enter_key(self.path, key)))
     }
 
     /// The required field `key`; missing is an error at the object's path.
-    pub fn req<T: FromJson>(&mut self, key: &str) -> Result<T, ConfigError> {
-        match self.opt(key)? {
-            Some(v) => Ok(v),
-            None => Err(error(self.path, format!("missing field `{key}`"))),
+    pub fn req<T: FromJson>(&mut self, key: &str) -> Option<T> {
+        let v = self.opt(key);
+        if v.is_none() && self.error.is_none() {
+            self.error = Some(error(self.path, format!("missing field `{key}`")));
         }
+        v
+    }
+
+    /// The first error, if any.
+    pub fn finish(self) -> Result<(), ConfigError> {
+        match self.error {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    /// The error for a required field that [`Obj::finish`] found present but that is not (it
+    /// cannot happen; there is no panic for it).
+    pub fn lost(path: &str) -> ConfigError {
+        error(path, "a required field was lost")
     }
 }
 
@@ -254,23 +298,32 @@ macro_rules! from_json_struct {
                     path,
                     &[$($crate::config::read::from_json_struct!(@key $field $($key)?)),*],
                 )?;
-                Ok($ty {
-                    $($field: $crate::config::read::from_json_struct!(
-                        @get o, $crate::config::read::from_json_struct!(@key $field $($key)?) $(, $default)?
-                    ),)*
-                })
+                $(let $field = $crate::config::read::from_json_struct!(
+                    @get o, $crate::config::read::from_json_struct!(@key $field $($key)?) $(, $default)?
+                );)*
+                o.finish()?;
+                // Every required field is `Some` here (`finish` reported the missing ones).
+                #[allow(unreachable_patterns)]
+                match ($($field,)*) {
+                    ($($crate::config::read::from_json_struct!(@some $field $(, $default)?),)*) => {
+                        Ok($ty { $($field,)* })
+                    }
+                    _ => Err($crate::config::read::Obj::lost(path)),
+                }
             }
         }
     };
     (@key $field:ident) => { stringify!($field) };
     (@key $field:ident $key:literal) => { $key };
-    (@get $o:ident, $key:expr) => { $o.req($key)? };
+    (@get $o:ident, $key:expr) => { $o.req($key) };
     (@get $o:ident, $key:expr, $default:expr) => {
-        match $o.opt($key)? {
+        match $o.opt($key) {
             Some(v) => v,
             None => $default,
         }
     };
+    (@some $field:ident) => { Some($field) };
+    (@some $field:ident, $default:expr) => { $field };
 }
 pub(crate) use from_json_struct;
 
