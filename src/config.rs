@@ -1,33 +1,38 @@
 //! The one JSON configuration document, read by both roles (filter and poller).
 //!
-//! Parsed once in `on_configure` by [`Config::from_json`]: serde with `deny_unknown_fields`
-//! everywhere and an explicit `version`, then [`Config::validate`], which reports every problem at
-//! once, each with the JSON path of the bad field (`endpoints[2].address`) and a reason. The
-//! scheduler then builds its model lookup once (`scheduler::models::ModelTable`) and only reads it
-//! per request.
+//! Parsed once in `on_configure` by [`Config::from_json`]: serde_json parses the document into a
+//! `Value`, the explicit `version` is checked, and the configuration types read themselves from it
+//! ([`read`]: unknown fields are errors everywhere), then [`Config::validate`] reports every
+//! problem at once, each with the JSON path of the bad field (`endpoints[2].address`) and a
+//! reason. The scheduler then builds its model lookup once (`scheduler::models::ModelTable`) and
+//! only reads it per request.
 //!
 //! The field reference is `filter-config/README.md`; the JSON Schema is `filter-config/schema.json`,
 //! generated from these types (feature `schema`) and kept equal to them by a test.
 //!
 //! # Adding a field
 //! 1. Add it to its struct with a `///` doc (it becomes the schema description) and, when it is
-//!    optional, a per-field `#[serde(default = "default_x")]` whose value the doc states. Never put a
-//!    blanket `#[serde(default)]` on a struct: it would hide a typo'd field.
-//! 2. Add its checks to that struct's `validate_into`, with a negative test in `config/tests.rs`
+//!    optional, a per-field `#[serde(default = "default_x")]` whose value the doc states (the
+//!    schema's `default` and required list come from these attributes).
+//! 2. Add it to the struct's `read::from_json_struct!` list, with the same default
+//!    (`name = default_x()`) or none when it is required. A field missing there is an unknown
+//!    field to the reader.
+//! 3. Add its checks to that struct's `validate_into`, with a negative test in `config/tests.rs`
 //!    that asserts the exact path and a reason substring. Where a bound is simple (a minimum, a
 //!    non-empty string), mirror it in the schema with a `schemars(...)` attribute naming the same
 //!    constant.
-//! 3. Regenerate the schema: `cargo run -q -p config-schema > filter-config/schema.json`.
-//! 4. Document it in `filter-config/README.md` (a test fails when a schema field is missing there).
+//! 4. Regenerate the schema: `cargo run -q -p config-schema > filter-config/schema.json`.
+//! 5. Document it in `filter-config/README.md` (a test fails when a schema field is missing there).
 
 mod locate;
+pub mod read;
 #[cfg(test)]
 mod tests;
 
 use hashbrown::HashMap;
 use std::net::SocketAddr;
 
-use serde::{Deserialize, Serialize};
+use serde::Serialize;
 
 pub use crate::scheduler::config::SchedulerConfig;
 
@@ -54,7 +59,7 @@ pub const MAX_RESPONSE_BYTES_LIMIT: usize = 64 * 1024 * 1024;
 
 /// Configuration of the inference-picker module: the same document for the HTTP filter and the
 /// poller.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize)]
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 // `endpoints` needs an entry only when there is no `discovery`.
 #[cfg_attr(
@@ -120,7 +125,7 @@ pub struct Config {
 }
 
 /// One model server.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize)]
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct EndpointConfig {
@@ -141,7 +146,7 @@ pub struct EndpointConfig {
 }
 
 /// One base model and its LoRA adapters.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize)]
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct ModelConfig {
@@ -161,7 +166,7 @@ pub struct ModelConfig {
 }
 
 /// The poller: the one VM that scrapes every endpoint's metrics and publishes the snapshot.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize)]
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct PollerConfig {
@@ -236,7 +241,7 @@ pub struct PollerConfig {
 }
 
 /// Which root context scrapes the endpoints and publishes the snapshot.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "snake_case")]
 pub enum PollerMode {
@@ -252,7 +257,7 @@ pub enum PollerMode {
 }
 
 /// What the filter does when no endpoint of the requested model has fresh metrics.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 pub enum FailureMode {
     /// Route by the router-local in-flight count among the endpoints that serve the model.
@@ -262,7 +267,7 @@ pub enum FailureMode {
 }
 
 /// The HTTP filter.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize)]
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct FilterConfig {
@@ -383,7 +388,7 @@ impl Default for FilterConfig {
 }
 
 /// Endpoint discovery sources. Exactly one source for now.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize)]
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct DiscoveryConfig {
@@ -393,7 +398,7 @@ pub struct DiscoveryConfig {
 
 /// Pod discovery through the Kubernetes API (`GET /api/v1/namespaces/NS/pods?labelSelector=...`),
 /// sent by the poller with `dispatch_http_call` through an Envoy cluster. See `discovery.rs`.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize)]
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct KubernetesDiscoveryConfig {
@@ -450,6 +455,63 @@ fn default_list_timeout_ms() -> u64 {
     2000
 }
 
+// The readers of this file's types (`read.rs`): each field with its default, in declaration order.
+read::from_json_struct!(Config {
+    version,
+    endpoints,
+    models,
+    poller = PollerConfig::default(),
+    filter = FilterConfig::default(),
+    scheduler = SchedulerConfig::default(),
+    priority = PriorityConfig::default(),
+    saturation = SaturationConfig::default(),
+    flow_control = FlowControlConfig::default(),
+    health = HealthConfig::default(),
+    discovery = None,
+    pod_models = None,
+    pool = None,
+    pd = None,
+});
+read::from_json_struct!(EndpointConfig { address, models, role = crate::pd::Role::default() });
+read::from_json_struct!(ModelConfig { name, adapters = Vec::new(), criticality = Criticality::default() });
+read::from_json_struct!(PollerConfig {
+    interval_ms = default_interval_ms(),
+    timeout_ms = default_timeout_ms(),
+    stale_after_ms = default_stale_after_ms(),
+    cluster = default_metrics_cluster(),
+    metrics_path = default_metrics_path(),
+    mode = default_poller_mode(),
+    lease_ttl_ms = default_lease_ttl_ms(),
+    max_response_bytes = default_max_response_bytes(),
+    idle_interval_ms = default_idle_interval_ms(),
+    max_scrapes_per_s = default_max_scrapes_per_s(),
+    replicas = default_replicas(),
+});
+read::from_json_enum!(PollerMode { "singleton" => Singleton, "lease" => Lease });
+read::from_json_enum!(FailureMode { "FailOpen" => FailOpen, "FailClose" => FailClose });
+read::from_json_struct!(FilterConfig {
+    max_body_bytes = default_max_body_bytes(),
+    failure_mode = default_failure_mode(),
+    passthrough_prefixes = Vec::new(),
+    expose_served_endpoint = false,
+    endpoint_metrics = default_endpoint_metrics(),
+    conformance_mode = false,
+});
+read::from_json_struct!(DiscoveryConfig { kubernetes });
+read::from_json_struct!(KubernetesDiscoveryConfig {
+    namespace,
+    selector,
+    target_ports,
+    models = Vec::new(),
+    api_cluster = default_api_cluster(),
+    api_authority = default_api_authority(),
+    token = None,
+    token_env = None,
+    refresh_ms = default_refresh_ms(),
+    timeout_ms = default_list_timeout_ms(),
+    roles = crate::pd::RoleSelectors::default(),
+});
+
 /// A configuration error: the JSON path of the bad field (`endpoints[2].address`, `$` for the
 /// whole document) and what is wrong with it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -497,6 +559,28 @@ fn index(parent: &str, i: usize) -> String {
     format!("{parent}[{i}]")
 }
 
+/// Parses `bytes` as JSON; a syntax error or a key written twice in one object is an error with
+/// the path where it is.
+fn parse_document(bytes: &[u8]) -> Result<serde_json::Value, ConfigError> {
+    let doc = serde_json::from_slice(bytes).map_err(|e| locate::serde_error(bytes, &e))?;
+    match locate::duplicate_key(bytes) {
+        Some(e) => Err(e),
+        None => Ok(doc),
+    }
+}
+
+/// Reads `doc`, parsed from `bytes`, as a `T`; an error carries its line and column in `bytes`.
+fn read_document<T: read::FromJson>(bytes: &[u8], doc: &serde_json::Value) -> Result<T, ConfigError> {
+    read::read_value(doc).map_err(|e| locate::with_position(bytes, e))
+}
+
+/// Reads one configuration value (a whole [`Config`], or a section of it) from JSON, with the
+/// checks of [`Config::from_json`] short of [`Config::validate`]: for tools and tests.
+pub fn read_json<T: read::FromJson>(bytes: impl AsRef<[u8]>) -> Result<T, ConfigError> {
+    let bytes = bytes.as_ref();
+    read_document(bytes, &parse_document(bytes)?)
+}
+
 /// Collects errors so that a validation pass reports all of them, not the first.
 #[derive(Default)]
 struct Errors(Vec<ConfigError>);
@@ -507,20 +591,12 @@ impl Errors {
     }
 }
 
-/// Reads only `version`, ignoring every other field, so that a document of another version gets
-/// "unsupported version" rather than a confusing unknown-field error.
-#[derive(Deserialize)]
-struct VersionProbe {
-    version: Option<serde_json::Value>,
-}
-
 impl Config {
     /// Parses and validates a configuration document. On failure, returns every error found: one
-    /// for a document serde cannot read (its path is the field being read when serde stopped), or
-    /// all that [`Config::validate`] finds.
+    /// for a document that cannot be read (bad syntax, an unknown field, a value of the wrong
+    /// type; its path is that value's), or all that [`Config::validate`] finds.
     pub fn from_json(bytes: &[u8]) -> Result<Config, Vec<ConfigError>> {
-        // serde would also accept a struct written as an array of its fields; the document is an
-        // object. A JSON string here usually means a double-encoded configuration.
+        // A JSON string here usually means a double-encoded configuration.
         let found = match bytes.iter().find(|b| !b.is_ascii_whitespace()) {
             Some(b'{') => None,
             None => Some("nothing: the configuration is empty"),
@@ -534,31 +610,30 @@ impl Config {
                 format!("expected a JSON object with \"version\": {CONFIG_VERSION}, found {found}"),
             )]);
         }
-        // A probe that does not parse (bad syntax, not an object) falls through to the full parse,
-        // whose error names the place.
-        if let Ok(probe) = serde_json::from_slice::<VersionProbe>(bytes) {
-            match probe.version {
-                None => {
-                    return Err(vec![ConfigError::new(
-                        "version",
-                        format!("missing; this build reads version {CONFIG_VERSION}"),
-                    )])
-                }
-                Some(v) if v.as_u64() != Some(u64::from(CONFIG_VERSION)) => {
-                    return Err(vec![ConfigError::new(
-                        "version",
-                        format!("unsupported version {v}; this build reads only version {CONFIG_VERSION}"),
-                    )])
-                }
-                Some(_) => {}
+        let doc = parse_document(bytes).map_err(|e| vec![e])?;
+        // The version first, so that a document of another version gets "unsupported version"
+        // rather than a confusing unknown-field error.
+        match doc.get("version") {
+            None => {
+                return Err(vec![ConfigError::new(
+                    "version",
+                    format!("missing; this build reads version {CONFIG_VERSION}"),
+                )])
             }
+            Some(v) if v.as_u64() != Some(u64::from(CONFIG_VERSION)) => {
+                return Err(vec![ConfigError::new(
+                    "version",
+                    format!("unsupported version {v}; this build reads only version {CONFIG_VERSION}"),
+                )])
+            }
+            Some(_) => {}
         }
-        let cfg: Config = serde_json::from_slice(bytes).map_err(|e| vec![locate::serde_error(bytes, &e)])?;
+        let cfg: Config = read_document(bytes, &doc).map_err(|e| vec![e])?;
         cfg.validate()?;
         Ok(cfg)
     }
 
-    /// Checks what serde cannot: the version, ranges, address syntax, uniqueness, and references
+    /// Checks what the reader cannot: the version, ranges, address syntax, uniqueness, and references
     /// between fields. Returns every error, in document order within each section.
     pub fn validate(&self) -> Result<(), Vec<ConfigError>> {
         let mut errs = Errors::default();

@@ -85,7 +85,7 @@ impl KubernetesDiscoveryConfig {
         headers
     }
 
-    /// Checks what serde cannot; errors carry paths under `path` (e.g. `discovery.kubernetes`).
+    /// Checks what the reader cannot; errors carry paths under `path` (e.g. `discovery.kubernetes`).
     pub fn validate_into(&self, path: &str, models: &[ModelConfig], errs: &mut Vec<ConfigError>) {
         let mut err = |field: &str, reason: String| {
             errs.push(ConfigError { path: format!("{path}.{field}"), reason });
@@ -670,7 +670,7 @@ mod tests {
 
     #[test]
     fn validation_reports_paths() {
-        let models: [ModelConfig; 1] = [serde_json::from_str(r#"{"name":"m"}"#).unwrap()];
+        let models: [ModelConfig; 1] = [crate::config::read_json(r#"{"name":"m"}"#).unwrap()];
         let mut ok = cfg(&[8000]);
         ok.models = vec!["m".into()];
         let mut errs = Vec::new();
@@ -725,12 +725,12 @@ mod tests {
     #[test]
     fn config_json_round_trip() {
         let json = r#"{"namespace":"inference","selector":{"app":"vllm"},"target_ports":[8000],"token_env":"K8S_TOKEN"}"#;
-        let c: KubernetesDiscoveryConfig = serde_json::from_str(json).unwrap();
+        let c: KubernetesDiscoveryConfig = crate::config::read_json(json).unwrap();
         assert_eq!(c.api_cluster, "kubernetes_api");
         assert_eq!(c.refresh_ms, 5000);
         assert_eq!(c.timeout_ms, 2000);
         let typo = r#"{"namespace":"inference","selector":{"app":"vllm"},"target_ports":[8000],"refresh":1}"#;
-        assert!(serde_json::from_str::<KubernetesDiscoveryConfig>(typo).is_err());
+        assert!(crate::config::read_json::<KubernetesDiscoveryConfig>(typo).is_err());
     }
 
     #[test]

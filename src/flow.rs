@@ -96,7 +96,7 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 use serde::{Deserialize, Serialize};
 
-use crate::config::ConfigError;
+use crate::config::{read, ConfigError};
 use crate::errors::Rejection;
 use crate::fairshare::{self, Served};
 use crate::ports::{SharedStore, StoreError};
@@ -117,7 +117,7 @@ pub const MIN_WORKER_TTL_MS: u64 = 300;
 
 /// Holding requests inside the proxy while their model's endpoints are saturated, and releasing
 /// them in priority order.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct FlowControlConfig {
@@ -152,7 +152,7 @@ pub struct FlowControlConfig {
 }
 
 /// `flow_control.reserve`: see [`FlowControlConfig::reserve`].
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct ReserveConfig {
@@ -165,6 +165,18 @@ pub struct ReserveConfig {
 }
 
 impl Eq for ReserveConfig {}
+
+// The readers of this file's configuration types (`crate::config::read`), fields in declaration
+// order.
+read::from_json_struct!(FlowControlConfig {
+    enabled = default_enabled(),
+    max_wait_ms = default_max_wait_ms(),
+    max_queue = default_max_queue(),
+    retry_after_s = default_retry_after_s(),
+    worker_ttl_ms = default_worker_ttl_ms(),
+    reserve = None,
+});
+read::from_json_struct!(ReserveConfig { min_priority, fraction });
 
 fn default_enabled() -> bool {
     false
@@ -1830,10 +1842,10 @@ mod tests {
 
     #[test]
     fn config_defaults_and_validation() {
-        let c: FlowControlConfig = serde_json::from_str("{}").unwrap();
+        let c: FlowControlConfig = crate::config::read_json("{}").unwrap();
         assert_eq!(c, FlowControlConfig::default());
         assert_eq!((c.max_wait_ms, c.max_queue, c.retry_after_s, c.worker_ttl_ms), (30_000, 1024, 1, 2000));
-        assert!(serde_json::from_str::<FlowControlConfig>(r#"{"max_wait":1}"#).is_err());
+        assert!(crate::config::read_json::<FlowControlConfig>(r#"{"max_wait":1}"#).is_err());
         let bad = FlowControlConfig {
             max_wait_ms: 0,
             max_queue: 0,
@@ -1855,10 +1867,10 @@ mod tests {
         );
         assert!(errs[2].reason.contains("must be > 0 and < 1"), "{}", errs[2].reason);
         let r: FlowControlConfig =
-            serde_json::from_str(r#"{"reserve":{"min_priority":10,"fraction":0.4}}"#).unwrap();
+            crate::config::read_json(r#"{"reserve":{"min_priority":10,"fraction":0.4}}"#).unwrap();
         assert_eq!(r.reserve, Some(ReserveConfig { min_priority: 10, fraction: 0.4 }));
-        assert!(serde_json::from_str::<FlowControlConfig>(r#"{"reserve":{"min_priority":10}}"#).is_err());
-        assert!(serde_json::from_str::<FlowControlConfig>(
+        assert!(crate::config::read_json::<FlowControlConfig>(r#"{"reserve":{"min_priority":10}}"#).is_err());
+        assert!(crate::config::read_json::<FlowControlConfig>(
             r#"{"reserve":{"min_priority":1,"fraction":0.4,"x":1}}"#
         )
         .is_err());

@@ -67,9 +67,9 @@
 //! copy, usually empty).
 
 use hashbrown::HashMap;
-use serde::{Deserialize, Serialize};
+use serde::Serialize;
 
-use crate::config::ConfigError;
+use crate::config::{read, ConfigError};
 use crate::inflight::MAX_CAS_ATTEMPTS;
 use crate::ports::{SharedStore, StoreError};
 use crate::snapshot::Snapshot;
@@ -83,7 +83,7 @@ pub const MAX_PHANTOM_LOAD: u32 = 64;
 pub const MAX_STARTUP_WAIT_MS: u64 = 60_000;
 
 /// `health` section of the configuration.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize)]
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct HealthConfig {
@@ -138,6 +138,21 @@ pub struct HealthConfig {
     #[cfg_attr(feature = "schema", schemars(range(max = MAX_STARTUP_WAIT_MS)))]
     pub startup_wait_ms: u64,
 }
+
+// The reader of `HealthConfig` (`crate::config::read`), fields in declaration order.
+read::from_json_struct!(HealthConfig {
+    enabled = default_enabled(),
+    consecutive_5xx = default_consecutive_5xx(),
+    consecutive_gateway_failure = default_consecutive_gateway_failure(),
+    failure_rate_percent = default_failure_rate_percent(),
+    failure_rate_min_requests = default_failure_rate_min_requests(),
+    window_ms = default_window_ms(),
+    base_ejection_ms = default_base_ejection_ms(),
+    max_ejection_ms = default_max_ejection_ms(),
+    max_ejection_percent = default_max_ejection_percent(),
+    failure_load_ms = default_failure_load_ms(),
+    startup_wait_ms = default_startup_wait_ms(),
+});
 
 fn default_enabled() -> bool {
     true

@@ -43,7 +43,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::config::{Config, ConfigError};
+use crate::config::{read, Config, ConfigError};
 use crate::errors::Rejection;
 use crate::health::HealthView;
 use crate::inflight::InflightCounts;
@@ -100,7 +100,7 @@ impl Role {
 
 /// The `pd` section: disaggregated prefill/decode. Absent: roles are ignored and no request is
 /// split.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize)]
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct PdConfig {
@@ -136,6 +136,22 @@ pub struct PdConfig {
     #[cfg_attr(feature = "schema", schemars(range(min = 0.0, max = 60000.0)))]
     pub transfer_ms_per_1k_tokens: f64,
 }
+
+// The readers of this file's configuration types (`crate::config::read`), fields in declaration
+// order. `Role` keeps its serde derive too: snapshots carry it.
+read::from_json_enum!(Role { "decode" => Decode, "prefill" => Prefill, "both" => Both, "prefill-decode" => Both });
+read::from_json_struct!(PdConfig {
+    pd_threshold_tokens = default_threshold(),
+    decode_prefix_factor = default_decode_prefix_factor(),
+    prefill_busy_factor = default_prefill_busy_factor(),
+    transfer_ms_per_1k_tokens = default_transfer_ms_per_1k_tokens(),
+});
+read::from_json_struct!(RoleSelectors {
+    label = default_role_label(),
+    prefill = default_prefill_values(),
+    decode = default_decode_values(),
+    both = default_both_values(),
+});
 
 fn default_threshold() -> u64 {
     0
@@ -191,7 +207,7 @@ impl PdConfig {
 /// Label selectors per role for discovered pods (`discovery.kubernetes.roles`): a pod whose
 /// `label` has a value in `prefill`, `decode` or `both` gets that role; a pod without the label
 /// or with another value is `decode` (llm-d's decode filter also takes unlabelled pods).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize)]
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct RoleSelectors {

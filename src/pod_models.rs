@@ -30,7 +30,7 @@
 use hashbrown::{HashMap, HashSet};
 use serde::{Deserialize, Serialize};
 
-use crate::config::{Config, ConfigError};
+use crate::config::{read, Config, ConfigError};
 use crate::poller::LOST_CALL_GRACE_MS;
 use crate::snapshot::Snapshot;
 
@@ -47,7 +47,7 @@ pub const MIN_REFRESH_MS: u64 = 1000;
 pub const RETRY_UNLEARNED_MS: u64 = 1000;
 
 /// `pod_models`: learn the models each pod serves from the pod.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize)]
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct PodModelsConfig {
@@ -72,6 +72,14 @@ pub struct PodModelsConfig {
     #[serde(default)]
     pub allow_list: bool,
 }
+
+// The reader of `PodModelsConfig` (`crate::config::read`), fields in declaration order.
+read::from_json_struct!(PodModelsConfig {
+    refresh_ms = default_refresh_ms(),
+    timeout_ms = default_timeout_ms(),
+    path = default_path(),
+    allow_list = false,
+});
 
 fn default_refresh_ms() -> u64 {
     10_000

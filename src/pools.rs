@@ -40,7 +40,7 @@
 //! never reaches a pod of another pool.
 
 use crate::body::{ApiKind, ParsedRequest};
-use crate::config::ConfigError;
+use crate::config::{read, ConfigError};
 use crate::errors::Rejection;
 
 /// Request header naming the model routing sees (GIE's BBR header).
@@ -54,7 +54,7 @@ pub const PARSED_PROPERTY: &str = "inference_picker_parsed";
 pub const MAX_POOL_NAME: usize = 63;
 
 /// This instance's pool on a gateway with several (see the module doc).
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct PoolConfig {
@@ -70,6 +70,9 @@ pub struct PoolConfig {
     #[serde(default)]
     pub route_by_model: bool,
 }
+
+// The reader of `PoolConfig` (`crate::config::read`).
+read::from_json_struct!(PoolConfig { name, route_by_model = false });
 
 impl PoolConfig {
     pub fn validate(&self, at: &str, errs: &mut Vec<ConfigError>) {

@@ -34,9 +34,9 @@
 
 use std::collections::BTreeMap;
 
-use serde::{Deserialize, Serialize};
+use serde::Serialize;
 
-use crate::config::ConfigError;
+use crate::config::{read, ConfigError};
 
 /// GIE request header naming an InferenceObjective.
 pub const OBJECTIVE_HEADER: &str = "x-gateway-inference-objective";
@@ -49,7 +49,7 @@ pub const MAX_FAIRNESS_ID_BYTES: usize = 128;
 
 /// How important a model's traffic is (the older GIE InferenceModel `criticality`), mapped to a
 /// priority by `priority.criticality`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 pub enum Criticality {
     Critical,
@@ -60,7 +60,7 @@ pub enum Criticality {
 
 /// Where a request's priority comes from, and which priority headers are trusted.
 // `Default` equals the per-field serde defaults.
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct PriorityConfig {
@@ -86,7 +86,7 @@ pub struct PriorityConfig {
 }
 
 /// The priority of each model criticality.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct CriticalityPriorities {
@@ -102,7 +102,7 @@ pub struct CriticalityPriorities {
 }
 
 /// One InferenceObjective: a name and its priority.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct ObjectiveConfig {
@@ -116,7 +116,7 @@ pub struct ObjectiveConfig {
 }
 
 /// An SLA-tier header, e.g. `x-llm-tier: premium|standard|free`.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct TierConfig {
@@ -131,6 +131,24 @@ pub struct TierConfig {
     #[cfg_attr(feature = "schema", schemars(extend("minProperties" = 1)))]
     pub values: BTreeMap<String, i32>,
 }
+
+// The readers of this file's configuration types (`crate::config::read`), fields in declaration
+// order.
+read::from_json_enum!(Criticality { "Critical" => Critical, "Standard" => Standard, "Sheddable" => Sheddable });
+read::from_json_struct!(PriorityConfig {
+    criticality = CriticalityPriorities::default(),
+    objectives = Vec::new(),
+    trust_objective_header = default_false(),
+    tier = None,
+    trust_fairness_header = default_false(),
+});
+read::from_json_struct!(CriticalityPriorities {
+    critical as "Critical" = default_critical(),
+    standard as "Standard" = default_standard(),
+    sheddable as "Sheddable" = default_sheddable(),
+});
+read::from_json_struct!(ObjectiveConfig { name, priority = 0 });
+read::from_json_struct!(TierConfig { header, trusted = default_false(), values });
 
 fn default_false() -> bool {
     false
@@ -393,16 +411,16 @@ mod tests {
 
     #[test]
     fn defaults_parse_from_empty_object() {
-        let cfg: PriorityConfig = serde_json::from_str("{}").unwrap();
+        let cfg: PriorityConfig = crate::config::read_json("{}").unwrap();
         assert_eq!(cfg, PriorityConfig::default());
         assert_eq!(cfg.criticality.of(Criticality::Critical), 10);
         assert_eq!(cfg.criticality.of(Criticality::Standard), 0);
         assert_eq!(cfg.criticality.of(Criticality::Sheddable), -10);
         // An objective without priority is 0, as InferenceObjective says.
-        let o: ObjectiveConfig = serde_json::from_str(r#"{"name":"x"}"#).unwrap();
+        let o: ObjectiveConfig = crate::config::read_json(r#"{"name":"x"}"#).unwrap();
         assert_eq!(o.priority, 0);
         // A typo is an error, not a silently ignored field.
-        assert!(serde_json::from_str::<PriorityConfig>(r#"{"trust_objective_headers":true}"#).is_err());
+        assert!(crate::config::read_json::<PriorityConfig>(r#"{"trust_objective_headers":true}"#).is_err());
     }
 
     #[test]

@@ -916,10 +916,10 @@ mod tests {
         };
         let mut c = cfg();
         assert_eq!(ids(&c), ["base-a", "lora-a", "base-b"]);
-        c.pod_models = Some(serde_json::from_str("{}").unwrap());
+        c.pod_models = Some(crate::config::read_json("{}").unwrap());
         assert_eq!(ids(&c), ["base-a", "lora-a", "base-b", "runtime-lora"]);
         assert_eq!(status(&models_reply(&c, Some("runtime-lora"), &snap)), 200);
-        c.pod_models = Some(serde_json::from_str(r#"{"allow_list":true}"#).unwrap());
+        c.pod_models = Some(crate::config::read_json(r#"{"allow_list":true}"#).unwrap());
         assert_eq!(ids(&c), ["base-a", "lora-a", "base-b"]);
         assert_eq!(status(&models_reply(&c, Some("runtime-lora"), &snap)), 404);
     }

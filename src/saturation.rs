@@ -48,16 +48,16 @@
 //! neither is known (KV only, or blind) the room is 1, a deliberately cautious probe per snapshot.
 //! Full and stale endpoints have room 0.
 
-use serde::{Deserialize, Serialize};
+use serde::Serialize;
 
-use crate::config::ConfigError;
+use crate::config::{read, ConfigError};
 use crate::snapshot::EndpointStatus;
 
 /// When the endpoints of a model count as full: per endpoint, the largest of queue /
 /// `queue_threshold`, KV use / `kv_threshold` and in-flight / `max_inflight_per_endpoint`
 /// reaching 1, or stale metrics; the model is saturated when all its endpoints are full.
 // Resolve once with `SaturationConfig::params` and pass the result to `saturated`.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize)]
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct SaturationConfig {
@@ -80,6 +80,14 @@ pub struct SaturationConfig {
     #[serde(default)]
     pub stale_after_ms: Option<u64>,
 }
+
+// The reader of `SaturationConfig` (`crate::config::read`), fields in declaration order.
+read::from_json_struct!(SaturationConfig {
+    queue_threshold = default_queue_threshold(),
+    kv_threshold = default_kv_threshold(),
+    max_inflight_per_endpoint = default_max_inflight(),
+    stale_after_ms = None,
+});
 
 fn default_queue_threshold() -> f64 {
     5.0
@@ -444,13 +452,13 @@ mod tests {
 
     #[test]
     fn config_defaults_and_validation() {
-        let cfg: SaturationConfig = serde_json::from_str("{}").unwrap();
+        let cfg: SaturationConfig = crate::config::read_json("{}").unwrap();
         assert_eq!(cfg, SaturationConfig::default());
         // Staleness follows the poller's unless set.
         assert_eq!(cfg.params(1500).stale_after_ms, 1500);
         let own = SaturationConfig { stale_after_ms: Some(400), ..cfg.clone() };
         assert_eq!(own.params(1500).stale_after_ms, 400);
-        assert!(serde_json::from_str::<SaturationConfig>(r#"{"queue":5}"#).is_err());
+        assert!(crate::config::read_json::<SaturationConfig>(r#"{"queue":5}"#).is_err());
         let mut errs = Vec::new();
         cfg.validate("saturation", 200, &mut errs);
         own.validate("saturation", 400, &mut errs);

@@ -1,19 +1,16 @@
-//! Turns a serde_json error into a [`ConfigError`] whose path names the field serde was reading.
+//! Positions in the configuration document, for its errors.
 //!
-//! serde_json reports only a line and column. Rather than track the path while deserializing
-//! (which needs a wrapping deserializer), this re-scans the document up to that position with a
-//! tiny JSON tokenizer that keeps a stack of "key in object" / "index in array" frames. serde
-//! reports an error right after the token it could not accept, so the frames open at that point
-//! name the field:
-//! - unknown field: the key was just read, so the path ends with the unknown key
-//!   (`poller.intervalms`);
-//! - wrong type or unknown enum variant: the value was just read, and the key it belongs to is still
-//!   current (`filter.failure_mode`, `models[0].adapters[1]`);
-//! - missing field: reported after the object's `}`, whose frame is then closed, so the path is the
-//!   object itself (`endpoints[0]`);
-//! - syntax error: reported after the offending byte, which is therefore not scanned.
+//! serde_json reports a syntax error with only a line and column; the reader (`read.rs`) reports
+//! a path but no position. Both are completed here by re-scanning the document with a tiny JSON
+//! tokenizer that keeps a stack of "key in object" / "index in array" frames:
+//! - [`serde_error`]: the path of the value being read where serde_json stopped. serde_json
+//!   reports a syntax error just after the offending byte, which is therefore not scanned
+//!   (`endpoints[0]` for `"endpoints": [,]`, `models[0].name` for a document cut there).
+//! - [`with_position`]: the line and column of a reader error's path.
+//! - [`duplicate_key`]: a key written twice in one object, which `serde_json::Value` would
+//!   otherwise keep silently (the last one).
 //!
-//! Runs only on the error path, once per bad configuration; it allocates freely.
+//! Runs once per configuration; it allocates freely.
 
 use super::ConfigError;
 
@@ -50,37 +47,75 @@ fn byte_offset(src: &[u8], line: usize, column: usize) -> usize {
 
 enum Frame {
     /// Inside an object: the key whose value is being read, if one has been read since the last
-    /// `{` or `,`.
-    Object(Option<String>),
+    /// `{` or `,`, and the keys read before it (for [`duplicate_key`]).
+    Object(Option<String>, Vec<String>),
     /// Inside an array: the index of the element being read.
     Array(usize),
 }
 
-/// The JSON path (`endpoints[2].address`) of the value being read at byte `end`; empty at the root.
-fn path_at(src: &[u8], end: usize) -> String {
-    let mut stack: Vec<Frame> = Vec::new();
-    let mut bytes = src.iter().take(end).enumerate();
-    while let Some((start, b)) = bytes.next() {
-        match b {
-            b'{' => stack.push(Frame::Object(None)),
-            b'[' => stack.push(Frame::Array(0)),
-            b'}' | b']' => {
-                stack.pop();
+/// What one step of a [`Walk`] read.
+enum Step {
+    /// An object key (its opening quote at this offset); the path now ends with it.
+    Key(usize),
+    /// The start of an array element (the `[` or `,` before it at this offset).
+    Element(usize),
+    /// Anything else.
+    Other,
+}
+
+/// A tiny JSON tokenizer over `src[..end]` that keeps the stack of frames naming the value being
+/// read. It does not check the grammar: it is run on documents serde_json has parsed, or up to the
+/// place where serde_json stopped.
+struct Walk<'a> {
+    src: &'a [u8],
+    end: usize,
+    at: usize,
+    stack: Vec<Frame>,
+}
+
+impl<'a> Walk<'a> {
+    fn new(src: &'a [u8], end: usize) -> Self {
+        Self { src, end: end.min(src.len()), at: 0, stack: Vec::new() }
+    }
+
+    /// Reads one byte (a whole string for `"`); `None` at the end.
+    fn step(&mut self) -> Option<Step> {
+        let start = self.at;
+        let b = *self.src.get(start).filter(|_| start < self.end)?;
+        self.at += 1;
+        Some(match b {
+            b'{' => {
+                self.stack.push(Frame::Object(None, Vec::new()));
+                Step::Other
             }
-            b',' => match stack.last_mut() {
-                Some(Frame::Object(key)) => *key = None,
-                Some(Frame::Array(i)) => *i += 1,
-                None => {}
+            b'[' => {
+                self.stack.push(Frame::Array(0));
+                Step::Element(start)
+            }
+            b'}' | b']' => {
+                self.stack.pop();
+                Step::Other
+            }
+            b',' => match self.stack.last_mut() {
+                Some(Frame::Object(key, seen)) => {
+                    seen.extend(key.take());
+                    Step::Other
+                }
+                Some(Frame::Array(i)) => {
+                    *i += 1;
+                    Step::Element(start)
+                }
+                None => Step::Other,
             },
             b'"' => {
                 // Read to the closing quote, skipping escaped characters.
                 let mut close = None;
-                while let Some((i, c)) = bytes.next() {
-                    match c {
-                        b'\\' => {
-                            bytes.next();
-                        }
-                        b'"' => {
+                while self.at < self.end {
+                    let i = self.at;
+                    self.at += 1;
+                    match self.src.get(i) {
+                        Some(b'\\') => self.at += 1,
+                        Some(b'"') => {
                             close = Some(i);
                             break;
                         }
@@ -89,15 +124,78 @@ fn path_at(src: &[u8], end: usize) -> String {
                 }
                 // A string in key position (an object with no current key) is the key; an unclosed
                 // one is the key serde stopped in.
-                if let Some(Frame::Object(key @ None)) = stack.last_mut() {
-                    *key = Some(key_text(src, start, close, end));
+                match self.stack.last_mut() {
+                    Some(Frame::Object(key @ None, _)) => {
+                        *key = Some(key_text(self.src, start, close, self.end));
+                        Step::Key(start)
+                    }
+                    _ => Step::Other,
                 }
             }
             // Whitespace, ':', numbers and literals do not change the path.
-            _ => {}
+            _ => Step::Other,
+        })
+    }
+
+    fn path(&self) -> String {
+        render(&self.stack)
+    }
+}
+
+/// The JSON path (`endpoints[2].address`) of the value being read at byte `end`; empty at the root.
+fn path_at(src: &[u8], end: usize) -> String {
+    let mut walk = Walk::new(src, end);
+    while walk.step().is_some() {}
+    walk.path()
+}
+
+/// The byte offset where the value at `path` (as [`render`] writes it; `$` or empty for the root)
+/// starts: its key's opening quote, or its first byte in an array.
+fn offset_of(src: &[u8], path: &str) -> Option<usize> {
+    if path.is_empty() || path == "$" {
+        return src.iter().position(|b| !b.is_ascii_whitespace());
+    }
+    let mut walk = Walk::new(src, src.len());
+    while let Some(step) = walk.step() {
+        let at = match step {
+            Step::Key(at) => at,
+            Step::Element(at) => {
+                at + 1 + src.iter().skip(at + 1).take_while(|b| b.is_ascii_whitespace()).count()
+            }
+            Step::Other => continue,
+        };
+        if walk.path() == path {
+            return Some(at);
         }
     }
-    render(&stack)
+    None
+}
+
+/// `e` with the line and column of its path in `src` added to the reason, as serde_json words
+/// them (`... at line 5 column 39`), when the path is found.
+pub(super) fn with_position(src: &[u8], mut e: ConfigError) -> ConfigError {
+    if let Some(at) = offset_of(src, &e.path) {
+        let before = src.get(..at).unwrap_or_default();
+        let line = 1 + before.iter().filter(|b| **b == b'\n').count();
+        let column = at - before.iter().rposition(|b| *b == b'\n').map_or(0, |nl| nl + 1) + 1;
+        e.reason.push_str(&format!(" at line {line} column {column}"));
+    }
+    e
+}
+
+/// The first key that appears twice in one object (`serde_json::Value` would keep the last of
+/// them silently), as serde's derive reported it: `duplicate field `models``, at that key's path.
+pub(super) fn duplicate_key(src: &[u8]) -> Option<ConfigError> {
+    let mut walk = Walk::new(src, src.len());
+    while let Some(step) = walk.step() {
+        if let (Step::Key(_), Some(Frame::Object(Some(key), seen))) = (step, walk.stack.last()) {
+            if seen.contains(key) {
+                let reason = format!("duplicate field `{key}`");
+                return Some(with_position(src, ConfigError::new(walk.path(), reason)));
+            }
+        }
+    }
+    None
 }
 
 /// The decoded text of the key whose opening quote is at `start`; the raw bytes when it is not a
@@ -116,21 +214,10 @@ fn render(stack: &[Frame]) -> String {
     let mut out = String::new();
     for frame in stack {
         match frame {
-            Frame::Object(Some(key)) => {
-                let plain = !key.is_empty()
-                    && key.bytes().all(|c| c.is_ascii_alphanumeric() || c == b'_' || c == b'-');
-                if plain {
-                    if !out.is_empty() {
-                        out.push('.');
-                    }
-                    out.push_str(key);
-                } else {
-                    out.push_str(&format!("[{key:?}]"));
-                }
-            }
+            Frame::Object(Some(key), _) => super::read::push_key(&mut out, key),
             // An object with no current key: serde stopped between members, so the path is the
             // object itself and nothing deeper can be open.
-            Frame::Object(None) => break,
+            Frame::Object(None, _) => break,
             Frame::Array(i) => out.push_str(&format!("[{i}]")),
         }
     }

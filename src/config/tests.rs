@@ -649,3 +649,92 @@ fn poller_adaptive_fields() {
     assert_only(&errors(&v), "poller.replicas", "must be in 1..=1000, got 1001");
     assert!(parse(&with(base(), "/poller", json!({"replicas": 8}))).is_ok());
 }
+
+// ---- the reader (`read.rs`) through the whole document ----
+
+#[test]
+fn reader_errors_name_nested_paths() {
+    let v = with(base(), "/scheduler", json!({"weights": {"queue": "high"}}));
+    assert_only(&errors(&v), "scheduler.weights.queue", "invalid type: string \"high\", expected f64");
+    let v = with(base(), "/scheduler", json!({"model_weights": {"org/m": {"queue": 1, "qeue": 2}}}));
+    assert_only(
+        &errors(&v),
+        "scheduler.model_weights[\"org/m\"].qeue",
+        "unknown field `qeue`, expected one of",
+    );
+    let v = with(base(), "/scheduler", json!({"rewrites": [{"targets": []}, {"matches": []}]}));
+    assert_only(&errors(&v), "scheduler.rewrites[1]", "missing field `targets`");
+    let v = with(
+        base(),
+        "/scheduler",
+        json!({"rewrites": [{"matches": [{"model": {"type": "Prefix", "value": "x"}}], "targets": []}]}),
+    );
+    assert_only(
+        &errors(&v),
+        "scheduler.rewrites[0].matches[0].model.type",
+        "unknown variant `Prefix`, expected `Exact`",
+    );
+    let v = with(
+        with(base(), "/discovery", discovery()),
+        "/discovery/kubernetes/target_ports",
+        json!([8000, 70000]),
+    );
+    assert_only(
+        &errors(&v),
+        "discovery.kubernetes.target_ports[1]",
+        "invalid value: integer `70000`, expected u16",
+    );
+}
+
+#[test]
+fn reader_integers_are_whole_and_in_range() {
+    let v = with(base(), "/poller", json!({"replicas": 4_294_967_296u64}));
+    assert_only(&errors(&v), "poller.replicas", "invalid value: integer `4294967296`, expected u32");
+    let v = with(base(), "/poller", json!({"interval_ms": 250.5}));
+    assert_only(&errors(&v), "poller.interval_ms", "invalid type: floating point `250.5`, expected u64");
+    let v = with(base(), "/poller", json!({"interval_ms": 250.0}));
+    assert_only(&errors(&v), "poller.interval_ms", "invalid type: floating point `250.0`, expected u64");
+    let v = with(base(), "/priority", json!({"objectives": [{"name": "a", "priority": -2_147_483_649i64}]}));
+    assert_only(
+        &errors(&v),
+        "priority.objectives[0].priority",
+        "invalid value: integer `-2147483649`, expected i32",
+    );
+    // A float field takes an integer.
+    let c = parse(&with(base(), "/scheduler", json!({"weights": {"queue": 2}}))).unwrap();
+    assert_eq!(c.scheduler.weights.queue, 2.0);
+}
+
+#[test]
+fn reader_errors_carry_line_and_column() {
+    let doc =
+        "{\"version\": 1,\n \"endpoints\": [],\n \"models\": [{\"name\": \"m\", \"adapters\": [\"a\", 7]}]}";
+    let errs = errors_str(doc);
+    assert_only(&errs, "models[0].adapters[1]", "expected a string at line 3 column 45");
+    let doc = "{\"version\": 1,\n \"endpoints\": [{\"models\": [\"m\"]}], \"models\": []}";
+    assert_only(&errors_str(doc), "endpoints[0]", "missing field `address` at line 2 column 16");
+}
+
+#[test]
+fn a_struct_must_be_an_object() {
+    // serde's derive also took a struct written as an array of its fields (`"filter": []`).
+    let v = with(base(), "/filter", json!([]));
+    assert_only(&errors(&v), "filter", "invalid type: sequence, expected an object");
+    let v = with(base(), "/pd", json!("on"));
+    assert_only(&errors(&v), "pd", "invalid type: string \"on\", expected an object");
+    // null is "not set" for an optional section, as before.
+    assert_eq!(parse(&with(base(), "/pd", json!(null))).unwrap().pd, None);
+}
+
+#[test]
+fn duplicate_keys_anywhere_are_errors() {
+    let doc = r#"{"version": 1, "endpoints": [], "models": [{"name": "m"}],
+        "discovery": {"kubernetes": {"namespace": "n", "selector": {"app": "a", "app": "b"}, "target_ports": [80]}}}"#;
+    assert_only(&errors_str(doc), "discovery.kubernetes.selector.app", "duplicate field `app` at line 2");
+    let doc = r#"{"version": 1, "endpoints": [], "models": [{"name": "m", "name": "n"}]}"#;
+    assert_only(&errors_str(doc), "models[0].name", "duplicate field `name`");
+    // The same key in two objects is not a duplicate.
+    let doc = r#"{"version": 1, "endpoints": [{"address": "10.0.0.1:80", "models": ["m"]},
+        {"address": "10.0.0.2:80", "models": ["m"]}], "models": [{"name": "m"}]}"#;
+    assert!(Config::from_json(doc.as_bytes()).is_ok());
+}

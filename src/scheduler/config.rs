@@ -6,11 +6,11 @@
 
 use std::collections::BTreeMap;
 
-use serde::{Deserialize, Serialize};
+use serde::Serialize;
 
-use crate::config::ConfigError;
+use crate::config::{read, ConfigError};
 
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize)]
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct SchedulerConfig {
@@ -70,7 +70,7 @@ pub struct SchedulerConfig {
 }
 
 /// The ranking objective (`scheduler.objective`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "snake_case")]
 pub enum Objective {
@@ -82,7 +82,7 @@ pub enum Objective {
 }
 
 /// `scheduler.predicted`: the predicted-TTFT objective.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize)]
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct PredictedConfig {
@@ -168,7 +168,7 @@ impl Default for PredictedConfig {
 }
 
 /// Weight of each scorer in the total `Σ weight × score`. Each score is in [0, 1].
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct Weights {
@@ -195,7 +195,7 @@ pub struct Weights {
 }
 
 /// A per-model override of [`Weights`]; `None` keeps the pool-level weight.
-#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize)]
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct WeightOverrides {
@@ -213,7 +213,7 @@ pub struct WeightOverrides {
     pub lora: Option<f64>,
 }
 
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize)]
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct PrefixConfig {
@@ -248,7 +248,7 @@ pub struct PrefixConfig {
     pub shared_entries_per_shard: usize,
 }
 
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize)]
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct SessionConfig {
@@ -281,7 +281,7 @@ pub struct SessionConfig {
 
 /// Hot-spot guard: an endpoint is overloaded when its load exceeds the least-loaded candidate's
 /// by more than `abs_gap` AND by more than `ratio` times. Defaults are SGLang's (64, 1.5).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize)]
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct GuardConfig {
@@ -293,7 +293,7 @@ pub struct GuardConfig {
 
 /// One rewrite rule: if the request's model matches (exactly) one of `matches`, or `matches` is
 /// empty (catch-all), the model is rewritten to one of `targets`, chosen by relative weight.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize)]
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct RewriteRule {
@@ -303,14 +303,14 @@ pub struct RewriteRule {
     pub targets: Vec<RewriteTarget>,
 }
 
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize)]
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct RewriteMatch {
     pub model: ModelMatch,
 }
 
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize)]
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct ModelMatch {
@@ -320,13 +320,13 @@ pub struct ModelMatch {
     pub value: String,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 pub enum MatchType {
     Exact,
 }
 
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize)]
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct RewriteTarget {
@@ -336,6 +336,72 @@ pub struct RewriteTarget {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub weight: Option<u32>,
 }
+
+// The readers of this file's types (`crate::config::read`): each field with its default, in
+// declaration order.
+read::from_json_struct!(SchedulerConfig {
+    weights = Weights::default(),
+    model_weights = BTreeMap::new(),
+    fallbacks = default_fallbacks(),
+    tie_epsilon = default_tie_epsilon(),
+    top_k = default_top_k(),
+    prefix = PrefixConfig::default(),
+    session = SessionConfig::default(),
+    guard = GuardConfig::default(),
+    rewrites = Vec::new(),
+    debug_scores = default_false(),
+    live_queue = default_false(),
+    objective = Objective::default(),
+    predicted = PredictedConfig::default(),
+});
+read::from_json_enum!(Objective { "predicted_ttft" => PredictedTtft, "weighted" => Weighted });
+read::from_json_struct!(PredictedConfig {
+    affinity_slack = default_affinity_slack(),
+    rendezvous_blocks = default_rendezvous_blocks(),
+    prior_ms_per_token = default_prior_ms_per_token(),
+    active_weight = default_active_weight(),
+    rendezvous_credit = default_rendezvous_credit(),
+    miss_weight = default_miss_weight(),
+});
+read::from_json_struct!(Weights {
+    prefix = default_w_prefix(),
+    queue = default_w_queue(),
+    kv_cache = default_w_kv_cache(),
+    inflight = default_w_inflight(),
+    session = default_w_session(),
+    lora = default_w_lora(),
+});
+read::from_json_struct!(WeightOverrides {
+    prefix = None,
+    queue = None,
+    kv_cache = None,
+    inflight = None,
+    session = None,
+    lora = None,
+});
+read::from_json_struct!(PrefixConfig {
+    block_chars = default_block_chars(),
+    max_blocks = default_max_blocks(),
+    index_blocks = default_index_blocks(),
+    index_blocks_total = default_index_blocks_total(),
+    chars_per_token = default_chars_per_token(),
+    shared_shards = default_shared_shards(),
+    shared_entries_per_shard = default_shared_entries(),
+});
+read::from_json_struct!(SessionConfig {
+    header = default_session_header(),
+    token_header = default_token_header(),
+    secret_env = None,
+    secret = None,
+    previous_secret_env = None,
+    previous_secret = None,
+});
+read::from_json_struct!(GuardConfig { abs_gap = default_guard_abs(), ratio = default_guard_ratio() });
+read::from_json_struct!(RewriteRule { matches = Vec::new(), targets });
+read::from_json_struct!(RewriteMatch { model });
+read::from_json_struct!(ModelMatch { kind as "type" = default_match_type(), value });
+read::from_json_enum!(MatchType { "Exact" => Exact });
+read::from_json_struct!(RewriteTarget { model_rewrite, weight = None });
 
 fn default_fallbacks() -> usize {
     2

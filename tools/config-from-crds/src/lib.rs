@@ -434,7 +434,10 @@ pub fn parse_model_arg(arg: &str) -> Result<ModelConfig, String> {
     if name.trim().is_empty() {
         return Err(format!("--model {arg:?}: empty model name"));
     }
-    // Through serde, so that fields this tool does not set keep their documented defaults.
-    serde_json::from_value(serde_json::json!({"name": name.trim(), "adapters": adapters}))
-        .map_err(|e| format!("--model {arg:?}: {e}"))
+    // Through the module's reader, so that fields this tool does not set keep their documented
+    // defaults.
+    inference_picker::config::read::read_value(
+        &serde_json::json!({"name": name.trim(), "adapters": adapters}),
+    )
+    .map_err(|e| format!("--model {arg:?}: {e}"))
 }
