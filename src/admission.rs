@@ -315,7 +315,7 @@ impl Gate {
             .filter(|(_, &at)| ready || now_ms.saturating_sub(at) >= wait)
             .map(|(&id, &at)| (at, id))
             .collect();
-        out.sort_unstable();
+        crate::sorting::sort(&mut out);
         for (_, id) in &out {
             self.startup.remove(id);
         }

@@ -439,7 +439,7 @@ pub fn parse_pod_list(body: &[u8], cfg: &KubernetesDiscoveryConfig) -> Result<Di
             endpoints.push(DiscoveredEndpoint { address, pod: pod.metadata.name.clone(), role });
         }
     }
-    endpoints.sort();
+    crate::sorting::sort(&mut endpoints);
     let before = endpoints.len();
     endpoints.dedup_by(|a, b| a.address == b.address);
     skipped.duplicate = saturating_u32(before - endpoints.len());

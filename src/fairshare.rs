@@ -126,7 +126,7 @@ impl Served {
                 e.2 = e.2.saturating_sub(*f);
             }
         }
-        self.0.sort_unstable();
+        crate::sorting::sort(&mut self.0);
     }
 }
 

@@ -683,7 +683,7 @@ fn plan_tenants(view: &[PlanLevel]) -> Vec<(i32, u16)> {
             }
         }
     }
-    out.sort_unstable_by_key(|(p, b)| (Reverse(*p), *b));
+    crate::sorting::sort_by_key(&mut out, |(p, b)| (Reverse(*p), *b));
     out
 }
 
@@ -1157,7 +1157,7 @@ impl FlowQueue {
             let mut after: Vec<PlanLevel> =
                 view.iter().filter(|l| !sim.iter().any(|x| x.priority == l.priority)).cloned().collect();
             after.extend(sim.iter().cloned());
-            after.sort_by_key(|l| Reverse(l.priority));
+            crate::sorting::sort_by_key(&mut after, |l| Reverse(l.priority));
             own_after = plan_summary(&after);
             let tenants_after = plan_tenants(&after);
             global = rec.global_waiting(me, &own_after);

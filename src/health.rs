@@ -541,7 +541,7 @@ impl HealthView {
 
     pub fn encode(&self) -> Vec<u8> {
         let mut keys: Vec<&String> = self.entries.keys().collect();
-        keys.sort();
+        crate::sorting::sort(&mut keys);
         let mut out = String::with_capacity(keys.len() * 96);
         for (i, k) in keys.into_iter().enumerate() {
             if i > 0 {
@@ -599,7 +599,7 @@ impl HealthView {
         let n = serving.len();
         let by_percent = n * cfg.max_ejection_percent.min(100) as usize / 100;
         let allowed = by_percent.max(1).min(n - 1);
-        ejected.sort_unstable();
+        crate::sorting::sort(&mut ejected);
         for &(_, i) in ejected.iter().take(allowed) {
             if let Some(slot) = out.get_mut(i) {
                 *slot = true;
@@ -615,7 +615,7 @@ impl HealthView {
         if self.entries.len() > MAX_ENTRIES {
             let mut by_age: Vec<(u64, String)> =
                 self.entries.iter().map(|(k, e)| (e.touched_ms, k.clone())).collect();
-            by_age.sort_unstable();
+            crate::sorting::sort(&mut by_age);
             let extra = self.entries.len() - MAX_ENTRIES;
             for (_, k) in by_age.into_iter().take(extra) {
                 self.entries.remove(&k);
@@ -656,7 +656,7 @@ pub fn without_ejected(
     let eps = &snapshot.endpoints;
     let mut keep: Vec<bool> = eps.iter().map(|e| e.models.is_empty()).collect();
     let mut models: Vec<&str> = eps.iter().flat_map(|e| e.models.iter().map(String::as_str)).collect();
-    models.sort_unstable();
+    crate::sorting::sort(&mut models);
     models.dedup();
     for m in models {
         let idx: Vec<usize> =

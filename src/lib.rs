@@ -38,6 +38,7 @@ pub mod request;
 pub mod saturation;
 pub mod scheduler;
 pub mod snapshot;
+pub mod sorting;
 pub mod telemetry;
 
 mod host;

@@ -257,7 +257,7 @@ impl ModelsLearner {
                 out.push(a.to_string());
             }
         }
-        out.sort_unstable();
+        crate::sorting::sort(&mut out);
         out
     }
 
@@ -355,7 +355,7 @@ pub fn learned_names(
         .filter(|n| !except.contains(n.as_str()) && allow.is_none_or(|a| a.contains(n.as_str())))
         .cloned()
         .collect();
-    out.sort_unstable();
+    crate::sorting::sort(&mut out);
     out.dedup();
     out
 }

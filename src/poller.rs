@@ -331,7 +331,7 @@ impl Poller {
         }
         let budget = self.tokens.floor().max(0.0) as usize;
         if due.len() > budget {
-            due.sort_unstable();
+            crate::sorting::sort(&mut due);
             due.truncate(budget);
         }
         self.tokens -= due.len() as f64;

@@ -107,7 +107,7 @@ impl MemStore {
     /// Every key, sorted; for tests that check key bounds.
     pub fn keys(&self) -> Vec<String> {
         let mut k: Vec<String> = self.inner.borrow().keys().cloned().collect();
-        k.sort();
+        crate::sorting::sort(&mut k);
         k
     }
 }
