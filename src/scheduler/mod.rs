@@ -35,6 +35,7 @@
 //! in-flight count is never missing, so between polls and with partial metrics the load view
 //! is still live. See `docs/scheduler.md` for the full description and measurements.
 
+pub mod by_address;
 pub mod config;
 pub mod filter;
 pub mod guard;
@@ -61,10 +62,11 @@ use crate::metrics::EndpointMetrics;
 use crate::ports::{Rng, SharedStore};
 use crate::snapshot::{EndpointStatus, Snapshot};
 
+use self::by_address::address_hash;
 use self::config::{Objective, SchedulerConfig, Weights};
 use self::models::ModelTable;
 use self::prefix::LocalIndex;
-use self::prefix_shared::{endpoint_key, SharedPrefix};
+use self::prefix_shared::{endpoint_key, endpoint_key_of_hash, SharedPrefix};
 
 pub use self::session::{keys_from_config as session_keys_from_config, parse_session_token, SessionKeys};
 
@@ -224,6 +226,28 @@ impl Breakdown {
             + w.inflight * self.inflight
             + w.session * self.session
             + w.lora * self.lora
+    }
+}
+
+/// The prediction of objective `predicted_ttft`, per candidate (`predict`).
+#[derive(Debug, Default)]
+struct Predictions {
+    /// Predicted TTFT (ms).
+    ttft: Vec<f64>,
+    /// Work (tokens) and learnt rate (ms per token) behind `ttft`.
+    work: Vec<f64>,
+    rate: Vec<f64>,
+    /// This request's uncached prompt tokens there.
+    uncached: Vec<f64>,
+    /// What ranks it: `ttft` plus the miss penalty.
+    cost: Vec<f64>,
+}
+
+impl Predictions {
+    fn reserve(&mut self, n: usize) {
+        for v in [&mut self.ttft, &mut self.work, &mut self.rate, &mut self.uncached] {
+            v.reserve(n);
+        }
     }
 }
 
@@ -504,21 +528,17 @@ impl Scheduler {
         let predicted = self.cfg.objective == Objective::PredictedTtft;
         // Per candidate, each looked up once: this gateway's in-flight count, and the live queue
         // estimate (read by the queue scorer with `live_queue`, and by the prediction).
-        let counts: Vec<u32> = healthy.iter().map(|e| inflight.get(&e.address)).collect();
-        let live: Vec<Option<f64>> = if self.cfg.live_queue || predicted {
-            healthy
-                .iter()
-                .zip(&counts)
-                .map(|(e, &n)| crate::load::live_queue(e, n, now_ms, self.stale_after_ms))
-                .collect()
-        } else {
-            Vec::new()
-        };
-        let cands: Vec<Candidate<'_>> = healthy
-            .iter()
-            .zip(&counts)
-            .enumerate()
-            .map(|(i, (e, &n))| Candidate {
+        let need_live = self.cfg.live_queue || predicted;
+        let mut cands: Vec<Candidate<'_>> = Vec::with_capacity(healthy.len());
+        let mut live: Vec<Option<f64>> = Vec::with_capacity(if need_live { healthy.len() } else { 0 });
+        for e in &healthy {
+            let n = inflight.get(&e.address);
+            let lq =
+                if need_live { crate::load::live_queue(e, n, now_ms, self.stale_after_ms) } else { None };
+            if need_live {
+                live.push(lq);
+            }
+            cands.push(Candidate {
                 address: &e.address,
                 metrics: e.metrics.as_ref(),
                 inflight: if health.is_empty() {
@@ -526,13 +546,9 @@ impl Scheduler {
                 } else {
                     n.saturating_add(health.phantom_load(&e.address, now_ms, &self.health))
                 },
-                queue: if self.cfg.live_queue {
-                    live.get(i).copied().flatten()
-                } else {
-                    e.metrics.as_ref().and_then(|m| m.queue)
-                },
-            })
-            .collect();
+                queue: if self.cfg.live_queue { lq } else { e.metrics.as_ref().and_then(|m| m.queue) },
+            });
+        }
 
         // 3. Guard.
         let overloaded = guard::overloaded(&cands, &self.cfg.guard);
@@ -551,9 +567,10 @@ impl Scheduler {
         self.local.sync(snapshot.version, &mut snapshot.endpoints.iter().map(|e| e.address.as_str()));
         let mut lookup =
             if hashes.is_empty() { Default::default() } else { self.shared.lookup(store, &hashes) };
-        // Each candidate's key in the cross-worker tables (prefix and rates), hashed once.
-        let keys: Vec<u32> = if predicted || !lookup.hits.is_empty() {
-            cands.iter().map(|c| endpoint_key(c.address)).collect()
+        // Each candidate's address hash, computed once (`by_address`): its entry in this
+        // worker's tables, its key in the cross-worker ones (prefix, rates), its rendezvous seed.
+        let addr_hash: Vec<u64> = if predicted || !hashes.is_empty() {
+            cands.iter().map(|c| address_hash(c.address)).collect()
         } else {
             Vec::new()
         };
@@ -562,63 +579,62 @@ impl Scheduler {
         } else {
             cands
                 .iter()
-                .zip(0..)
-                .map(|(c, i)| {
-                    let local = self.local.matched(c.address, &hashes);
-                    let shared = match keys.get(i) {
-                        Some(&k) if !lookup.hits.is_empty() => lookup.matched(k),
-                        _ => 0,
-                    };
+                .zip(&addr_hash)
+                .map(|(c, &h)| {
+                    let local = self.local.matched_hashed(h, c.address, &hashes);
+                    let shared =
+                        if lookup.hits.is_empty() { 0 } else { lookup.matched(endpoint_key_of_hash(h)) };
                     local.max(shared)
                 })
                 .collect()
         };
-        let px: Vec<f64> = matched.iter().map(|&m| prefix::score(m, hashes.len())).collect();
+        // The prefix score of candidate `i` (0 when overloaded).
+        let n_blocks = hashes.len();
+        let prefix_score_of = |i: usize| {
+            if eligible.get(i).copied().unwrap_or(false) {
+                prefix::score(matched.get(i).copied().unwrap_or(0), n_blocks)
+            } else {
+                0.0
+            }
+        };
+        let lo = if resolved.adapter.is_some() { lora::scores(resolved.adapter, &cands) } else { Vec::new() };
         // Under `predicted_ttft` the queue, KV, in-flight and session scores and the weighted
         // total decide nothing (they are shown in the debug scores): computed only when read.
         let weighted_scores = !predicted || self.cfg.debug_scores;
-        let (q, kv, inf, sess) = if weighted_scores {
-            (
-                queue::scores(&cands),
-                kv::scores(&cands),
-                inflight::scores(&cands),
-                session::scores(req.session_id, &cands, &eligible),
-            )
-        } else {
-            (Vec::new(), Vec::new(), Vec::new(), Vec::new())
-        };
-        let lo = lora::scores(resolved.adapter, &cands);
-        let mut rows: Vec<Breakdown> = Vec::with_capacity(cands.len());
-        for i in 0..cands.len() {
-            let get = |v: &[f64]| v.get(i).copied().unwrap_or(0.0);
-            let ok = eligible.get(i).copied().unwrap_or(false);
-            let mut b = Breakdown {
-                prefix: if ok { get(&px) } else { 0.0 },
-                queue: get(&q),
-                kv_cache: get(&kv),
-                inflight: get(&inf),
-                session: if ok { get(&sess) } else { 0.0 },
-                lora: get(&lo),
-                total: 0.0,
-                predicted_ms: 0.0,
-                work: 0.0,
-                rate: 0.0,
-            };
-            b.total = b.weighted(&weights);
-            rows.push(b);
+        let mut rows: Vec<Breakdown> = Vec::new();
+        if weighted_scores {
+            let q = queue::scores(&cands);
+            let kv = kv::scores(&cands);
+            let inf = inflight::scores(&cands);
+            let sess = session::scores(req.session_id, &cands, &eligible);
+            rows.reserve(cands.len());
+            for i in 0..cands.len() {
+                let get = |v: &[f64]| v.get(i).copied().unwrap_or(0.0);
+                let ok = eligible.get(i).copied().unwrap_or(false);
+                let mut b = Breakdown {
+                    prefix: prefix_score_of(i),
+                    queue: get(&q),
+                    kv_cache: get(&kv),
+                    inflight: get(&inf),
+                    session: if ok { get(&sess) } else { 0.0 },
+                    lora: get(&lo),
+                    total: 0.0,
+                    predicted_ms: 0.0,
+                    work: 0.0,
+                    rate: 0.0,
+                };
+                b.total = b.weighted(&weights);
+                rows.push(b);
+            }
         }
 
-        // Objective `predicted_ttft`: each candidate's predicted TTFT (`predict`).
+        // Objective `predicted_ttft`: each candidate's predicted TTFT (`predict`), its work,
+        // uncached tokens and rate, and the cost that ranks it.
         let cpt = pc.chars_per_token.max(1) as f64;
         let prompt_tokens = req.prompt.len() as f64 / cpt;
-        let mut works: Vec<f64> = Vec::new();
-        let mut uncached: Vec<f64> = Vec::new();
-        // Sum and count of the eligible candidates' queues: the miss penalty's `busy`.
-        let (mut queue_sum, mut queue_n) = (0.0, 0.0);
-        let addrs: Vec<&str> = if predicted { cands.iter().map(|c| c.address).collect() } else { Vec::new() };
+        let mut pred = Predictions::default();
         if predicted {
-            works.reserve(cands.len());
-            uncached.reserve(cands.len());
+            let keys: Vec<u32> = addr_hash.iter().map(|&h| endpoint_key_of_hash(h)).collect();
             let rates = self.rates.rates(store, &keys, self.cfg.predicted.prior_ms_per_token, now_ms);
             let mean = self.ledger.mean_tokens().unwrap_or(prompt_tokens);
             // Nothing known about this prefix anywhere: the rendezvous winner is where another
@@ -627,10 +643,13 @@ impl Scheduler {
             let unknown = matched.iter().all(|&m| m == 0);
             let winner = if unknown && pr.rendezvous_credit > 0.0 {
                 predict::rendezvous_key(req.session_id, &hashes, pr.rendezvous_blocks)
-                    .and_then(|k| predict::rendezvous_winner(k, &addrs, &eligible))
+                    .and_then(|k| predict::rendezvous_winner(k, &addr_hash, &eligible))
             } else {
                 None
             };
+            // Sum and count of the eligible candidates' queues: the miss penalty's `busy`.
+            let (mut queue_sum, mut queue_n) = (0.0, 0.0);
+            pred.reserve(cands.len());
             for (i, c) in cands.iter().enumerate() {
                 let ok = eligible.get(i).copied().unwrap_or(false);
                 let m = if ok { matched.get(i).copied().unwrap_or(0) } else { 0 };
@@ -639,48 +658,52 @@ impl Scheduler {
                 if winner == Some(i) {
                     own *= 1.0 - pr.rendezvous_credit.clamp(0.0, 1.0);
                 }
-                let (pending, active) = self.ledger.pending_and_active(c.address);
+                let h = addr_hash.get(i).copied().unwrap_or(0);
+                let (pending, active) = self.ledger.pending_and_active(h, c.address);
                 let inp = predict::Inputs {
                     uncached: own,
                     pending,
                     waiting: live.get(i).copied().flatten(),
                     inflight: c.inflight,
-                    rate: rates.get(i).copied().unwrap_or(self.cfg.predicted.prior_ms_per_token),
+                    rate: rates.get(i).copied().unwrap_or(pr.prior_ms_per_token),
                     lora: resolved.adapter.map(|_| lo.get(i).copied().unwrap_or(0.0)),
-                    active: self.cfg.predicted.active_weight * active,
+                    active: pr.active_weight * active,
                 };
                 let work = predict::work(&inp, mean);
-                let ms = predict::ttft_of_work(&inp, work);
-                works.push(work);
-                uncached.push(inp.uncached);
+                pred.ttft.push(predict::ttft_of_work(&inp, work));
+                pred.work.push(work);
+                pred.uncached.push(inp.uncached);
+                pred.rate.push(inp.rate);
                 if ok {
                     queue_sum += predict::waiting(&inp);
                     queue_n += 1.0;
                 }
-                if let Some(r) = rows.get_mut(i) {
-                    r.predicted_ms = ms;
-                    r.work = work;
-                    r.rate = inp.rate;
-                }
+            }
+            // Rank by predicted TTFT plus the miss penalty (`predict`, "Cost").
+            let least = predict::least_uncached(&pred.uncached, &eligible);
+            let busy = if queue_n > 0.0 { queue_sum / queue_n } else { 0.0 };
+            let mw = pr.miss_weight;
+            pred.cost = (0..cands.len())
+                .map(|i| {
+                    let get = |v: &[f64]| v.get(i).copied().unwrap_or(0.0);
+                    get(&pred.ttft)
+                        + predict::miss_penalty(get(&pred.rate), get(&pred.uncached), least, busy, mw)
+                })
+                .collect();
+            for (i, r) in rows.iter_mut().enumerate() {
+                r.predicted_ms = pred.ttft.get(i).copied().unwrap_or(0.0);
+                r.work = pred.work.get(i).copied().unwrap_or(0.0);
+                r.rate = pred.rate.get(i).copied().unwrap_or(0.0);
             }
         }
 
         // 5 + 6. Session token, then the picker.
         let token_pick = req.session_token.and_then(|t| self.session_keys.resolve(t, &cands, &eligible));
         let mut order = if predicted {
-            // Rank by predicted TTFT plus the miss penalty (`predict`, "Cost").
-            let least = predict::least_uncached(&uncached, &eligible);
-            let busy = if queue_n > 0.0 { queue_sum / queue_n } else { 0.0 };
-            let mw = self.cfg.predicted.miss_weight;
-            let costs: Vec<f64> = rows
-                .iter()
-                .zip(&uncached)
-                .map(|(b, &u)| b.predicted_ms + predict::miss_penalty(b.rate, u, least, busy, mw))
-                .collect();
             let key = predict::rendezvous_key(req.session_id, &hashes, self.cfg.predicted.rendezvous_blocks);
             let slack = self.cfg.predicted.affinity_slack;
             let key = if slack > 0.0 || req.session_id.is_some() { key } else { None };
-            predict::order(&costs, &addrs, &eligible, key, slack, self.cfg.fallbacks, rng)
+            predict::order(&pred.cost, &addr_hash, &eligible, key, slack, self.cfg.fallbacks, rng)
         } else {
             let totals: Vec<f64> = rows.iter().map(|b| b.total).collect();
             picker::order(&totals, self.cfg.tie_epsilon, self.cfg.top_k, self.cfg.fallbacks, rng)
@@ -701,13 +724,13 @@ impl Scheduler {
         let primary_cand = cands.get(p).copied();
         let primary = primary_cand.map(|c| c.address.to_string()).unwrap_or_default();
         let fallbacks = fb.iter().filter_map(|&i| cands.get(i)).map(|c| c.address.to_string()).collect();
-        let prefix_score = rows.get(p).map(|b| b.prefix).unwrap_or(0.0);
+        let prefix_score = prefix_score_of(p);
         let debug_scores = self.cfg.debug_scores.then(|| debug_string(&cands, &rows, &overloaded, predicted));
         let (predicted_ms, ticket) = match (predicted, primary_cand) {
             (true, Some(c)) => {
-                let u = uncached.get(p).copied().unwrap_or(prompt_tokens);
-                let w = works.get(p).copied().unwrap_or(u);
-                (rows.get(p).map(|b| b.predicted_ms), self.ledger.sent(c.address, u, w, now_ms))
+                let u = pred.uncached.get(p).copied().unwrap_or(prompt_tokens);
+                let w = pred.work.get(p).copied().unwrap_or(u);
+                (pred.ttft.get(p).copied(), self.ledger.sent(c.address, u, w, now_ms))
             }
             _ => (None, 0),
         };
@@ -717,7 +740,11 @@ impl Scheduler {
             let cap = prefix::capacity(&self.cfg.prefix, c.metrics, snapshot.endpoints.len());
             self.local.record(c.address, &hashes, cap);
             if !scope.skip_shared_record {
-                self.shared.record(store, &hashes, endpoint_key(c.address), &mut lookup);
+                let key = match addr_hash.get(p) {
+                    Some(&h) => endpoint_key_of_hash(h),
+                    None => endpoint_key(c.address),
+                };
+                self.shared.record(store, &hashes, key, &mut lookup);
             }
         }
         let prefix_blocks = hashes.len();

@@ -72,6 +72,7 @@
 use hashbrown::HashMap;
 use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
 
+use super::by_address::{address_hash, ByAddress};
 use crate::ports::Rng;
 
 /// Fixed per-request cost, in prompt tokens.
@@ -87,6 +88,8 @@ const MEAN_ALPHA: f64 = 1.0 / 64.0;
 #[derive(Debug, Clone)]
 struct Entry {
     address: String,
+    /// [`address_hash`] of `address`.
+    hash: u64,
     tokens: f64,
     work: f64,
     sent_ms: u64,
@@ -117,7 +120,7 @@ pub struct Observation {
 #[derive(Debug, Clone, Default)]
 pub struct Ledger {
     entries: HashMap<u64, Entry>,
-    per_endpoint: HashMap<String, Sums>,
+    per_endpoint: ByAddress<Sums>,
     mean: Option<f64>,
     next_ticket: u64,
     inserts: u64,
@@ -130,18 +133,19 @@ pub struct Ledger {
 impl Ledger {
     /// Uncached tokens and count pending on `address`.
     pub fn pending(&self, address: &str) -> (f64, u32) {
-        self.per_endpoint.get(address).map_or((0.0, 0), |s| (s.pending, s.pending_n))
+        self.per_endpoint.get(address_hash(address), address).map_or((0.0, 0), |s| (s.pending, s.pending_n))
     }
 
     /// Uncached tokens of this worker's requests on `address` that have not ended (in prefill or
     /// decoding): the KV they added there.
     pub fn active(&self, address: &str) -> f64 {
-        self.per_endpoint.get(address).map_or(0.0, |s| s.active)
+        self.per_endpoint.get(address_hash(address), address).map_or(0.0, |s| s.active)
     }
 
-    /// [`Ledger::pending`] and [`Ledger::active`] of `address` in one lookup.
-    pub fn pending_and_active(&self, address: &str) -> ((f64, u32), f64) {
-        self.per_endpoint.get(address).map_or(((0.0, 0), 0.0), |s| ((s.pending, s.pending_n), s.active))
+    /// [`Ledger::pending`] and [`Ledger::active`] of `address` (whose [`address_hash`] is `hash`)
+    /// in one lookup.
+    pub fn pending_and_active(&self, hash: u64, address: &str) -> ((f64, u32), f64) {
+        self.per_endpoint.get(hash, address).map_or(((0.0, 0), 0.0), |s| ((s.pending, s.pending_n), s.active))
     }
 
     /// Running mean of the uncached tokens this worker sends (`None` before the first pick).
@@ -174,14 +178,15 @@ impl Ledger {
         if self.entries.len() >= LEDGER_MAX {
             return ticket;
         }
-        let e = self.per_endpoint.entry(address.to_string()).or_default();
+        let hash = address_hash(address);
+        let e = self.per_endpoint.get_or_default(hash, address);
         e.pending += tokens;
         e.pending_n = e.pending_n.saturating_add(1);
         e.active += tokens;
         e.active_n = e.active_n.saturating_add(1);
         self.entries.insert(
             ticket,
-            Entry { address: address.to_string(), tokens, work, sent_ms: now_ms, prefilling: true },
+            Entry { address: address.to_string(), hash, tokens, work, sent_ms: now_ms, prefilling: true },
         );
         self.oldest_ms = Some(self.oldest_ms.map_or(now_ms, |o| o.min(now_ms)));
         ticket
@@ -196,7 +201,7 @@ impl Ledger {
         }
         e.prefilling = false;
         let e = e.clone();
-        if let Some(p) = self.per_endpoint.get_mut(&e.address) {
+        if let Some(p) = self.per_endpoint.get_mut(e.hash, &e.address) {
             p.pending = (p.pending - e.tokens).max(0.0);
             p.pending_n = p.pending_n.saturating_sub(1);
             if p.pending_n == 0 {
@@ -209,11 +214,11 @@ impl Ledger {
     fn remove(&mut self, ticket: u64) {
         self.end_prefill(ticket);
         let Some(e) = self.entries.remove(&ticket) else { return };
-        if let Some(p) = self.per_endpoint.get_mut(&e.address) {
+        if let Some(p) = self.per_endpoint.get_mut(e.hash, &e.address) {
             p.active = (p.active - e.tokens).max(0.0);
             p.active_n = p.active_n.saturating_sub(1);
             if p.active_n == 0 {
-                self.per_endpoint.remove(&e.address);
+                self.per_endpoint.remove(e.hash, &e.address);
             }
         }
     }
@@ -342,7 +347,12 @@ pub fn miss_penalty(rate: f64, uncached: f64, least: f64, busy: f64, miss_weight
 
 /// Rendezvous weight of `address` for `key`.
 pub fn rendezvous_weight(key: u64, address: &str) -> u64 {
-    xxh3_64_with_seed(&key.to_le_bytes(), xxh3_64(address.as_bytes()))
+    rendezvous_weight_hashed(key, address_hash(address))
+}
+
+/// [`rendezvous_weight`] of the address whose [`address_hash`] is `hash`.
+pub fn rendezvous_weight_hashed(key: u64, hash: u64) -> u64 {
+    xxh3_64_with_seed(&key.to_le_bytes(), hash)
 }
 
 /// The rendezvous key of a request: the session id's hash, else the chained hash of the prompt's
@@ -357,18 +367,20 @@ pub fn rendezvous_key(session_id: Option<&str>, hashes: &[u64], blocks: usize) -
     hashes.get(hashes.len().min(blocks).checked_sub(1)?).copied()
 }
 
-/// The rendezvous winner among the eligible candidates (`None` when none is eligible).
-pub fn rendezvous_winner(key: u64, addresses: &[&str], eligible: &[bool]) -> Option<usize> {
-    (0..addresses.len())
+/// The rendezvous winner among the eligible candidates (`None` when none is eligible), from
+/// their addresses' [`address_hash`]es. On equal weights the last one wins.
+pub fn rendezvous_winner(key: u64, hashes: &[u64], eligible: &[bool]) -> Option<usize> {
+    (0..hashes.len())
         .filter(|&i| eligible.get(i).copied().unwrap_or(false))
-        .max_by_key(|&i| addresses.get(i).map_or(0, |a| rendezvous_weight(key, a)))
+        .max_by_key(|&i| hashes.get(i).map_or(0, |&h| rendezvous_weight_hashed(key, h)))
 }
 
 /// The order of candidates: primary first, then fallbacks (at most `1 + fallbacks`). See the
-/// module doc. `costs` are predicted TTFTs; `eligible[i]` is false for overloaded candidates.
+/// module doc. `costs` are predicted TTFTs; `hashes` the candidates' [`address_hash`]es;
+/// `eligible[i]` is false for overloaded candidates.
 pub fn order(
     costs: &[f64],
-    addresses: &[&str],
+    hashes: &[u64],
     eligible: &[bool],
     key: Option<u64>,
     slack: f64,
@@ -381,11 +393,13 @@ pub fn order(
     }
     let best = costs.iter().copied().fold(f64::INFINITY, f64::min);
     let bound = best * (1.0 + slack.max(0.0)) + 1e-9;
+    // The rendezvous winner among the eligible candidates within the slack.
     let by_key = key.and_then(|k| {
-        let near_eligible: Vec<bool> = (0..n)
-            .map(|i| costs.get(i).is_some_and(|&c| c <= bound) && eligible.get(i).copied().unwrap_or(false))
-            .collect();
-        rendezvous_winner(k, addresses, &near_eligible)
+        (0..n)
+            .filter(|&i| {
+                costs.get(i).is_some_and(|&c| c <= bound) && eligible.get(i).copied().unwrap_or(false)
+            })
+            .max_by_key(|&i| hashes.get(i).map_or(0, |&h| rendezvous_weight_hashed(k, h)))
     });
     let primary = match by_key {
         Some(p) => p,
@@ -565,7 +579,7 @@ mod tests {
 
     #[test]
     fn rendezvous_picks_the_same_pod_whatever_the_worker_and_respects_the_slack() {
-        let addrs = ["10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000", "10.0.0.4:8000"];
+        let addrs = ["10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000", "10.0.0.4:8000"].map(address_hash);
         let costs = [100.0, 100.0, 100.0, 100.0];
         let all = [true; 4];
         let mut agree = 0;

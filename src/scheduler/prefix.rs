@@ -44,9 +44,10 @@
 
 use std::hash::{BuildHasherDefault, Hasher};
 
-use hashbrown::{HashMap, HashSet};
+use hashbrown::HashSet;
 use xxhash_rust::xxh3::xxh3_64;
 
+use super::by_address::{address_hash, ByAddress};
 use crate::metrics::EndpointMetrics;
 use crate::scheduler::config::PrefixConfig;
 
@@ -155,7 +156,7 @@ pub fn capacity(cfg: &PrefixConfig, metrics: Option<&EndpointMetrics>, endpoints
 /// Every endpoint's local index in this worker.
 #[derive(Debug, Clone, Default)]
 pub struct LocalIndex {
-    by_endpoint: HashMap<String, EndpointIndex>,
+    by_endpoint: ByAddress<EndpointIndex>,
     snapshot_version: Option<u64>,
 }
 
@@ -167,21 +168,23 @@ impl LocalIndex {
         }
         self.snapshot_version = Some(version);
         let keep: HashSet<&str> = addresses.collect();
-        self.by_endpoint.retain(|a, _| keep.contains(a.as_str()));
+        self.by_endpoint.retain(|a| keep.contains(a));
     }
 
     pub fn matched(&self, address: &str, hashes: &[u64]) -> usize {
-        self.by_endpoint.get(address).map_or(0, |ix| ix.matched(hashes))
+        self.matched_hashed(address_hash(address), address, hashes)
+    }
+
+    /// [`LocalIndex::matched`] for an address whose [`address_hash`] is `hash`.
+    pub fn matched_hashed(&self, hash: u64, address: &str, hashes: &[u64]) -> usize {
+        self.by_endpoint.get(hash, address).map_or(0, |ix| ix.matched(hashes))
     }
 
     pub fn record(&mut self, address: &str, hashes: &[u64], cap: usize) {
         if hashes.is_empty() {
             return;
         }
-        let ix = match self.by_endpoint.get_mut(address) {
-            Some(ix) => ix,
-            None => self.by_endpoint.entry(address.to_string()).or_default(),
-        };
+        let ix = self.by_endpoint.get_or_default(address_hash(address), address);
         for &h in hashes {
             ix.insert(h, cap);
         }

@@ -45,17 +45,20 @@
 //! skipped. A value whose length is not a multiple of 12 is read as empty and replaced on the
 //! next write. Neither can make the scheduler fail a request.
 
-use xxhash_rust::xxh3::xxh3_64;
-
 use crate::ports::{SharedStore, StoreError};
 
 pub const KEY_PREFIX: &str = "inference-picker/prefix/";
 pub const RECORD_BYTES: usize = 12;
 pub const MAX_CAS_ATTEMPTS: usize = 4;
 
-/// The key naming an endpoint in the table.
+/// The key naming an endpoint in the table: the low 32 bits of `xxh3_64(address)`.
 pub fn endpoint_key(address: &str) -> u32 {
-    xxh3_64(address.as_bytes()) as u32
+    endpoint_key_of_hash(crate::scheduler::by_address::address_hash(address))
+}
+
+/// [`endpoint_key`] from the address's `by_address::address_hash` (`xxh3_64(address)`).
+pub fn endpoint_key_of_hash(hash: u64) -> u32 {
+    hash as u32
 }
 
 /// The first checkpoint, in blocks (1 KiB of text with the default 256-byte blocks). A shorter
