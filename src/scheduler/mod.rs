@@ -35,7 +35,6 @@
 //! in-flight count is never missing, so between polls and with partial metrics the load view
 //! is still live. See `docs/scheduler.md` for the full description and measurements.
 
-pub mod by_address;
 pub mod config;
 pub mod filter;
 pub mod guard;
@@ -62,11 +61,11 @@ use crate::metrics::EndpointMetrics;
 use crate::ports::{Rng, SharedStore};
 use crate::snapshot::{EndpointStatus, Snapshot};
 
-use self::by_address::address_hash;
 use self::config::{Objective, SchedulerConfig, Weights};
 use self::models::ModelTable;
 use self::prefix::LocalIndex;
 use self::prefix_shared::{endpoint_key, endpoint_key_of_hash, SharedPrefix};
+use crate::by_address::address_hash;
 
 pub use self::session::{keys_from_config as session_keys_from_config, parse_session_token, SessionKeys};
 
@@ -229,26 +228,16 @@ impl Breakdown {
     }
 }
 
-/// The prediction of objective `predicted_ttft`, per candidate (`predict`).
-#[derive(Debug, Default)]
-struct Predictions {
+/// The prediction of objective `predicted_ttft` for one candidate (`predict`).
+#[derive(Debug, Clone, Copy)]
+struct Prediction {
     /// Predicted TTFT (ms).
-    ttft: Vec<f64>,
+    ttft: f64,
     /// Work (tokens) and learnt rate (ms per token) behind `ttft`.
-    work: Vec<f64>,
-    rate: Vec<f64>,
+    work: f64,
+    rate: f64,
     /// This request's uncached prompt tokens there.
-    uncached: Vec<f64>,
-    /// What ranks it: `ttft` plus the miss penalty.
-    cost: Vec<f64>,
-}
-
-impl Predictions {
-    fn reserve(&mut self, n: usize) {
-        for v in [&mut self.ttft, &mut self.work, &mut self.rate, &mut self.uncached] {
-            v.reserve(n);
-        }
-    }
+    uncached: f64,
 }
 
 /// Replaces missing scores by the neutral `min(0.5, lowest known)`; 0.5 when none is known.
@@ -526,19 +515,28 @@ impl Scheduler {
             return self.fail_open(&serving, &load, rng, target_model, model_rewritten);
         }
         let predicted = self.cfg.objective == Objective::PredictedTtft;
-        // Per candidate, each looked up once: this gateway's in-flight count, and the live queue
-        // estimate (read by the queue scorer with `live_queue`, and by the prediction).
+        // Per candidate, once: its address hash (`crate::by_address`: its entry in every table
+        // keyed by address, its key in the cross-worker ones, its rendezvous seed), this
+        // gateway's in-flight count, and the live queue estimate (read by the queue scorer with
+        // `live_queue`, and by the prediction).
         let need_live = self.cfg.live_queue || predicted;
-        let mut cands: Vec<Candidate<'_>> = Vec::with_capacity(healthy.len());
-        let mut live: Vec<Option<f64>> = Vec::with_capacity(if need_live { healthy.len() } else { 0 });
-        for e in &healthy {
-            let n = inflight.get(&e.address);
-            let lq =
-                if need_live { crate::load::live_queue(e, n, now_ms, self.stale_after_ms) } else { None };
-            if need_live {
-                live.push(lq);
-            }
-            cands.push(Candidate {
+        let addr_hash: Vec<u64> = healthy.iter().map(|e| address_hash(&e.address)).collect();
+        let counts: Vec<u32> =
+            healthy.iter().zip(&addr_hash).map(|(e, &h)| inflight.get_hashed(h, &e.address)).collect();
+        let live: Vec<Option<f64>> = if need_live {
+            healthy
+                .iter()
+                .zip(&counts)
+                .map(|(e, &n)| crate::load::live_queue(e, n, now_ms, self.stale_after_ms))
+                .collect()
+        } else {
+            Vec::new()
+        };
+        let cands: Vec<Candidate<'_>> = healthy
+            .iter()
+            .zip(&counts)
+            .enumerate()
+            .map(|(i, (e, &n))| Candidate {
                 address: &e.address,
                 metrics: e.metrics.as_ref(),
                 inflight: if health.is_empty() {
@@ -546,9 +544,13 @@ impl Scheduler {
                 } else {
                     n.saturating_add(health.phantom_load(&e.address, now_ms, &self.health))
                 },
-                queue: if self.cfg.live_queue { lq } else { e.metrics.as_ref().and_then(|m| m.queue) },
-            });
-        }
+                queue: if self.cfg.live_queue {
+                    live.get(i).copied().flatten()
+                } else {
+                    e.metrics.as_ref().and_then(|m| m.queue)
+                },
+            })
+            .collect();
 
         // 3. Guard.
         let overloaded = guard::overloaded(&cands, &self.cfg.guard);
@@ -567,13 +569,7 @@ impl Scheduler {
         self.local.sync(snapshot.version, &mut snapshot.endpoints.iter().map(|e| e.address.as_str()));
         let mut lookup =
             if hashes.is_empty() { Default::default() } else { self.shared.lookup(store, &hashes) };
-        // Each candidate's address hash, computed once (`by_address`): its entry in this
-        // worker's tables, its key in the cross-worker ones (prefix, rates), its rendezvous seed.
-        let addr_hash: Vec<u64> = if predicted || !hashes.is_empty() {
-            cands.iter().map(|c| address_hash(c.address)).collect()
-        } else {
-            Vec::new()
-        };
+        let hit_filter = lookup.key_filter();
         let matched: Vec<usize> = if hashes.is_empty() {
             vec![0; cands.len()]
         } else {
@@ -582,8 +578,7 @@ impl Scheduler {
                 .zip(&addr_hash)
                 .map(|(c, &h)| {
                     let local = self.local.matched_hashed(h, c.address, &hashes);
-                    let shared =
-                        if lookup.hits.is_empty() { 0 } else { lookup.matched(endpoint_key_of_hash(h)) };
+                    let shared = lookup.matched_filtered(endpoint_key_of_hash(h), hit_filter);
                     local.max(shared)
                 })
                 .collect()
@@ -632,7 +627,8 @@ impl Scheduler {
         // uncached tokens and rate, and the cost that ranks it.
         let cpt = pc.chars_per_token.max(1) as f64;
         let prompt_tokens = req.prompt.len() as f64 / cpt;
-        let mut pred = Predictions::default();
+        let mut pred: Vec<Prediction> = Vec::new();
+        let mut costs: Vec<f64> = Vec::new();
         if predicted {
             let keys: Vec<u32> = addr_hash.iter().map(|&h| endpoint_key_of_hash(h)).collect();
             let rates = self.rates.rates(store, &keys, self.cfg.predicted.prior_ms_per_token, now_ms);
@@ -649,51 +645,50 @@ impl Scheduler {
             };
             // Sum and count of the eligible candidates' queues: the miss penalty's `busy`.
             let (mut queue_sum, mut queue_n) = (0.0, 0.0);
+            let credit = 1.0 - pr.rendezvous_credit.clamp(0.0, 1.0);
             pred.reserve(cands.len());
-            for (i, c) in cands.iter().enumerate() {
-                let ok = eligible.get(i).copied().unwrap_or(false);
-                let m = if ok { matched.get(i).copied().unwrap_or(0) } else { 0 };
+            let inputs = cands.iter().zip(&addr_hash).zip(&eligible).zip(&matched).zip(&live).zip(&rates);
+            for (i, (((((c, &h), &ok), &m), &waiting), &rate)) in inputs.enumerate() {
+                let m = if ok { m } else { 0 };
                 let cached = (m * pc.block_chars) as f64 / cpt;
                 let mut own = (prompt_tokens - cached).max(0.0);
                 if winner == Some(i) {
-                    own *= 1.0 - pr.rendezvous_credit.clamp(0.0, 1.0);
+                    own *= credit;
                 }
-                let h = addr_hash.get(i).copied().unwrap_or(0);
                 let (pending, active) = self.ledger.pending_and_active(h, c.address);
                 let inp = predict::Inputs {
                     uncached: own,
                     pending,
-                    waiting: live.get(i).copied().flatten(),
+                    waiting,
                     inflight: c.inflight,
-                    rate: rates.get(i).copied().unwrap_or(pr.prior_ms_per_token),
+                    rate,
                     lora: resolved.adapter.map(|_| lo.get(i).copied().unwrap_or(0.0)),
                     active: pr.active_weight * active,
                 };
                 let work = predict::work(&inp, mean);
-                pred.ttft.push(predict::ttft_of_work(&inp, work));
-                pred.work.push(work);
-                pred.uncached.push(inp.uncached);
-                pred.rate.push(inp.rate);
                 if ok {
                     queue_sum += predict::waiting(&inp);
                     queue_n += 1.0;
                 }
+                pred.push(Prediction {
+                    ttft: predict::ttft_of_work(&inp, work),
+                    work,
+                    rate: inp.rate,
+                    uncached: inp.uncached,
+                });
             }
             // Rank by predicted TTFT plus the miss penalty (`predict`, "Cost").
-            let least = predict::least_uncached(&pred.uncached, &eligible);
+            let least = predict::least_uncached_of(pred.iter().map(|p| p.uncached), &eligible);
             let busy = if queue_n > 0.0 { queue_sum / queue_n } else { 0.0 };
             let mw = pr.miss_weight;
-            pred.cost = (0..cands.len())
-                .map(|i| {
-                    let get = |v: &[f64]| v.get(i).copied().unwrap_or(0.0);
-                    get(&pred.ttft)
-                        + predict::miss_penalty(get(&pred.rate), get(&pred.uncached), least, busy, mw)
-                })
+            costs = pred
+                .iter()
+                .map(|p| p.ttft + predict::miss_penalty(p.rate, p.uncached, least, busy, mw))
                 .collect();
-            for (i, r) in rows.iter_mut().enumerate() {
-                r.predicted_ms = pred.ttft.get(i).copied().unwrap_or(0.0);
-                r.work = pred.work.get(i).copied().unwrap_or(0.0);
-                r.rate = pred.rate.get(i).copied().unwrap_or(0.0);
+            for (r, p) in rows.iter_mut().zip(&pred) {
+                r.predicted_ms = p.ttft;
+                r.work = p.work;
+                r.rate = p.rate;
             }
         }
 
@@ -703,7 +698,7 @@ impl Scheduler {
             let key = predict::rendezvous_key(req.session_id, &hashes, self.cfg.predicted.rendezvous_blocks);
             let slack = self.cfg.predicted.affinity_slack;
             let key = if slack > 0.0 || req.session_id.is_some() { key } else { None };
-            predict::order(&pred.cost, &addr_hash, &eligible, key, slack, self.cfg.fallbacks, rng)
+            predict::order(&costs, &addr_hash, &eligible, key, slack, self.cfg.fallbacks, rng)
         } else {
             let totals: Vec<f64> = rows.iter().map(|b| b.total).collect();
             picker::order(&totals, self.cfg.tie_epsilon, self.cfg.top_k, self.cfg.fallbacks, rng)
@@ -728,9 +723,10 @@ impl Scheduler {
         let debug_scores = self.cfg.debug_scores.then(|| debug_string(&cands, &rows, &overloaded, predicted));
         let (predicted_ms, ticket) = match (predicted, primary_cand) {
             (true, Some(c)) => {
-                let u = pred.uncached.get(p).copied().unwrap_or(prompt_tokens);
-                let w = pred.work.get(p).copied().unwrap_or(u);
-                (pred.ttft.get(p).copied(), self.ledger.sent(c.address, u, w, now_ms))
+                let pp = pred.get(p);
+                let u = pp.map_or(prompt_tokens, |x| x.uncached);
+                let w = pp.map_or(u, |x| x.work);
+                (pp.map(|x| x.ttft), self.ledger.sent(c.address, u, w, now_ms))
             }
             _ => (None, 0),
         };

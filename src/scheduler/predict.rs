@@ -72,7 +72,7 @@
 use hashbrown::HashMap;
 use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
 
-use super::by_address::{address_hash, ByAddress};
+use crate::by_address::{address_hash, ByAddress};
 use crate::ports::Rng;
 
 /// Fixed per-request cost, in prompt tokens.
@@ -179,11 +179,12 @@ impl Ledger {
             return ticket;
         }
         let hash = address_hash(address);
-        let e = self.per_endpoint.get_or_default(hash, address);
-        e.pending += tokens;
-        e.pending_n = e.pending_n.saturating_add(1);
-        e.active += tokens;
-        e.active_n = e.active_n.saturating_add(1);
+        self.per_endpoint.update(hash, address, |e| {
+            e.pending += tokens;
+            e.pending_n = e.pending_n.saturating_add(1);
+            e.active += tokens;
+            e.active_n = e.active_n.saturating_add(1);
+        });
         self.entries.insert(
             ticket,
             Entry { address: address.to_string(), hash, tokens, work, sent_ms: now_ms, prefilling: true },
@@ -333,7 +334,12 @@ fn usable_rate(rate: f64) -> f64 {
 /// The fewest uncached tokens among the eligible candidates (`min uncached` of the module
 /// doc's cost); infinite when none is eligible.
 pub fn least_uncached(uncached: &[f64], eligible: &[bool]) -> f64 {
-    uncached.iter().zip(eligible).filter(|(_, ok)| **ok).map(|(u, _)| *u).fold(f64::INFINITY, f64::min)
+    least_uncached_of(uncached.iter().copied(), eligible)
+}
+
+/// [`least_uncached`] of the candidates' uncached tokens in order.
+pub fn least_uncached_of(uncached: impl Iterator<Item = f64>, eligible: &[bool]) -> f64 {
+    uncached.zip(eligible).filter(|(_, ok)| **ok).map(|(u, _)| u).fold(f64::INFINITY, f64::min)
 }
 
 /// The miss penalty of one candidate, in ms (the module doc's cost minus `ttft(e)`):
