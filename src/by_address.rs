@@ -25,7 +25,8 @@ struct Entry<V> {
 
 /// A map from address to `V`, probed by [`address_hash`]: entries in a dense vector, found
 /// through an open-addressing index (linear probing on the hash, which xxh3 spreads well; at
-/// most half full; removal by backward shift, so no tombstones).
+/// most a quarter full, so most probes end at the first slot; removal by backward shift, so no
+/// tombstones).
 #[derive(Debug, Clone)]
 pub struct ByAddress<V> {
     entries: Vec<Entry<V>>,
@@ -40,43 +41,56 @@ impl<V> Default for ByAddress<V> {
 }
 
 impl<V> ByAddress<V> {
-    /// The slot holding `address`, or `Err(the empty slot ending its probe)`; `Err(None)` with
-    /// no slots at all.
-    fn find_slot(&self, hash: u64, address: &str) -> Result<usize, Option<usize>> {
+    /// The slot holding `address`.
+    fn find_slot(&self, hash: u64, address: &str) -> Option<usize> {
         let mask = self.slots.len().wrapping_sub(1);
         let mut pos = hash as usize & mask;
-        // At most half full: the probe meets an empty slot before it has seen them all.
+        // At most a quarter full: the probe meets an empty slot before it has seen them all.
         for _ in 0..self.slots.len() {
-            let Some(&(h, i)) = self.slots.get(pos) else { break };
-            if i == 0 {
-                return Err(Some(pos));
-            }
-            if h == hash && self.entries.get(i as usize - 1).is_some_and(|e| e.address == address) {
-                return Ok(pos);
+            let &(h, i) = self.slots.get(pos)?;
+            let i = (i as usize).checked_sub(1)?;
+            if h == hash && self.entries.get(i).is_some_and(|e| e.address == address) {
+                return Some(pos);
             }
             pos = (pos + 1) & mask;
         }
-        Err(None)
+        None
     }
 
     fn entry_at(&self, slot: usize) -> Option<usize> {
         self.slots.get(slot).and_then(|&(_, i)| (i as usize).checked_sub(1))
     }
 
+    /// The index in `entries` of `address`.
+    #[inline]
+    fn find(&self, hash: u64, address: &str) -> Option<usize> {
+        let mask = self.slots.len().wrapping_sub(1);
+        let mut pos = hash as usize & mask;
+        for _ in 0..self.slots.len() {
+            let &(h, i) = self.slots.get(pos)?;
+            let i = (i as usize).checked_sub(1)?;
+            if h == hash && self.entries.get(i).is_some_and(|e| e.address == address) {
+                return Some(i);
+            }
+            pos = (pos + 1) & mask;
+        }
+        None
+    }
+
     /// The value of `address`, whose hash is `hash`.
+    #[inline]
     pub fn get(&self, hash: u64, address: &str) -> Option<&V> {
         if self.entries.is_empty() {
             return None;
         }
-        let i = self.entry_at(self.find_slot(hash, address).ok()?)?;
-        self.entries.get(i).map(|e| &e.value)
+        self.entries.get(self.find(hash, address)?).map(|e| &e.value)
     }
 
     pub fn get_mut(&mut self, hash: u64, address: &str) -> Option<&mut V> {
         if self.entries.is_empty() {
             return None;
         }
-        let i = self.entry_at(self.find_slot(hash, address).ok()?)?;
+        let i = self.find(hash, address)?;
         self.entries.get_mut(i).map(|e| &mut e.value)
     }
 
@@ -85,7 +99,7 @@ impl<V> ByAddress<V> {
     where
         V: Default,
     {
-        let i = match self.find_slot(hash, address).ok().and_then(|s| self.entry_at(s)) {
+        let i = match self.find(hash, address) {
             Some(i) => i,
             None => self.push(hash, address, V::default()),
         };
@@ -108,8 +122,8 @@ impl<V> ByAddress<V> {
     fn push(&mut self, hash: u64, address: &str, value: V) -> usize {
         let i = self.entries.len();
         self.entries.push(Entry { hash, address: address.to_string(), value });
-        if self.entries.len() * 2 > self.slots.len() {
-            self.rebuild((self.entries.len() * 2).next_power_of_two().max(16));
+        if self.entries.len() * 4 > self.slots.len() {
+            self.rebuild((self.entries.len() * 4).next_power_of_two().max(16));
         } else {
             self.place(hash, i);
         }
@@ -132,7 +146,7 @@ impl<V> ByAddress<V> {
         }
     }
 
-    /// A fresh index of `n` slots (a power of two, more than twice the entries).
+    /// A fresh index of `n` slots (a power of two, at least four times the entries).
     fn rebuild(&mut self, n: usize) {
         self.slots.clear();
         self.slots.resize(n, (0, 0));
@@ -144,7 +158,7 @@ impl<V> ByAddress<V> {
     }
 
     pub fn remove(&mut self, hash: u64, address: &str) -> Option<V> {
-        let slot = self.find_slot(hash, address).ok()?;
+        let slot = self.find_slot(hash, address)?;
         let i = self.entry_at(slot)?;
         // Backward-shift deletion: pull later entries of the probe run into the hole.
         let mask = self.slots.len().wrapping_sub(1);

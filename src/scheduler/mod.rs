@@ -477,13 +477,29 @@ impl Scheduler {
             weights = map(weights);
         }
 
-        // 2. Filters.
-        let serving: Vec<&EndpointStatus> = snapshot
-            .endpoints
-            .iter()
-            .filter(|e| filter::serves(e, resolved.base) && scope.allows(e))
-            .collect();
-        if serving.is_empty() {
+        // 2. Filters. Without passive-health data nothing is ejected: one pass counts the
+        // serving endpoints and keeps the healthy ones (the serving list itself is only needed
+        // to fail open).
+        let serves = |e: &EndpointStatus| filter::serves(e, resolved.base) && scope.allows(e);
+        let healthy_now = |e: &EndpointStatus| filter::healthy(e, now_ms, self.stale_after_ms);
+        let mut n_serving = 0;
+        let mut serving: Vec<&EndpointStatus> = Vec::new();
+        let mut healthy: Vec<&EndpointStatus> = Vec::new();
+        if health.is_empty() {
+            healthy.reserve(snapshot.endpoints.len());
+            for e in &snapshot.endpoints {
+                if serves(e) {
+                    n_serving += 1;
+                    if healthy_now(e) {
+                        healthy.push(e);
+                    }
+                }
+            }
+        } else {
+            serving = snapshot.endpoints.iter().filter(|e| serves(e)).collect();
+            n_serving = serving.len();
+        }
+        if n_serving == 0 {
             return Err(Rejection::new(
                 503,
                 "service_unavailable",
@@ -492,16 +508,14 @@ impl Scheduler {
             )
             .with_retry_after(1));
         }
-        // Passive health: ejected endpoints are not candidates, even to fail open.
-        let serving = if health.is_empty() {
-            serving
-        } else {
-            filter::not_ejected(&serving, health, now_ms, &self.health)
-        };
+        if !health.is_empty() {
+            // Passive health: ejected endpoints are not candidates, even to fail open.
+            serving = filter::not_ejected(&serving, health, now_ms, &self.health);
+            n_serving = serving.len();
+            healthy = serving.iter().copied().filter(|e| healthy_now(e)).collect();
+        }
         let load =
             |addr: &str| inflight.get(addr).saturating_add(health.phantom_load(addr, now_ms, &self.health));
-        let healthy: Vec<&EndpointStatus> =
-            serving.iter().copied().filter(|e| filter::healthy(e, now_ms, self.stale_after_ms)).collect();
         if healthy.is_empty() {
             if scope.no_fail_open {
                 return Err(Rejection::new(
@@ -511,6 +525,9 @@ impl Scheduler {
                     format!("No healthy endpoint for the model `{target_model}`."),
                 )
                 .with_retry_after(1));
+            }
+            if health.is_empty() {
+                serving = snapshot.endpoints.iter().filter(|e| serves(e)).collect();
             }
             return self.fail_open(&serving, &load, rng, target_model, model_rewritten);
         }
@@ -680,11 +697,8 @@ impl Scheduler {
             // Rank by predicted TTFT plus the miss penalty (`predict`, "Cost").
             let least = predict::least_uncached_of(pred.iter().map(|p| p.uncached), &eligible);
             let busy = if queue_n > 0.0 { queue_sum / queue_n } else { 0.0 };
-            let mw = pr.miss_weight;
-            costs = pred
-                .iter()
-                .map(|p| p.ttft + predict::miss_penalty(p.rate, p.uncached, least, busy, mw))
-                .collect();
+            let penalty = predict::MissPenalty::new(least, busy, pr.miss_weight);
+            costs = pred.iter().map(|p| p.ttft + penalty.of(p.rate, p.uncached)).collect();
             for (r, p) in rows.iter_mut().zip(&pred) {
                 r.predicted_ms = p.ttft;
                 r.work = p.work;
@@ -755,7 +769,7 @@ impl Scheduler {
             fail_open: false,
             debug_scores,
             reason,
-            serving: serving.len(),
+            serving: n_serving,
             healthy: healthy.len(),
             overloaded: overloaded.iter().filter(|o| **o).count(),
             prefix_score,

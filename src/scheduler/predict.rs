@@ -345,10 +345,30 @@ pub fn least_uncached_of(uncached: impl Iterator<Item = f64>, eligible: &[bool])
 /// The miss penalty of one candidate, in ms (the module doc's cost minus `ttft(e)`):
 /// `miss_weight × (1 + busy) × rate × (uncached − least)`; 0 when `least` is not finite.
 pub fn miss_penalty(rate: f64, uncached: f64, least: f64, busy: f64, miss_weight: f64) -> f64 {
-    if !least.is_finite() {
-        return 0.0;
+    MissPenalty::new(least, busy, miss_weight).of(rate, uncached)
+}
+
+/// [`miss_penalty`] with the request's terms (`least`, `busy`, `miss_weight`) combined once:
+/// `MissPenalty::new(least, busy, w).of(rate, uncached) == miss_penalty(rate, uncached, least,
+/// busy, w)`, bit for bit.
+#[derive(Debug, Clone, Copy)]
+pub struct MissPenalty {
+    least: f64,
+    /// `miss_weight × (1 + busy)`; `None` when `least` is not finite (no penalty).
+    scale: Option<f64>,
+}
+
+impl MissPenalty {
+    pub fn new(least: f64, busy: f64, miss_weight: f64) -> Self {
+        Self { least, scale: least.is_finite().then(|| miss_weight * (1.0 + busy.max(0.0))) }
     }
-    miss_weight * (1.0 + busy.max(0.0)) * usable_rate(rate) * (uncached - least).max(0.0)
+
+    pub fn of(&self, rate: f64, uncached: f64) -> f64 {
+        match self.scale {
+            Some(k) => k * usable_rate(rate) * (uncached - self.least).max(0.0),
+            None => 0.0,
+        }
+    }
 }
 
 /// Rendezvous weight of `address` for `key`.
