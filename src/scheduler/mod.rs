@@ -236,6 +236,8 @@ struct Prediction {
     /// Work (tokens) and learnt rate (ms per token) behind `ttft`.
     work: f64,
     rate: f64,
+    /// `predict::usable_rate(rate)`, for the miss penalty.
+    usable_rate: f64,
     /// This request's uncached prompt tokens there.
     uncached: f64,
 }
@@ -667,7 +669,8 @@ impl Scheduler {
             let inputs = cands.iter().zip(&addr_hash).zip(&eligible).zip(&matched).zip(&live).zip(&rates);
             for (i, (((((c, &h), &ok), &m), &waiting), &rate)) in inputs.enumerate() {
                 let m = if ok { m } else { 0 };
-                let cached = (m * pc.block_chars) as f64 / cpt;
+                // No block cached (most candidates): 0 without a division.
+                let cached = if m == 0 { 0.0 } else { (m * pc.block_chars) as f64 / cpt };
                 let mut own = (prompt_tokens - cached).max(0.0);
                 if winner == Some(i) {
                     own *= credit;
@@ -682,15 +685,17 @@ impl Scheduler {
                     lora: resolved.adapter.map(|_| lo.get(i).copied().unwrap_or(0.0)),
                     active: pr.active_weight * active,
                 };
-                let work = predict::work(&inp, mean);
+                let waiting = predict::waiting(&inp);
+                let work = predict::work_given_waiting(&inp, mean, waiting);
                 if ok {
-                    queue_sum += predict::waiting(&inp);
+                    queue_sum += waiting;
                     queue_n += 1.0;
                 }
                 pred.push(Prediction {
                     ttft: predict::ttft_of_work(&inp, work),
                     work,
                     rate: inp.rate,
+                    usable_rate: predict::usable_rate(inp.rate),
                     uncached: inp.uncached,
                 });
             }
@@ -698,7 +703,7 @@ impl Scheduler {
             let least = predict::least_uncached_of(pred.iter().map(|p| p.uncached), &eligible);
             let busy = if queue_n > 0.0 { queue_sum / queue_n } else { 0.0 };
             let penalty = predict::MissPenalty::new(least, busy, pr.miss_weight);
-            costs = pred.iter().map(|p| p.ttft + penalty.of(p.rate, p.uncached)).collect();
+            costs = pred.iter().map(|p| p.ttft + penalty.of_usable_rate(p.usable_rate, p.uncached)).collect();
             for (r, p) in rows.iter_mut().zip(&pred) {
                 r.predicted_ms = p.ttft;
                 r.work = p.work;

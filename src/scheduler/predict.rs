@@ -291,9 +291,14 @@ pub struct Inputs {
 
 /// Work ahead and own work, in tokens (the module doc's `work(e)`).
 pub fn work(i: &Inputs, mean_tokens: f64) -> f64 {
+    work_given_waiting(i, mean_tokens, waiting(i))
+}
+
+/// [`work`] with `waiting(i)` already computed (the scheduler also sums it for the miss
+/// penalty's `busy`).
+pub fn work_given_waiting(i: &Inputs, mean_tokens: f64, waiting: f64) -> f64 {
     let (p_tokens, p_n) = i.pending;
     let per_request = if p_n > 0 { p_tokens / f64::from(p_n) } else { mean_tokens };
-    let waiting = waiting(i);
     // Every request ahead costs its fixed overhead too, as this one's does: with tiny prompts a
     // queue of 50 would otherwise weigh less than one request's overhead.
     let ahead = (p_tokens + f64::from(p_n) * OVERHEAD_TOKENS).max(waiting * (per_request + OVERHEAD_TOKENS));
@@ -323,7 +328,8 @@ pub fn waiting(i: &Inputs) -> f64 {
     i.waiting.filter(|w| w.is_finite()).unwrap_or(f64::from(i.inflight)).max(0.0)
 }
 
-fn usable_rate(rate: f64) -> f64 {
+/// The rate as the formulas use it: a finite positive rate, else 0.
+pub fn usable_rate(rate: f64) -> f64 {
     if rate.is_finite() && rate > 0.0 {
         rate
     } else {
@@ -364,8 +370,13 @@ impl MissPenalty {
     }
 
     pub fn of(&self, rate: f64, uncached: f64) -> f64 {
+        self.of_usable_rate(usable_rate(rate), uncached)
+    }
+
+    /// [`MissPenalty::of`] with `usable_rate(rate)` already computed.
+    pub fn of_usable_rate(&self, usable_rate: f64, uncached: f64) -> f64 {
         match self.scale {
-            Some(k) => k * usable_rate(rate) * (uncached - self.least).max(0.0),
+            Some(k) => k * usable_rate * (uncached - self.least).max(0.0),
             None => 0.0,
         }
     }
