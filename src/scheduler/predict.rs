@@ -467,19 +467,33 @@ fn lowest_costs(costs: &[f64], skip: usize, m: usize) -> Vec<usize> {
     if m == 0 {
         return best;
     }
+    // Once `best` is full, the `total_cmp` key of its last (highest) cost: most candidates are
+    // turned away by one integer comparison.
+    let mut worst: Option<i64> = None;
     for (i, &c) in costs.iter().enumerate() {
         if i == skip {
             continue;
         }
-        if best.len() == m && best.last().is_some_and(|&l| cost(l).total_cmp(&c).is_le()) {
+        if worst.is_some_and(|w| w <= total_order_key(c)) {
             continue;
         }
         // After every entry not above it: equal costs stay in index order.
         let pos = best.iter().position(|&b| cost(b).total_cmp(&c).is_gt()).unwrap_or(best.len());
         best.insert(pos, i);
         best.truncate(m);
+        if best.len() == m {
+            worst = best.last().map(|&l| total_order_key(cost(l)));
+        }
     }
     best
+}
+
+/// An integer ordered as `f64::total_cmp` orders the floats (its own transformation):
+/// `total_order_key(a) <= total_order_key(b)` exactly when `a.total_cmp(&b).is_le()`.
+fn total_order_key(x: f64) -> i64 {
+    let mut k = x.to_bits() as i64;
+    k ^= (((k >> 63) as u64) >> 1) as i64;
+    k
 }
 
 #[cfg(test)]
@@ -504,6 +518,17 @@ mod tests {
         assert_eq!(least_uncached(&[1.0], &[false]), f64::INFINITY);
         assert_eq!(miss_penalty(0.03, 5000.0, f64::INFINITY, 2.0, 0.5), 0.0);
         assert_eq!(miss_penalty(f64::NAN, 5000.0, least, 2.0, 0.5), 0.0);
+    }
+
+    #[test]
+    fn total_order_key_orders_as_total_cmp() {
+        let pool =
+            [0.0, -0.0, 1.0, -1.0, 2.5, f64::NAN, -f64::NAN, f64::INFINITY, -f64::INFINITY, 1e-300, f64::MAX];
+        for a in pool {
+            for b in pool {
+                assert_eq!(total_order_key(a).cmp(&total_order_key(b)), a.total_cmp(&b), "{a} {b}");
+            }
+        }
     }
 
     #[test]
