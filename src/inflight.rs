@@ -39,8 +39,7 @@
 //! store fails, counts stay local and the next sync publishes them. If all slots are live, the
 //! VM keeps counting locally and its counts are invisible to the others (the host logs it).
 
-use hashbrown::HashMap;
-
+use crate::by_address::{address_hash, ByAddress};
 use crate::ports::{SharedStore, StoreError, CREATE_CAS};
 
 /// Prefix of the slot keys: `inference-picker/inflight/<k>`, `k` in `0..MAX_SLOTS`.
@@ -61,15 +60,30 @@ const MAX_SYNC_ATTEMPTS: usize = 8;
 /// Format tag in front of every slot record.
 const RECORD_TAG: &str = "i1";
 
-/// In-flight counts by endpoint address. Missing means zero.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+/// In-flight counts by endpoint address. Missing means zero. Keyed by the address's hash
+/// (`crate::by_address`), so the scheduler reads a candidate's count with the hash it computed
+/// once for that candidate ([`InflightCounts::get_hashed`]).
+#[derive(Debug, Clone, Default)]
 pub struct InflightCounts {
-    counts: HashMap<String, u32>,
+    counts: ByAddress<u32>,
 }
+
+impl PartialEq for InflightCounts {
+    fn eq(&self, other: &Self) -> bool {
+        self.counts.len() == other.counts.len() && self.iter().all(|(a, n)| other.get(a) == n)
+    }
+}
+
+impl Eq for InflightCounts {}
 
 impl InflightCounts {
     pub fn get(&self, address: &str) -> u32 {
-        self.counts.get(address).copied().unwrap_or(0)
+        self.get_hashed(address_hash(address), address)
+    }
+
+    /// [`InflightCounts::get`] for an address whose `address_hash` is `hash`.
+    pub fn get_hashed(&self, hash: u64, address: &str) -> u32 {
+        self.counts.get(hash, address).copied().unwrap_or(0)
     }
 
     pub fn total(&self) -> u64 {
@@ -77,12 +91,12 @@ impl InflightCounts {
     }
 
     pub fn iter(&self) -> impl Iterator<Item = (&str, u32)> {
-        self.counts.iter().map(|(k, v)| (k.as_str(), *v))
+        self.counts.iter().map(|(k, v)| (k, *v))
     }
 
     /// Parses the stored value; malformed entries are skipped.
     pub fn decode(bytes: &[u8]) -> Self {
-        let mut counts = HashMap::new();
+        let mut counts = ByAddress::default();
         let Ok(text) = std::str::from_utf8(bytes) else {
             return Self { counts };
         };
@@ -90,7 +104,7 @@ impl InflightCounts {
             if let Some((addr, n)) = entry.rsplit_once('=') {
                 if let Ok(n) = n.parse::<u32>() {
                     if n > 0 && !addr.is_empty() {
-                        counts.insert(addr.to_string(), n);
+                        counts.insert(address_hash(addr), addr, n);
                     }
                 }
             }
@@ -99,7 +113,7 @@ impl InflightCounts {
     }
 
     pub fn encode(&self) -> Vec<u8> {
-        let mut entries: Vec<(&String, &u32)> = self.counts.iter().filter(|(_, &n)| n > 0).collect();
+        let mut entries: Vec<(&str, &u32)> = self.counts.iter().filter(|(_, &n)| n > 0).collect();
         // Sorted so equal contents give equal bytes (stable for tests and debugging).
         entries.sort();
         let mut out = String::with_capacity(entries.len() * 24);
@@ -117,23 +131,23 @@ impl InflightCounts {
     /// Adds `other`'s counts to these.
     fn add_all(&mut self, other: &InflightCounts) {
         for (a, n) in other.iter() {
-            let e = self.counts.entry(a.to_string()).or_insert(0);
-            *e = e.saturating_add(n);
+            self.counts.update(address_hash(a), a, |e| *e = e.saturating_add(n));
         }
     }
 
     /// Applies `delta`, saturating at 0 and u32::MAX; returns the new count.
     fn apply(&mut self, address: &str, delta: i32) -> u32 {
-        let cur = self.get(address);
+        let hash = address_hash(address);
+        let cur = self.get_hashed(hash, address);
         let next = if delta >= 0 {
             cur.saturating_add(delta as u32)
         } else {
             cur.saturating_sub(delta.unsigned_abs())
         };
         if next == 0 {
-            self.counts.remove(address);
+            self.counts.remove(hash, address);
         } else {
-            self.counts.insert(address.to_string(), next);
+            self.counts.insert(hash, address, next);
         }
         next
     }

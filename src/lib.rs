@@ -13,6 +13,7 @@
 
 pub mod admission;
 pub mod body;
+pub mod by_address;
 pub mod config;
 pub mod discovery;
 pub mod errors;

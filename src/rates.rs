@@ -192,8 +192,10 @@ impl RateCache {
         let median = if seen.is_empty() {
             prior
         } else {
-            seen.sort_by(f64::total_cmp);
-            seen.get(seen.len() / 2).copied().unwrap_or(prior)
+            // The middle of the sorted rates (`total_cmp`), selected without sorting them all.
+            let mid = seen.len() / 2;
+            seen.select_nth_unstable_by(mid, f64::total_cmp);
+            seen.get(mid).copied().unwrap_or(prior)
         };
         found.into_iter().map(|r| r.map_or(median, |r| dead_band(r, median))).collect()
     }

@@ -64,7 +64,8 @@ use crate::snapshot::{EndpointStatus, Snapshot};
 use self::config::{Objective, SchedulerConfig, Weights};
 use self::models::ModelTable;
 use self::prefix::LocalIndex;
-use self::prefix_shared::{endpoint_key, SharedPrefix};
+use self::prefix_shared::{endpoint_key, endpoint_key_of_hash, SharedPrefix};
+use crate::by_address::address_hash;
 
 pub use self::session::{keys_from_config as session_keys_from_config, parse_session_token, SessionKeys};
 
@@ -225,6 +226,20 @@ impl Breakdown {
             + w.session * self.session
             + w.lora * self.lora
     }
+}
+
+/// The prediction of objective `predicted_ttft` for one candidate (`predict`).
+#[derive(Debug, Clone, Copy)]
+struct Prediction {
+    /// Predicted TTFT (ms).
+    ttft: f64,
+    /// Work (tokens) and learnt rate (ms per token) behind `ttft`.
+    work: f64,
+    rate: f64,
+    /// `predict::usable_rate(rate)`, for the miss penalty.
+    usable_rate: f64,
+    /// This request's uncached prompt tokens there.
+    uncached: f64,
 }
 
 /// Replaces missing scores by the neutral `min(0.5, lowest known)`; 0.5 when none is known.
@@ -464,13 +479,29 @@ impl Scheduler {
             weights = map(weights);
         }
 
-        // 2. Filters.
-        let serving: Vec<&EndpointStatus> = snapshot
-            .endpoints
-            .iter()
-            .filter(|e| filter::serves(e, resolved.base) && scope.allows(e))
-            .collect();
-        if serving.is_empty() {
+        // 2. Filters. Without passive-health data nothing is ejected: one pass counts the
+        // serving endpoints and keeps the healthy ones (the serving list itself is only needed
+        // to fail open).
+        let serves = |e: &EndpointStatus| filter::serves(e, resolved.base) && scope.allows(e);
+        let healthy_now = |e: &EndpointStatus| filter::healthy(e, now_ms, self.stale_after_ms);
+        let mut n_serving = 0;
+        let mut serving: Vec<&EndpointStatus> = Vec::new();
+        let mut healthy: Vec<&EndpointStatus> = Vec::new();
+        if health.is_empty() {
+            healthy.reserve(snapshot.endpoints.len());
+            for e in &snapshot.endpoints {
+                if serves(e) {
+                    n_serving += 1;
+                    if healthy_now(e) {
+                        healthy.push(e);
+                    }
+                }
+            }
+        } else {
+            serving = snapshot.endpoints.iter().filter(|e| serves(e)).collect();
+            n_serving = serving.len();
+        }
+        if n_serving == 0 {
             return Err(Rejection::new(
                 503,
                 "service_unavailable",
@@ -479,16 +510,14 @@ impl Scheduler {
             )
             .with_retry_after(1));
         }
-        // Passive health: ejected endpoints are not candidates, even to fail open.
-        let serving = if health.is_empty() {
-            serving
-        } else {
-            filter::not_ejected(&serving, health, now_ms, &self.health)
-        };
+        if !health.is_empty() {
+            // Passive health: ejected endpoints are not candidates, even to fail open.
+            serving = filter::not_ejected(&serving, health, now_ms, &self.health);
+            n_serving = serving.len();
+            healthy = serving.iter().copied().filter(|e| healthy_now(e)).collect();
+        }
         let load =
             |addr: &str| inflight.get(addr).saturating_add(health.phantom_load(addr, now_ms, &self.health));
-        let healthy: Vec<&EndpointStatus> =
-            serving.iter().copied().filter(|e| filter::healthy(e, now_ms, self.stale_after_ms)).collect();
         if healthy.is_empty() {
             if scope.no_fail_open {
                 return Err(Rejection::new(
@@ -499,13 +528,21 @@ impl Scheduler {
                 )
                 .with_retry_after(1));
             }
+            if health.is_empty() {
+                serving = snapshot.endpoints.iter().filter(|e| serves(e)).collect();
+            }
             return self.fail_open(&serving, &load, rng, target_model, model_rewritten);
         }
         let predicted = self.cfg.objective == Objective::PredictedTtft;
-        // Per candidate, each looked up once: this gateway's in-flight count, and the live queue
-        // estimate (read by the queue scorer with `live_queue`, and by the prediction).
-        let counts: Vec<u32> = healthy.iter().map(|e| inflight.get(&e.address)).collect();
-        let live: Vec<Option<f64>> = if self.cfg.live_queue || predicted {
+        // Per candidate, once: its address hash (`crate::by_address`: its entry in every table
+        // keyed by address, its key in the cross-worker ones, its rendezvous seed), this
+        // gateway's in-flight count, and the live queue estimate (read by the queue scorer with
+        // `live_queue`, and by the prediction).
+        let need_live = self.cfg.live_queue || predicted;
+        let addr_hash: Vec<u64> = healthy.iter().map(|e| address_hash(&e.address)).collect();
+        let counts: Vec<u32> =
+            healthy.iter().zip(&addr_hash).map(|(e, &h)| inflight.get_hashed(h, &e.address)).collect();
+        let live: Vec<Option<f64>> = if need_live {
             healthy
                 .iter()
                 .zip(&counts)
@@ -551,74 +588,68 @@ impl Scheduler {
         self.local.sync(snapshot.version, &mut snapshot.endpoints.iter().map(|e| e.address.as_str()));
         let mut lookup =
             if hashes.is_empty() { Default::default() } else { self.shared.lookup(store, &hashes) };
-        // Each candidate's key in the cross-worker tables (prefix and rates), hashed once.
-        let keys: Vec<u32> = if predicted || !lookup.hits.is_empty() {
-            cands.iter().map(|c| endpoint_key(c.address)).collect()
-        } else {
-            Vec::new()
-        };
+        let hit_filter = lookup.key_filter();
         let matched: Vec<usize> = if hashes.is_empty() {
             vec![0; cands.len()]
         } else {
             cands
                 .iter()
-                .zip(0..)
-                .map(|(c, i)| {
-                    let local = self.local.matched(c.address, &hashes);
-                    let shared = match keys.get(i) {
-                        Some(&k) if !lookup.hits.is_empty() => lookup.matched(k),
-                        _ => 0,
-                    };
+                .zip(&addr_hash)
+                .map(|(c, &h)| {
+                    let local = self.local.matched_hashed(h, c.address, &hashes);
+                    let shared = lookup.matched_filtered(endpoint_key_of_hash(h), hit_filter);
                     local.max(shared)
                 })
                 .collect()
         };
-        let px: Vec<f64> = matched.iter().map(|&m| prefix::score(m, hashes.len())).collect();
+        // The prefix score of candidate `i` (0 when overloaded).
+        let n_blocks = hashes.len();
+        let prefix_score_of = |i: usize| {
+            if eligible.get(i).copied().unwrap_or(false) {
+                prefix::score(matched.get(i).copied().unwrap_or(0), n_blocks)
+            } else {
+                0.0
+            }
+        };
+        let lo = if resolved.adapter.is_some() { lora::scores(resolved.adapter, &cands) } else { Vec::new() };
         // Under `predicted_ttft` the queue, KV, in-flight and session scores and the weighted
         // total decide nothing (they are shown in the debug scores): computed only when read.
         let weighted_scores = !predicted || self.cfg.debug_scores;
-        let (q, kv, inf, sess) = if weighted_scores {
-            (
-                queue::scores(&cands),
-                kv::scores(&cands),
-                inflight::scores(&cands),
-                session::scores(req.session_id, &cands, &eligible),
-            )
-        } else {
-            (Vec::new(), Vec::new(), Vec::new(), Vec::new())
-        };
-        let lo = lora::scores(resolved.adapter, &cands);
-        let mut rows: Vec<Breakdown> = Vec::with_capacity(cands.len());
-        for i in 0..cands.len() {
-            let get = |v: &[f64]| v.get(i).copied().unwrap_or(0.0);
-            let ok = eligible.get(i).copied().unwrap_or(false);
-            let mut b = Breakdown {
-                prefix: if ok { get(&px) } else { 0.0 },
-                queue: get(&q),
-                kv_cache: get(&kv),
-                inflight: get(&inf),
-                session: if ok { get(&sess) } else { 0.0 },
-                lora: get(&lo),
-                total: 0.0,
-                predicted_ms: 0.0,
-                work: 0.0,
-                rate: 0.0,
-            };
-            b.total = b.weighted(&weights);
-            rows.push(b);
+        let mut rows: Vec<Breakdown> = Vec::new();
+        if weighted_scores {
+            let q = queue::scores(&cands);
+            let kv = kv::scores(&cands);
+            let inf = inflight::scores(&cands);
+            let sess = session::scores(req.session_id, &cands, &eligible);
+            rows.reserve(cands.len());
+            for i in 0..cands.len() {
+                let get = |v: &[f64]| v.get(i).copied().unwrap_or(0.0);
+                let ok = eligible.get(i).copied().unwrap_or(false);
+                let mut b = Breakdown {
+                    prefix: prefix_score_of(i),
+                    queue: get(&q),
+                    kv_cache: get(&kv),
+                    inflight: get(&inf),
+                    session: if ok { get(&sess) } else { 0.0 },
+                    lora: get(&lo),
+                    total: 0.0,
+                    predicted_ms: 0.0,
+                    work: 0.0,
+                    rate: 0.0,
+                };
+                b.total = b.weighted(&weights);
+                rows.push(b);
+            }
         }
 
-        // Objective `predicted_ttft`: each candidate's predicted TTFT (`predict`).
+        // Objective `predicted_ttft`: each candidate's predicted TTFT (`predict`), its work,
+        // uncached tokens and rate, and the cost that ranks it.
         let cpt = pc.chars_per_token.max(1) as f64;
         let prompt_tokens = req.prompt.len() as f64 / cpt;
-        let mut works: Vec<f64> = Vec::new();
-        let mut uncached: Vec<f64> = Vec::new();
-        // Sum and count of the eligible candidates' queues: the miss penalty's `busy`.
-        let (mut queue_sum, mut queue_n) = (0.0, 0.0);
-        let addrs: Vec<&str> = if predicted { cands.iter().map(|c| c.address).collect() } else { Vec::new() };
+        let mut pred: Vec<Prediction> = Vec::new();
+        let mut costs: Vec<f64> = Vec::new();
         if predicted {
-            works.reserve(cands.len());
-            uncached.reserve(cands.len());
+            let keys: Vec<u32> = addr_hash.iter().map(|&h| endpoint_key_of_hash(h)).collect();
             let rates = self.rates.rates(store, &keys, self.cfg.predicted.prior_ms_per_token, now_ms);
             let mean = self.ledger.mean_tokens().unwrap_or(prompt_tokens);
             // Nothing known about this prefix anywhere: the rendezvous winner is where another
@@ -627,60 +658,66 @@ impl Scheduler {
             let unknown = matched.iter().all(|&m| m == 0);
             let winner = if unknown && pr.rendezvous_credit > 0.0 {
                 predict::rendezvous_key(req.session_id, &hashes, pr.rendezvous_blocks)
-                    .and_then(|k| predict::rendezvous_winner(k, &addrs, &eligible))
+                    .and_then(|k| predict::rendezvous_winner(k, &addr_hash, &eligible))
             } else {
                 None
             };
-            for (i, c) in cands.iter().enumerate() {
-                let ok = eligible.get(i).copied().unwrap_or(false);
-                let m = if ok { matched.get(i).copied().unwrap_or(0) } else { 0 };
-                let cached = (m * pc.block_chars) as f64 / cpt;
+            // Sum and count of the eligible candidates' queues: the miss penalty's `busy`.
+            let (mut queue_sum, mut queue_n) = (0.0, 0.0);
+            let credit = 1.0 - pr.rendezvous_credit.clamp(0.0, 1.0);
+            pred.reserve(cands.len());
+            let inputs = cands.iter().zip(&addr_hash).zip(&eligible).zip(&matched).zip(&live).zip(&rates);
+            for (i, (((((c, &h), &ok), &m), &waiting), &rate)) in inputs.enumerate() {
+                let m = if ok { m } else { 0 };
+                // No block cached (most candidates): 0 without a division.
+                let cached = if m == 0 { 0.0 } else { (m * pc.block_chars) as f64 / cpt };
                 let mut own = (prompt_tokens - cached).max(0.0);
                 if winner == Some(i) {
-                    own *= 1.0 - pr.rendezvous_credit.clamp(0.0, 1.0);
+                    own *= credit;
                 }
-                let (pending, active) = self.ledger.pending_and_active(c.address);
+                let (pending, active) = self.ledger.pending_and_active(h, c.address);
                 let inp = predict::Inputs {
                     uncached: own,
                     pending,
-                    waiting: live.get(i).copied().flatten(),
+                    waiting,
                     inflight: c.inflight,
-                    rate: rates.get(i).copied().unwrap_or(self.cfg.predicted.prior_ms_per_token),
+                    rate,
                     lora: resolved.adapter.map(|_| lo.get(i).copied().unwrap_or(0.0)),
-                    active: self.cfg.predicted.active_weight * active,
+                    active: pr.active_weight * active,
                 };
-                let work = predict::work(&inp, mean);
-                let ms = predict::ttft_of_work(&inp, work);
-                works.push(work);
-                uncached.push(inp.uncached);
+                let waiting = predict::waiting(&inp);
+                let work = predict::work_given_waiting(&inp, mean, waiting);
                 if ok {
-                    queue_sum += predict::waiting(&inp);
+                    queue_sum += waiting;
                     queue_n += 1.0;
                 }
-                if let Some(r) = rows.get_mut(i) {
-                    r.predicted_ms = ms;
-                    r.work = work;
-                    r.rate = inp.rate;
-                }
+                pred.push(Prediction {
+                    ttft: predict::ttft_of_work(&inp, work),
+                    work,
+                    rate: inp.rate,
+                    usable_rate: predict::usable_rate(inp.rate),
+                    uncached: inp.uncached,
+                });
+            }
+            // Rank by predicted TTFT plus the miss penalty (`predict`, "Cost").
+            let least = predict::least_uncached_of(pred.iter().map(|p| p.uncached), &eligible);
+            let busy = if queue_n > 0.0 { queue_sum / queue_n } else { 0.0 };
+            let penalty = predict::MissPenalty::new(least, busy, pr.miss_weight);
+            costs = pred.iter().map(|p| p.ttft + penalty.of_usable_rate(p.usable_rate, p.uncached)).collect();
+            for (r, p) in rows.iter_mut().zip(&pred) {
+                r.predicted_ms = p.ttft;
+                r.work = p.work;
+                r.rate = p.rate;
             }
         }
 
         // 5 + 6. Session token, then the picker.
         let token_pick = req.session_token.and_then(|t| self.session_keys.resolve(t, &cands, &eligible));
         let mut order = if predicted {
-            // Rank by predicted TTFT plus the miss penalty (`predict`, "Cost").
-            let least = predict::least_uncached(&uncached, &eligible);
-            let busy = if queue_n > 0.0 { queue_sum / queue_n } else { 0.0 };
-            let mw = self.cfg.predicted.miss_weight;
-            let costs: Vec<f64> = rows
-                .iter()
-                .zip(&uncached)
-                .map(|(b, &u)| b.predicted_ms + predict::miss_penalty(b.rate, u, least, busy, mw))
-                .collect();
             let key = predict::rendezvous_key(req.session_id, &hashes, self.cfg.predicted.rendezvous_blocks);
             let slack = self.cfg.predicted.affinity_slack;
             let key = if slack > 0.0 || req.session_id.is_some() { key } else { None };
-            predict::order(&costs, &addrs, &eligible, key, slack, self.cfg.fallbacks, rng)
+            predict::order(&costs, &addr_hash, &eligible, key, slack, self.cfg.fallbacks, rng)
         } else {
             let totals: Vec<f64> = rows.iter().map(|b| b.total).collect();
             picker::order(&totals, self.cfg.tie_epsilon, self.cfg.top_k, self.cfg.fallbacks, rng)
@@ -701,13 +738,14 @@ impl Scheduler {
         let primary_cand = cands.get(p).copied();
         let primary = primary_cand.map(|c| c.address.to_string()).unwrap_or_default();
         let fallbacks = fb.iter().filter_map(|&i| cands.get(i)).map(|c| c.address.to_string()).collect();
-        let prefix_score = rows.get(p).map(|b| b.prefix).unwrap_or(0.0);
+        let prefix_score = prefix_score_of(p);
         let debug_scores = self.cfg.debug_scores.then(|| debug_string(&cands, &rows, &overloaded, predicted));
         let (predicted_ms, ticket) = match (predicted, primary_cand) {
             (true, Some(c)) => {
-                let u = uncached.get(p).copied().unwrap_or(prompt_tokens);
-                let w = works.get(p).copied().unwrap_or(u);
-                (rows.get(p).map(|b| b.predicted_ms), self.ledger.sent(c.address, u, w, now_ms))
+                let pp = pred.get(p);
+                let u = pp.map_or(prompt_tokens, |x| x.uncached);
+                let w = pp.map_or(u, |x| x.work);
+                (pp.map(|x| x.ttft), self.ledger.sent(c.address, u, w, now_ms))
             }
             _ => (None, 0),
         };
@@ -717,7 +755,11 @@ impl Scheduler {
             let cap = prefix::capacity(&self.cfg.prefix, c.metrics, snapshot.endpoints.len());
             self.local.record(c.address, &hashes, cap);
             if !scope.skip_shared_record {
-                self.shared.record(store, &hashes, endpoint_key(c.address), &mut lookup);
+                let key = match addr_hash.get(p) {
+                    Some(&h) => endpoint_key_of_hash(h),
+                    None => endpoint_key(c.address),
+                };
+                self.shared.record(store, &hashes, key, &mut lookup);
             }
         }
         let prefix_blocks = hashes.len();
@@ -732,7 +774,7 @@ impl Scheduler {
             fail_open: false,
             debug_scores,
             reason,
-            serving: serving.len(),
+            serving: n_serving,
             healthy: healthy.len(),
             overloaded: overloaded.iter().filter(|o| **o).count(),
             prefix_score,

@@ -72,6 +72,7 @@
 use hashbrown::HashMap;
 use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
 
+use crate::by_address::{address_hash, ByAddress};
 use crate::ports::Rng;
 
 /// Fixed per-request cost, in prompt tokens.
@@ -87,6 +88,8 @@ const MEAN_ALPHA: f64 = 1.0 / 64.0;
 #[derive(Debug, Clone)]
 struct Entry {
     address: String,
+    /// [`address_hash`] of `address`.
+    hash: u64,
     tokens: f64,
     work: f64,
     sent_ms: u64,
@@ -117,7 +120,7 @@ pub struct Observation {
 #[derive(Debug, Clone, Default)]
 pub struct Ledger {
     entries: HashMap<u64, Entry>,
-    per_endpoint: HashMap<String, Sums>,
+    per_endpoint: ByAddress<Sums>,
     mean: Option<f64>,
     next_ticket: u64,
     inserts: u64,
@@ -130,18 +133,19 @@ pub struct Ledger {
 impl Ledger {
     /// Uncached tokens and count pending on `address`.
     pub fn pending(&self, address: &str) -> (f64, u32) {
-        self.per_endpoint.get(address).map_or((0.0, 0), |s| (s.pending, s.pending_n))
+        self.per_endpoint.get(address_hash(address), address).map_or((0.0, 0), |s| (s.pending, s.pending_n))
     }
 
     /// Uncached tokens of this worker's requests on `address` that have not ended (in prefill or
     /// decoding): the KV they added there.
     pub fn active(&self, address: &str) -> f64 {
-        self.per_endpoint.get(address).map_or(0.0, |s| s.active)
+        self.per_endpoint.get(address_hash(address), address).map_or(0.0, |s| s.active)
     }
 
-    /// [`Ledger::pending`] and [`Ledger::active`] of `address` in one lookup.
-    pub fn pending_and_active(&self, address: &str) -> ((f64, u32), f64) {
-        self.per_endpoint.get(address).map_or(((0.0, 0), 0.0), |s| ((s.pending, s.pending_n), s.active))
+    /// [`Ledger::pending`] and [`Ledger::active`] of `address` (whose [`address_hash`] is `hash`)
+    /// in one lookup.
+    pub fn pending_and_active(&self, hash: u64, address: &str) -> ((f64, u32), f64) {
+        self.per_endpoint.get(hash, address).map_or(((0.0, 0), 0.0), |s| ((s.pending, s.pending_n), s.active))
     }
 
     /// Running mean of the uncached tokens this worker sends (`None` before the first pick).
@@ -174,14 +178,16 @@ impl Ledger {
         if self.entries.len() >= LEDGER_MAX {
             return ticket;
         }
-        let e = self.per_endpoint.entry(address.to_string()).or_default();
-        e.pending += tokens;
-        e.pending_n = e.pending_n.saturating_add(1);
-        e.active += tokens;
-        e.active_n = e.active_n.saturating_add(1);
+        let hash = address_hash(address);
+        self.per_endpoint.update(hash, address, |e| {
+            e.pending += tokens;
+            e.pending_n = e.pending_n.saturating_add(1);
+            e.active += tokens;
+            e.active_n = e.active_n.saturating_add(1);
+        });
         self.entries.insert(
             ticket,
-            Entry { address: address.to_string(), tokens, work, sent_ms: now_ms, prefilling: true },
+            Entry { address: address.to_string(), hash, tokens, work, sent_ms: now_ms, prefilling: true },
         );
         self.oldest_ms = Some(self.oldest_ms.map_or(now_ms, |o| o.min(now_ms)));
         ticket
@@ -196,7 +202,7 @@ impl Ledger {
         }
         e.prefilling = false;
         let e = e.clone();
-        if let Some(p) = self.per_endpoint.get_mut(&e.address) {
+        if let Some(p) = self.per_endpoint.get_mut(e.hash, &e.address) {
             p.pending = (p.pending - e.tokens).max(0.0);
             p.pending_n = p.pending_n.saturating_sub(1);
             if p.pending_n == 0 {
@@ -209,11 +215,11 @@ impl Ledger {
     fn remove(&mut self, ticket: u64) {
         self.end_prefill(ticket);
         let Some(e) = self.entries.remove(&ticket) else { return };
-        if let Some(p) = self.per_endpoint.get_mut(&e.address) {
+        if let Some(p) = self.per_endpoint.get_mut(e.hash, &e.address) {
             p.active = (p.active - e.tokens).max(0.0);
             p.active_n = p.active_n.saturating_sub(1);
             if p.active_n == 0 {
-                self.per_endpoint.remove(&e.address);
+                self.per_endpoint.remove(e.hash, &e.address);
             }
         }
     }
@@ -285,9 +291,14 @@ pub struct Inputs {
 
 /// Work ahead and own work, in tokens (the module doc's `work(e)`).
 pub fn work(i: &Inputs, mean_tokens: f64) -> f64 {
+    work_given_waiting(i, mean_tokens, waiting(i))
+}
+
+/// [`work`] with `waiting(i)` already computed (the scheduler also sums it for the miss
+/// penalty's `busy`).
+pub fn work_given_waiting(i: &Inputs, mean_tokens: f64, waiting: f64) -> f64 {
     let (p_tokens, p_n) = i.pending;
     let per_request = if p_n > 0 { p_tokens / f64::from(p_n) } else { mean_tokens };
-    let waiting = waiting(i);
     // Every request ahead costs its fixed overhead too, as this one's does: with tiny prompts a
     // queue of 50 would otherwise weigh less than one request's overhead.
     let ahead = (p_tokens + f64::from(p_n) * OVERHEAD_TOKENS).max(waiting * (per_request + OVERHEAD_TOKENS));
@@ -317,7 +328,8 @@ pub fn waiting(i: &Inputs) -> f64 {
     i.waiting.filter(|w| w.is_finite()).unwrap_or(f64::from(i.inflight)).max(0.0)
 }
 
-fn usable_rate(rate: f64) -> f64 {
+/// The rate as the formulas use it: a finite positive rate, else 0.
+pub fn usable_rate(rate: f64) -> f64 {
     if rate.is_finite() && rate > 0.0 {
         rate
     } else {
@@ -328,21 +340,56 @@ fn usable_rate(rate: f64) -> f64 {
 /// The fewest uncached tokens among the eligible candidates (`min uncached` of the module
 /// doc's cost); infinite when none is eligible.
 pub fn least_uncached(uncached: &[f64], eligible: &[bool]) -> f64 {
-    uncached.iter().zip(eligible).filter(|(_, ok)| **ok).map(|(u, _)| *u).fold(f64::INFINITY, f64::min)
+    least_uncached_of(uncached.iter().copied(), eligible)
+}
+
+/// [`least_uncached`] of the candidates' uncached tokens in order.
+pub fn least_uncached_of(uncached: impl Iterator<Item = f64>, eligible: &[bool]) -> f64 {
+    uncached.zip(eligible).filter(|(_, ok)| **ok).map(|(u, _)| u).fold(f64::INFINITY, f64::min)
 }
 
 /// The miss penalty of one candidate, in ms (the module doc's cost minus `ttft(e)`):
 /// `miss_weight × (1 + busy) × rate × (uncached − least)`; 0 when `least` is not finite.
 pub fn miss_penalty(rate: f64, uncached: f64, least: f64, busy: f64, miss_weight: f64) -> f64 {
-    if !least.is_finite() {
-        return 0.0;
+    MissPenalty::new(least, busy, miss_weight).of(rate, uncached)
+}
+
+/// [`miss_penalty`] with the request's terms (`least`, `busy`, `miss_weight`) combined once:
+/// `MissPenalty::new(least, busy, w).of(rate, uncached) == miss_penalty(rate, uncached, least,
+/// busy, w)`, bit for bit.
+#[derive(Debug, Clone, Copy)]
+pub struct MissPenalty {
+    least: f64,
+    /// `miss_weight × (1 + busy)`; `None` when `least` is not finite (no penalty).
+    scale: Option<f64>,
+}
+
+impl MissPenalty {
+    pub fn new(least: f64, busy: f64, miss_weight: f64) -> Self {
+        Self { least, scale: least.is_finite().then(|| miss_weight * (1.0 + busy.max(0.0))) }
     }
-    miss_weight * (1.0 + busy.max(0.0)) * usable_rate(rate) * (uncached - least).max(0.0)
+
+    pub fn of(&self, rate: f64, uncached: f64) -> f64 {
+        self.of_usable_rate(usable_rate(rate), uncached)
+    }
+
+    /// [`MissPenalty::of`] with `usable_rate(rate)` already computed.
+    pub fn of_usable_rate(&self, usable_rate: f64, uncached: f64) -> f64 {
+        match self.scale {
+            Some(k) => k * usable_rate * (uncached - self.least).max(0.0),
+            None => 0.0,
+        }
+    }
 }
 
 /// Rendezvous weight of `address` for `key`.
 pub fn rendezvous_weight(key: u64, address: &str) -> u64 {
-    xxh3_64_with_seed(&key.to_le_bytes(), xxh3_64(address.as_bytes()))
+    rendezvous_weight_hashed(key, address_hash(address))
+}
+
+/// [`rendezvous_weight`] of the address whose [`address_hash`] is `hash`.
+pub fn rendezvous_weight_hashed(key: u64, hash: u64) -> u64 {
+    xxh3_64_with_seed(&key.to_le_bytes(), hash)
 }
 
 /// The rendezvous key of a request: the session id's hash, else the chained hash of the prompt's
@@ -357,18 +404,20 @@ pub fn rendezvous_key(session_id: Option<&str>, hashes: &[u64], blocks: usize) -
     hashes.get(hashes.len().min(blocks).checked_sub(1)?).copied()
 }
 
-/// The rendezvous winner among the eligible candidates (`None` when none is eligible).
-pub fn rendezvous_winner(key: u64, addresses: &[&str], eligible: &[bool]) -> Option<usize> {
-    (0..addresses.len())
+/// The rendezvous winner among the eligible candidates (`None` when none is eligible), from
+/// their addresses' [`address_hash`]es. On equal weights the last one wins.
+pub fn rendezvous_winner(key: u64, hashes: &[u64], eligible: &[bool]) -> Option<usize> {
+    (0..hashes.len())
         .filter(|&i| eligible.get(i).copied().unwrap_or(false))
-        .max_by_key(|&i| addresses.get(i).map_or(0, |a| rendezvous_weight(key, a)))
+        .max_by_key(|&i| hashes.get(i).map_or(0, |&h| rendezvous_weight_hashed(key, h)))
 }
 
 /// The order of candidates: primary first, then fallbacks (at most `1 + fallbacks`). See the
-/// module doc. `costs` are predicted TTFTs; `eligible[i]` is false for overloaded candidates.
+/// module doc. `costs` are predicted TTFTs; `hashes` the candidates' [`address_hash`]es;
+/// `eligible[i]` is false for overloaded candidates.
 pub fn order(
     costs: &[f64],
-    addresses: &[&str],
+    hashes: &[u64],
     eligible: &[bool],
     key: Option<u64>,
     slack: f64,
@@ -381,11 +430,13 @@ pub fn order(
     }
     let best = costs.iter().copied().fold(f64::INFINITY, f64::min);
     let bound = best * (1.0 + slack.max(0.0)) + 1e-9;
+    // The rendezvous winner among the eligible candidates within the slack.
     let by_key = key.and_then(|k| {
-        let near_eligible: Vec<bool> = (0..n)
-            .map(|i| costs.get(i).is_some_and(|&c| c <= bound) && eligible.get(i).copied().unwrap_or(false))
-            .collect();
-        rendezvous_winner(k, addresses, &near_eligible)
+        (0..n)
+            .filter(|&i| {
+                costs.get(i).is_some_and(|&c| c <= bound) && eligible.get(i).copied().unwrap_or(false)
+            })
+            .max_by_key(|&i| hashes.get(i).map_or(0, |&h| rendezvous_weight_hashed(k, h)))
     });
     let primary = match by_key {
         Some(p) => p,
@@ -416,19 +467,33 @@ fn lowest_costs(costs: &[f64], skip: usize, m: usize) -> Vec<usize> {
     if m == 0 {
         return best;
     }
+    // Once `best` is full, the `total_cmp` key of its last (highest) cost: most candidates are
+    // turned away by one integer comparison.
+    let mut worst: Option<i64> = None;
     for (i, &c) in costs.iter().enumerate() {
         if i == skip {
             continue;
         }
-        if best.len() == m && best.last().is_some_and(|&l| cost(l).total_cmp(&c).is_le()) {
+        if worst.is_some_and(|w| w <= total_order_key(c)) {
             continue;
         }
         // After every entry not above it: equal costs stay in index order.
         let pos = best.iter().position(|&b| cost(b).total_cmp(&c).is_gt()).unwrap_or(best.len());
         best.insert(pos, i);
         best.truncate(m);
+        if best.len() == m {
+            worst = best.last().map(|&l| total_order_key(cost(l)));
+        }
     }
     best
+}
+
+/// An integer ordered as `f64::total_cmp` orders the floats (its own transformation):
+/// `total_order_key(a) <= total_order_key(b)` exactly when `a.total_cmp(&b).is_le()`.
+fn total_order_key(x: f64) -> i64 {
+    let mut k = x.to_bits() as i64;
+    k ^= (((k >> 63) as u64) >> 1) as i64;
+    k
 }
 
 #[cfg(test)]
@@ -453,6 +518,17 @@ mod tests {
         assert_eq!(least_uncached(&[1.0], &[false]), f64::INFINITY);
         assert_eq!(miss_penalty(0.03, 5000.0, f64::INFINITY, 2.0, 0.5), 0.0);
         assert_eq!(miss_penalty(f64::NAN, 5000.0, least, 2.0, 0.5), 0.0);
+    }
+
+    #[test]
+    fn total_order_key_orders_as_total_cmp() {
+        let pool =
+            [0.0, -0.0, 1.0, -1.0, 2.5, f64::NAN, -f64::NAN, f64::INFINITY, -f64::INFINITY, 1e-300, f64::MAX];
+        for a in pool {
+            for b in pool {
+                assert_eq!(total_order_key(a).cmp(&total_order_key(b)), a.total_cmp(&b), "{a} {b}");
+            }
+        }
     }
 
     #[test]
@@ -565,7 +641,7 @@ mod tests {
 
     #[test]
     fn rendezvous_picks_the_same_pod_whatever_the_worker_and_respects_the_slack() {
-        let addrs = ["10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000", "10.0.0.4:8000"];
+        let addrs = ["10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000", "10.0.0.4:8000"].map(address_hash);
         let costs = [100.0, 100.0, 100.0, 100.0];
         let all = [true; 4];
         let mut agree = 0;

@@ -44,9 +44,10 @@
 
 use std::hash::{BuildHasherDefault, Hasher};
 
-use hashbrown::{HashMap, HashSet};
+use hashbrown::HashSet;
 use xxhash_rust::xxh3::xxh3_64;
 
+use crate::by_address::{address_hash, ByAddress};
 use crate::metrics::EndpointMetrics;
 use crate::scheduler::config::PrefixConfig;
 
@@ -153,10 +154,25 @@ pub fn capacity(cfg: &PrefixConfig, metrics: Option<&EndpointMetrics>, endpoints
 }
 
 /// Every endpoint's local index in this worker.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 pub struct LocalIndex {
-    by_endpoint: HashMap<String, EndpointIndex>,
+    by_endpoint: ByAddress<EndpointIndex>,
     snapshot_version: Option<u64>,
+    /// Bit `address_hash >> 52` of every endpoint in `by_endpoint`: a candidate whose bit is
+    /// clear has no index here, known without probing the table.
+    present: Box<[u64; 64]>,
+}
+
+impl Default for LocalIndex {
+    fn default() -> Self {
+        Self { by_endpoint: ByAddress::default(), snapshot_version: None, present: Box::new([0; 64]) }
+    }
+}
+
+/// The word and bit of `hash` in [`LocalIndex::present`].
+fn present_bit(hash: u64) -> (usize, u64) {
+    let b = (hash >> 52) as usize;
+    (b / 64, 1u64 << (b % 64))
 }
 
 impl LocalIndex {
@@ -167,24 +183,43 @@ impl LocalIndex {
         }
         self.snapshot_version = Some(version);
         let keep: HashSet<&str> = addresses.collect();
-        self.by_endpoint.retain(|a, _| keep.contains(a.as_str()));
+        self.by_endpoint.retain(|a| keep.contains(a));
+        self.present.fill(0);
+        for a in self.by_endpoint.keys() {
+            let (w, bit) = present_bit(address_hash(a));
+            if let Some(word) = self.present.get_mut(w) {
+                *word |= bit;
+            }
+        }
     }
 
     pub fn matched(&self, address: &str, hashes: &[u64]) -> usize {
-        self.by_endpoint.get(address).map_or(0, |ix| ix.matched(hashes))
+        self.matched_hashed(address_hash(address), address, hashes)
+    }
+
+    /// [`LocalIndex::matched`] for an address whose [`address_hash`] is `hash`.
+    pub fn matched_hashed(&self, hash: u64, address: &str, hashes: &[u64]) -> usize {
+        let (w, bit) = present_bit(hash);
+        if self.present.get(w).is_none_or(|word| word & bit == 0) {
+            return 0;
+        }
+        self.by_endpoint.get(hash, address).map_or(0, |ix| ix.matched(hashes))
     }
 
     pub fn record(&mut self, address: &str, hashes: &[u64], cap: usize) {
         if hashes.is_empty() {
             return;
         }
-        let ix = match self.by_endpoint.get_mut(address) {
-            Some(ix) => ix,
-            None => self.by_endpoint.entry(address.to_string()).or_default(),
-        };
-        for &h in hashes {
-            ix.insert(h, cap);
+        let hash = address_hash(address);
+        let (w, bit) = present_bit(hash);
+        if let Some(word) = self.present.get_mut(w) {
+            *word |= bit;
         }
+        self.by_endpoint.update(hash, address, |ix| {
+            for &h in hashes {
+                ix.insert(h, cap);
+            }
+        });
     }
 
     pub fn endpoints(&self) -> usize {

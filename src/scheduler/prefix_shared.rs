@@ -45,17 +45,20 @@
 //! skipped. A value whose length is not a multiple of 12 is read as empty and replaced on the
 //! next write. Neither can make the scheduler fail a request.
 
-use xxhash_rust::xxh3::xxh3_64;
-
 use crate::ports::{SharedStore, StoreError};
 
 pub const KEY_PREFIX: &str = "inference-picker/prefix/";
 pub const RECORD_BYTES: usize = 12;
 pub const MAX_CAS_ATTEMPTS: usize = 4;
 
-/// The key naming an endpoint in the table.
+/// The key naming an endpoint in the table: the low 32 bits of `xxh3_64(address)`.
 pub fn endpoint_key(address: &str) -> u32 {
-    xxh3_64(address.as_bytes()) as u32
+    endpoint_key_of_hash(crate::by_address::address_hash(address))
+}
+
+/// [`endpoint_key`] from the address's `crate::by_address::address_hash` (`xxh3_64(address)`).
+pub fn endpoint_key_of_hash(hash: u64) -> u32 {
+    hash as u32
 }
 
 /// The first checkpoint, in blocks (1 KiB of text with the default 256-byte blocks). A shorter
@@ -126,6 +129,20 @@ impl Lookup {
     /// Longest checkpoint that maps to `key`, in blocks (0 if none).
     pub fn matched(&self, key: u32) -> usize {
         self.hits.iter().filter(|(_, k)| *k == key).map(|(p, _)| *p).max().unwrap_or(0)
+    }
+
+    /// The hits' keys in one word (bit `key mod 64`), for [`Lookup::matched_filtered`].
+    pub fn key_filter(&self) -> u64 {
+        self.hits.iter().fold(0, |m, (_, k)| m | (1u64 << (k % 64)))
+    }
+
+    /// [`Lookup::matched`], where `filter` is [`Lookup::key_filter`]: a key none of the hits can
+    /// name (most candidates) costs one bit test instead of a walk over the hits.
+    pub fn matched_filtered(&self, key: u32, filter: u64) -> usize {
+        if filter & (1u64 << (key % 64)) == 0 {
+            return 0;
+        }
+        self.matched(key)
     }
 }
 
@@ -256,6 +273,17 @@ impl SharedPrefix {
 mod tests {
     use super::*;
     use crate::ports::MemStore;
+
+    #[test]
+    fn the_key_filter_never_hides_a_hit() {
+        let l = Lookup { hits: vec![(4, 7), (8, 7), (16, 71), (32, 3)], ..Default::default() };
+        let f = l.key_filter();
+        for key in 0..300u32 {
+            assert_eq!(l.matched_filtered(key, f), l.matched(key), "key {key}");
+        }
+        assert_eq!((l.matched(7), l.matched(71), l.matched(135)), (8, 16, 0));
+        assert_eq!(Lookup::default().key_filter(), 0);
+    }
 
     #[test]
     fn checkpoint_positions() {
