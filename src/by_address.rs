@@ -5,10 +5,11 @@
 //! The scheduler hashes each candidate's address once per request ([`address_hash`], xxh3):
 //! that hash names the endpoint in the cross-worker tables (its low 32 bits,
 //! `scheduler::prefix_shared::endpoint_key`), seeds its rendezvous weight
-//! (`scheduler::predict::rendezvous_weight`), and finds its state in every table here. A lookup is then one probe and one string comparison on a hit,
-//! with no hashing of the address per table. Exact: two addresses with the same hash are two
+//! (`scheduler::predict::rendezvous_weight`), and finds its state in every table here (hashbrown's `HashTable`, given that hash). A lookup is
+//! then a probe and one string comparison on a hit, with no hashing of the address per table. Exact: two addresses with the same hash are two
 //! entries (the comparison tells them apart), so a collision costs a probe, never a mix-up.
 
+use hashbrown::HashTable;
 use xxhash_rust::xxh3::xxh3_64;
 
 /// The hash of an address: `xxh3_64(address)`. Stable across workers and replicas.
@@ -23,75 +24,28 @@ struct Entry<V> {
     value: V,
 }
 
-/// A map from address to `V`, probed by [`address_hash`]: entries in a dense vector, found
-/// through an open-addressing index (linear probing on the hash, which xxh3 spreads well; at
-/// most a quarter full, so most probes end at the first slot; removal by backward shift, so no
-/// tombstones).
+/// A map from address to `V`, probed by [`address_hash`]: hashbrown's `HashTable` with the
+/// hash the caller already computed (no hasher runs here), equality on the address.
 #[derive(Debug, Clone)]
 pub struct ByAddress<V> {
-    entries: Vec<Entry<V>>,
-    /// `(hash, entry index + 1)`; `(_, 0)` is an empty slot. Empty, or a power of two long.
-    slots: Vec<(u64, u32)>,
+    table: HashTable<Entry<V>>,
 }
 
 impl<V> Default for ByAddress<V> {
     fn default() -> Self {
-        Self { entries: Vec::new(), slots: Vec::new() }
+        Self { table: HashTable::new() }
     }
 }
 
 impl<V> ByAddress<V> {
-    /// The slot holding `address`.
-    fn find_slot(&self, hash: u64, address: &str) -> Option<usize> {
-        let mask = self.slots.len().wrapping_sub(1);
-        let mut pos = hash as usize & mask;
-        // At most a quarter full: the probe meets an empty slot before it has seen them all.
-        for _ in 0..self.slots.len() {
-            let &(h, i) = self.slots.get(pos)?;
-            let i = (i as usize).checked_sub(1)?;
-            if h == hash && self.entries.get(i).is_some_and(|e| e.address == address) {
-                return Some(pos);
-            }
-            pos = (pos + 1) & mask;
-        }
-        None
-    }
-
-    fn entry_at(&self, slot: usize) -> Option<usize> {
-        self.slots.get(slot).and_then(|&(_, i)| (i as usize).checked_sub(1))
-    }
-
-    /// The index in `entries` of `address`.
-    #[inline]
-    fn find(&self, hash: u64, address: &str) -> Option<usize> {
-        let mask = self.slots.len().wrapping_sub(1);
-        let mut pos = hash as usize & mask;
-        for _ in 0..self.slots.len() {
-            let &(h, i) = self.slots.get(pos)?;
-            let i = (i as usize).checked_sub(1)?;
-            if h == hash && self.entries.get(i).is_some_and(|e| e.address == address) {
-                return Some(i);
-            }
-            pos = (pos + 1) & mask;
-        }
-        None
-    }
-
     /// The value of `address`, whose hash is `hash`.
     #[inline]
     pub fn get(&self, hash: u64, address: &str) -> Option<&V> {
-        if self.entries.is_empty() {
-            return None;
-        }
-        self.entries.get(self.find(hash, address)?).map(|e| &e.value)
+        self.table.find(hash, |e| e.address == address).map(|e| &e.value)
     }
 
     pub fn get_mut(&mut self, hash: u64, address: &str) -> Option<&mut V> {
-        if self.entries.is_empty() {
-            return None;
-        }
-        let i = self.find(hash, address)?;
-        self.entries.get_mut(i).map(|e| &mut e.value)
+        self.table.find_mut(hash, |e| e.address == address).map(|e| &mut e.value)
     }
 
     /// Applies `f` to the value of `address`, inserted as `V::default()` when absent.
@@ -99,13 +53,12 @@ impl<V> ByAddress<V> {
     where
         V: Default,
     {
-        let i = match self.find(hash, address) {
-            Some(i) => i,
-            None => self.push(hash, address, V::default()),
-        };
-        if let Some(e) = self.entries.get_mut(i) {
-            f(&mut e.value);
-        }
+        let entry = self.table.entry(hash, |e| e.address == address, |e| e.hash).or_insert_with(|| Entry {
+            hash,
+            address: address.to_string(),
+            value: V::default(),
+        });
+        f(&mut entry.into_mut().value);
     }
 
     /// Sets the value of `address`.
@@ -113,125 +66,42 @@ impl<V> ByAddress<V> {
         match self.get_mut(hash, address) {
             Some(v) => *v = value,
             None => {
-                self.push(hash, address, value);
-            }
-        }
-    }
-
-    /// Adds an entry known to be absent; returns its index.
-    fn push(&mut self, hash: u64, address: &str, value: V) -> usize {
-        let i = self.entries.len();
-        self.entries.push(Entry { hash, address: address.to_string(), value });
-        if self.entries.len() * 4 > self.slots.len() {
-            self.rebuild((self.entries.len() * 4).next_power_of_two().max(16));
-        } else {
-            self.place(hash, i);
-        }
-        i
-    }
-
-    /// Puts entry `i` in the first empty slot of its probe.
-    fn place(&mut self, hash: u64, i: usize) {
-        let mask = self.slots.len().wrapping_sub(1);
-        let mut pos = hash as usize & mask;
-        for _ in 0..self.slots.len() {
-            match self.slots.get_mut(pos) {
-                Some(slot) if slot.1 == 0 => {
-                    *slot = (hash, i as u32 + 1);
-                    return;
-                }
-                Some(_) => pos = (pos + 1) & mask,
-                None => return,
-            }
-        }
-    }
-
-    /// A fresh index of `n` slots (a power of two, at least four times the entries).
-    fn rebuild(&mut self, n: usize) {
-        self.slots.clear();
-        self.slots.resize(n, (0, 0));
-        for i in 0..self.entries.len() {
-            if let Some(h) = self.entries.get(i).map(|e| e.hash) {
-                self.place(h, i);
+                self.table
+                    .insert_unique(hash, Entry { hash, address: address.to_string(), value }, |e| e.hash);
             }
         }
     }
 
     pub fn remove(&mut self, hash: u64, address: &str) -> Option<V> {
-        let slot = self.find_slot(hash, address)?;
-        let i = self.entry_at(slot)?;
-        // Backward-shift deletion: pull later entries of the probe run into the hole.
-        let mask = self.slots.len().wrapping_sub(1);
-        let mut hole = slot;
-        let mut j = (slot + 1) & mask;
-        while let Some(&(h, k)) = self.slots.get(j) {
-            if k == 0 {
-                break;
-            }
-            let ideal = h as usize & mask;
-            if (j.wrapping_sub(ideal) & mask) >= (j.wrapping_sub(hole) & mask) {
-                if let Some(&moved) = self.slots.get(j) {
-                    if let Some(s) = self.slots.get_mut(hole) {
-                        *s = moved;
-                    }
-                }
-                hole = j;
-            }
-            j = (j + 1) & mask;
-        }
-        if let Some(s) = self.slots.get_mut(hole) {
-            *s = (0, 0);
-        }
-        // The last entry moves into `i`: repoint its slot.
-        let last = self.entries.len() - 1;
-        if i != last {
-            if let Some(lh) = self.entries.get(last).map(|e| e.hash) {
-                let mut pos = lh as usize & mask;
-                for _ in 0..self.slots.len() {
-                    match self.slots.get_mut(pos) {
-                        Some(s) if s.1 as usize == last + 1 => {
-                            s.1 = i as u32 + 1;
-                            break;
-                        }
-                        Some(_) => pos = (pos + 1) & mask,
-                        None => break,
-                    }
-                }
-            }
-        }
-        Some(self.entries.swap_remove(i).value)
+        let found = self.table.find_entry(hash, |e| e.address == address).ok()?;
+        Some(found.remove().0.value)
     }
 
     /// Keeps the entries for which `keep(address)` is true.
     pub fn retain(&mut self, mut keep: impl FnMut(&str) -> bool) {
-        let before = self.entries.len();
-        self.entries.retain(|e| keep(&e.address));
-        if self.entries.len() != before {
-            let n = self.slots.len();
-            self.rebuild(n);
-        }
+        self.table.retain(|e| keep(&e.address));
     }
 
     pub fn len(&self) -> usize {
-        self.entries.len()
+        self.table.len()
     }
 
     pub fn is_empty(&self) -> bool {
-        self.entries.is_empty()
+        self.table.is_empty()
     }
 
     pub fn values(&self) -> impl Iterator<Item = &V> {
-        self.entries.iter().map(|e| &e.value)
+        self.table.iter().map(|e| &e.value)
     }
 
     /// The addresses, in no particular order.
     pub fn keys(&self) -> impl Iterator<Item = &str> {
-        self.entries.iter().map(|e| e.address.as_str())
+        self.table.iter().map(|e| e.address.as_str())
     }
 
     /// (address, value) pairs, in no particular order.
     pub fn iter(&self) -> impl Iterator<Item = (&str, &V)> {
-        self.entries.iter().map(|e| (e.address.as_str(), &e.value))
+        self.table.iter().map(|e| (e.address.as_str(), &e.value))
     }
 }
 
@@ -243,8 +113,7 @@ mod tests {
     fn behaves_as_a_map_under_random_operations() {
         use crate::ports::{Rng, SplitMix64};
         use std::collections::HashMap;
-        // Real hashes, and hashes with 5 values (collisions, long probe runs), at the start of
-        // the index and at its end (runs that wrap around).
+        // Real hashes, and hashes with 5 values (collisions, long probe runs), low and high.
         for mode in 0..3 {
             let hash = |a: &str| match mode {
                 0 => address_hash(a),

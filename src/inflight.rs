@@ -241,10 +241,6 @@ impl InflightTable {
         &self.local
     }
 
-    fn record(&self, now_ms: u64) -> SlotRecord {
-        SlotRecord { owner: self.owner, heartbeat_ms: now_ms, counts: self.local.clone() }
-    }
-
     /// Every live VM's counts summed: ours from memory, the others' from their slots (records
     /// older than [`TTL_MS`] ignored). Stops at the first never-written slot.
     pub fn read(&mut self, store: &dyn SharedStore, now_ms: u64) -> Result<InflightCounts, StoreError> {
@@ -351,7 +347,7 @@ impl InflightTable {
     /// Takes the lowest slot that is never written, free, garbled or stale, and writes our record
     /// there.
     fn claim(&mut self, store: &dyn SharedStore, now_ms: u64) -> Result<(), StoreError> {
-        let mine = encode(&self.record(now_ms));
+        let mine = encode_parts(self.owner, now_ms, &self.local);
         for k in 0..MAX_SLOTS {
             let key = slot_key(k);
             let written = match store.get(&key)? {

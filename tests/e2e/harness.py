@@ -463,15 +463,18 @@ class LdsEnvoy(Envoy):
         mutate(self.listener)
         self._write_listener()
 
-    def set_picker_config(self, config: dict) -> None:
+    def set_picker_config(self, config: dict | str) -> None:
         """Replaces the listener with one whose filter has `config` (the module reconfigured
-        through LDS, as an ECDS or control-plane update would)."""
+        through LDS, as an ECDS or control-plane update would); a `str` is sent as written (a
+        document JSON cannot produce from a dict, e.g. with a key twice)."""
+        value = config if isinstance(config, str) else json.dumps(config)
+
         def mutate(listener):
             hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
             for f in hcm["http_filters"]:
                 plugin = f.get("typed_config", {}).get("config", {})
                 if "configuration" in plugin:
-                    plugin["configuration"]["value"] = json.dumps(config)
+                    plugin["configuration"]["value"] = value
         self.replace_listener(mutate)
 
     def lds_counter(self, name: str) -> int:

@@ -101,3 +101,28 @@ def test_endpoint_change_takes_effect_and_an_invalid_update_is_refused(mode):
         envoy.stop()
         for s in (a, b, c):
             s.stop()
+
+
+def test_a_key_written_twice_in_a_map_is_refused():
+    """A model's weight override given twice: the reader refuses the update (a derived
+    deserializer kept the last one silently), and the old configuration keeps serving."""
+    a = Sim("dup-a")
+    cfg = picker_config([endpoint(a)])
+    envoy = LdsEnvoy(cfg, concurrency=1, pool_hosts=[a.address])
+    try:
+        envoy.wait_routable()
+        assert served_by(envoy, 0) == "dup-a"
+        model = cfg["models"][0]["name"]
+        bad = dict(cfg, scheduler={"model_weights": {"__DUP__": {}}})
+        text = json.dumps(bad).replace(
+            '"__DUP__": {}', f'"{model}": {{"queue": 1}}, "{model}": {{"queue": 2}}')
+        assert text.count(f'"{model}": {{"queue"') == 2
+        rejected = envoy.lds_counter("update_rejected")
+        envoy.set_picker_config(text)
+        wait_until(lambda: envoy.lds_counter("update_rejected") > rejected, 15, "LDS update rejected")
+        wait_log(envoy, "duplicate field")
+        assert "model_weights" in envoy.log_path.read_text()
+        assert {served_by(envoy, 1 + i) for i in range(4)} == {"dup-a"}
+    finally:
+        envoy.stop()
+        a.stop()
