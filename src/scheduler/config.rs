@@ -128,11 +128,21 @@ pub struct PredictedConfig {
     /// requests pay. 0: rank by predicted TTFT alone. Default 0.5: in the replay benchmark,
     /// predicted TTFT alone collapsed on the shared-prefix trace at half speed (TTFT p90 67 s
     /// against 0.35 s for GIE: near saturation, every cached pod with a few queued requests
-    /// sent its group's next request to a pod without the 6,000-token prefix); 0.5 brings it
-    /// to 2–8 s and improves Mooncake at its knee (1.61 → 1.46 s).
+    /// sent its group's next request to a pod without the 6,000-token prefix); 0.5 brought it
+    /// to 2–8 s (with `kv_full_at` too, 0.35 s) and improved Mooncake at its knee (1.61 → 1.46 s).
     #[serde(default = "default_miss_weight")]
     #[cfg_attr(feature = "schema", schemars(range(min = 0.0, max = 100.0)))]
     pub miss_weight: f64,
+    /// KV congestion: each candidate's cost (predicted TTFT plus the miss penalty) is divided by
+    /// `1 − min(kv_usage, kv_full_at)`: a pod whose KV cache is filling admits the request into
+    /// slower, preemption-prone steps before its queue shows it. At and past `kv_full_at` every
+    /// pod counts as full (factor `1 / (1 − kv_full_at)`), so past saturation the cost decides.
+    /// 0 turns it off. Default 0.8: in the replay benchmark (3 seeds, whole traces) it took the
+    /// shared-prefix trace at half speed from 3.01 s to 0.35 s TTFT p90 (GIE 0.35 s) and
+    /// Mooncake at load 4.5 from 1.46 s to 1.18 s; see docs/scheduler.md.
+    #[serde(default = "default_kv_full_at")]
+    #[cfg_attr(feature = "schema", schemars(range(min = 0.0, max = 0.99)))]
+    pub kv_full_at: f64,
 }
 
 fn default_affinity_slack() -> f64 {
@@ -150,6 +160,9 @@ fn default_miss_weight() -> f64 {
 fn default_rendezvous_credit() -> f64 {
     0.0
 }
+fn default_kv_full_at() -> f64 {
+    0.8
+}
 fn default_active_weight() -> f64 {
     0.0
 }
@@ -163,6 +176,7 @@ impl Default for PredictedConfig {
             active_weight: default_active_weight(),
             rendezvous_credit: default_rendezvous_credit(),
             miss_weight: default_miss_weight(),
+            kv_full_at: default_kv_full_at(),
         }
     }
 }
@@ -362,6 +376,7 @@ read::from_json_struct!(PredictedConfig {
     active_weight = default_active_weight(),
     rendezvous_credit = default_rendezvous_credit(),
     miss_weight = default_miss_weight(),
+    kv_full_at = default_kv_full_at(),
 });
 read::from_json_struct!(Weights {
     prefix = default_w_prefix(),
@@ -642,6 +657,9 @@ impl SchedulerConfig {
         }
         if !pr.rendezvous_credit.is_finite() || !(0.0..=1.0).contains(&pr.rendezvous_credit) {
             err(&mut errs, "scheduler.predicted.rendezvous_credit".into(), "must be a number in 0..=1");
+        }
+        if !pr.kv_full_at.is_finite() || !(0.0..=0.99).contains(&pr.kv_full_at) {
+            err(&mut errs, "scheduler.predicted.kv_full_at".into(), "must be a number in 0..=0.99");
         }
         let g = &self.guard;
         if !g.abs_gap.is_finite() || g.abs_gap < 0.0 {

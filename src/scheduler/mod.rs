@@ -704,6 +704,14 @@ impl Scheduler {
             let busy = if queue_n > 0.0 { queue_sum / queue_n } else { 0.0 };
             let penalty = predict::MissPenalty::new(least, busy, pr.miss_weight);
             costs = pred.iter().map(|p| p.ttft + penalty.of_usable_rate(p.usable_rate, p.uncached)).collect();
+            // KV congestion (`predict`, "KV congestion"): missing usages take the KV scorer's
+            // neutral fill, so a pod without the metric never looks emptier than the others.
+            if pr.kv_full_at > 0.0 {
+                let free = kv::scores(&cands);
+                for (c, f) in costs.iter_mut().zip(&free) {
+                    *c *= predict::kv_congestion(1.0 - f, pr.kv_full_at);
+                }
+            }
             for (r, p) in rows.iter_mut().zip(&pred) {
                 r.predicted_ms = p.ttft;
                 r.work = p.work;

@@ -43,15 +43,30 @@
 //! `busy` ≈ 0 and the penalty is half the extra prefill. `ttft(e)` is still what is reported
 //! (`predicted_ms`, debug scores) and what the rates learn from; the penalty only ranks.
 //!
-//! # Choice: lowest cost, replicas agree on ties (bounded-load rendezvous)
-//! The candidates within `(1 + affinity_slack)` of the lowest cost are "as good"; among
+//! # KV congestion
+//! ```text
+//! rank(e) = cost(e) / (1 − min(kv(e), kv_full_at))                          (kv_full_at 0.8)
+//! ```
+//! `kv(e)` is the pod's KV-cache usage (the share of its cache held by running requests;
+//! cached-but-free prefixes count as free). The queue ahead does not show a filling cache until
+//! the pod stops admitting: before that, the requests it admits share slower steps, and near
+//! full, their decode growth preempts (recomputes) the newest ones and evicts cached prefixes.
+//! KV is the resource that gates admission, so the expected delay grows like a queue's,
+//! `1 / (1 − utilisation)`. At and past `kv_full_at` every pod counts as full (the factor stops
+//! at `1 / (1 − kv_full_at)` = 5): among full pods the cost decides, so past saturation the
+//! factor does not trade cache hits for a few points of usage. 0 turns it off
+//! (`scheduler.predicted.kv_full_at`; [`kv_congestion`]).
+//!
+//! # Choice: lowest rank, replicas agree on ties (bounded-load rendezvous)
+//! The candidates within `(1 + affinity_slack)` of the lowest `rank` are "as good"; among
 //! them the primary is the rendezvous winner `max xxh3(key, seed = xxh3(address))`, where `key`
 //! is the session id when one is sent, else the hash of the prompt's first
 //! `min(n, rendezvous_blocks)` blocks. Every gateway replica and worker computes the same winner
 //! without talking, so a new prefix (a conversation's first turn) goes to the same pod wherever
 //! it lands, and its next turns find it there; the slack bounds how much load that affinity may
 //! cost. An overloaded candidate (guard) is never the rendezvous winner. A prompt shorter than
-//! one block and no session id: lowest TTFT, seeded random tie-break. Fallbacks: the next lowest.
+//! one block and no session id: lowest rank, seeded random tie-break. Fallbacks: the next lowest
+//! ranks.
 //!
 //! **Rendezvous credit.** When no candidate is known to hold any of the prompt's blocks (no
 //! local or cross-worker match), the rendezvous winner is where other replicas and workers sent
@@ -66,7 +81,9 @@
 //! - No learnt rate: the median of the candidates' learnt rates, else the prior
 //!   (`predicted.prior_ms_per_token`, see `crate::rates`).
 //! - No LoRA info: the LoRA scorer's neutral score.
-//! - KV usage is not a term: a full cache shows as waiting requests (vLLM cannot admit them).
+//! - No KV usage: the KV scorer's neutral fill (`super::kv`: the highest known usage, at least
+//!   0.5), so a pod without the metric never looks emptier than one that reports it; none
+//!   reported at all: the same factor everywhere, which changes no choice.
 //! - Miss penalty: with no eligible candidate, or no prompt blocks, `extra` is 0 everywhere.
 
 use hashbrown::HashMap;
@@ -382,6 +399,16 @@ impl MissPenalty {
     }
 }
 
+/// The KV congestion factor of a candidate: `1 / (1 − min(usage, full_at))`, with `usage`
+/// clamped to [0, 1] (NaN counts as 0) and `full_at` to [0, 0.99]. 1 at an empty cache or with
+/// `full_at` 0 (off); `1 / (1 − full_at)` (5 at the default 0.8) for every pod at or past
+/// `full_at`, so that among full pods the rest of the cost decides.
+pub fn kv_congestion(usage: f64, full_at: f64) -> f64 {
+    let usage = if usage.is_nan() { 0.0 } else { usage.clamp(0.0, 1.0) };
+    let full_at = if full_at.is_nan() { 0.0 } else { full_at.clamp(0.0, 0.99) };
+    1.0 / (1.0 - usage.min(full_at))
+}
+
 /// Rendezvous weight of `address` for `key`.
 pub fn rendezvous_weight(key: u64, address: &str) -> u64 {
     rendezvous_weight_hashed(key, address_hash(address))
@@ -518,6 +545,25 @@ mod tests {
         assert_eq!(least_uncached(&[1.0], &[false]), f64::INFINITY);
         assert_eq!(miss_penalty(0.03, 5000.0, f64::INFINITY, 2.0, 0.5), 0.0);
         assert_eq!(miss_penalty(f64::NAN, 5000.0, least, 2.0, 0.5), 0.0);
+    }
+
+    #[test]
+    fn kv_congestion_grows_as_the_cache_fills_and_stops_at_full_at() {
+        assert_eq!(kv_congestion(0.0, 0.8), 1.0);
+        assert!((kv_congestion(0.5, 0.8) - 2.0).abs() < 1e-12);
+        assert!((kv_congestion(0.75, 0.8) - 4.0).abs() < 1e-12);
+        // Every pod at or past `full_at` counts the same: 1 / (1 − 0.8) = 5.
+        assert!((kv_congestion(0.8, 0.8) - 5.0).abs() < 1e-9);
+        assert_eq!(kv_congestion(0.97, 0.8), kv_congestion(1.0, 0.8));
+        // Off, and inputs that are not usages.
+        assert_eq!(kv_congestion(0.97, 0.0), 1.0);
+        assert_eq!(kv_congestion(f64::NAN, 0.8), 1.0);
+        assert_eq!(kv_congestion(-3.0, 0.8), 1.0);
+        assert_eq!(kv_congestion(7.0, 0.8), kv_congestion(1.0, 0.8));
+        // `full_at` beyond 0.99 is held there: finite whatever the input.
+        assert!((kv_congestion(1.0, 1.0) - 100.0).abs() < 1e-9);
+        assert!(kv_congestion(1.0, f64::INFINITY).is_finite());
+        assert_eq!(kv_congestion(0.9, f64::NAN), 1.0);
     }
 
     #[test]

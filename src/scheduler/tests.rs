@@ -697,13 +697,14 @@ fn fresh_prompt(id: u32, kib: usize) -> String {
 
 #[test]
 fn predicted_ttft_goes_where_the_queue_ahead_is_shortest() {
-    // No prefix anywhere; b has the shortest queue, a the longest (the live estimate, no
-    // in-flight at scrape), so b's predicted TTFT is lowest and a's highest (last fallback).
+    // No prefix anywhere, equal KV usage; b has the shortest queue, a the longest (the live
+    // estimate, no in-flight at scrape), so b's predicted TTFT is lowest and a's highest (last
+    // fallback).
     let mut s = Scheduler::new(&config_ttft(r#","scheduler":{"debug_scores":true}"#));
     let sn = snap(vec![
-        ep("a:1", &["llama"], 9.0, 0.1),
-        ep("b:1", &["llama"], 0.0, 0.9),
-        ep("c:1", &["llama"], 3.0, 0.1),
+        ep("a:1", &["llama"], 9.0, 0.4),
+        ep("b:1", &["llama"], 0.0, 0.4),
+        ep("c:1", &["llama"], 3.0, 0.4),
     ]);
     let prompt = fresh_prompt(1, 8);
     let r = PickRequest { model: "llama", prompt: &prompt, ..Default::default() };
@@ -714,6 +715,45 @@ fn predicted_ttft_goes_where_the_queue_ahead_is_shortest() {
     assert!(p.predicted_ms.is_some_and(|ms| ms > 0.0));
     assert!(p.ticket != 0);
     assert!(p.debug_scores.unwrap().contains("ttft="));
+}
+
+/// The primary of a fresh 8 KiB prompt on `a:1` (queue 0, KV usage `kv_a`) and `b:1` (queue
+/// `queue_b`, KV 0.1), with `predicted` settings `extra`.
+fn fresh_pick_kv(kv_a: Option<f64>, queue_b: f64, extra: &str) -> String {
+    let cfg = config_ttft(&format!(r#","scheduler":{{"predicted":{{"affinity_slack":0{extra}}}}}"#));
+    let mut s = Scheduler::new(&cfg);
+    let mut a = ep("a:1", &["llama"], 0.0, 0.0);
+    if let Some(m) = a.metrics.as_mut() {
+        m.kv_usage = kv_a;
+    }
+    let sn = snap(vec![a, ep("b:1", &["llama"], queue_b, 0.1)]);
+    let prompt = fresh_prompt(5, 8);
+    let r = PickRequest { model: "llama", prompt: &prompt, ..Default::default() };
+    s.pick(&r, &sn, &InflightCounts::default(), &MemStore::new(), &mut SplitMix64::new(3), NOW)
+        .unwrap()
+        .primary
+}
+
+#[test]
+fn a_pod_whose_kv_cache_is_nearly_full_loses_to_a_short_queue_elsewhere() {
+    // a: idle queue, KV 95 % (factor 5 at the default kv_full_at 0.8); b: one request queued,
+    // KV 10 % (factor 1.11). Each prediction: a 2,304 tokens × 5; b 4,608 × 1.11 → b.
+    assert_eq!(fresh_pick_kv(Some(0.95), 1.0, ""), "b:1");
+    // Off: the empty queue wins.
+    assert_eq!(fresh_pick_kv(Some(0.95), 1.0, r#","kv_full_at":0"#), "a:1");
+    // Bounded: past kv_full_at the factor stops at 5, so a long enough queue still loses.
+    assert_eq!(fresh_pick_kv(Some(1.0), 5.0, ""), "a:1");
+    // An ordinary usage does not outweigh a queue: KV 30 % (factor 1.43) against one request.
+    assert_eq!(fresh_pick_kv(Some(0.3), 1.0, ""), "a:1");
+}
+
+#[test]
+fn a_pod_without_kv_usage_never_looks_emptier_than_one_that_reports_it() {
+    // Both idle. Missing on a: the KV scorer's neutral fill (usage max(0.5, highest known) =
+    // 0.5, factor 2), so b at 10 % wins (2,304 × 2 against 2,304 × 1.11); had the missing
+    // usage counted as 0, a would win, as it does when it reports 0.
+    assert_eq!(fresh_pick_kv(None, 0.0, ""), "b:1");
+    assert_eq!(fresh_pick_kv(Some(0.0), 0.0, ""), "a:1");
 }
 
 #[test]
