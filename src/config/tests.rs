@@ -628,6 +628,13 @@ fn predicted_objective_fields_are_checked() {
     assert_only(&bad("rendezvous_blocks", json!(5000)), "scheduler.predicted.rendezvous_blocks", "0..=4096");
     assert_only(&bad("prior_ms_per_token", json!(0.0)), "scheduler.predicted.prior_ms_per_token", "0.000001");
     assert_only(&bad("active_weight", json!(101.0)), "scheduler.predicted.active_weight", "0..=100");
+    assert_only(&bad("miss_weight", json!(-1.0)), "scheduler.predicted.miss_weight", "0..=100");
+    assert_only(&bad("rendezvous_credit", json!(1.5)), "scheduler.predicted.rendezvous_credit", "0..=1");
+    assert_only(&bad("kv_full_at", json!(1.0)), "scheduler.predicted.kv_full_at", "0..=0.99");
+    assert_only(&bad("kv_full_at", json!(-0.1)), "scheduler.predicted.kv_full_at", "0..=0.99");
+    assert_eq!(c.scheduler.predicted.kv_full_at, 0.8);
+    let off = parse(&with(base(), "/scheduler", json!({"predicted": {"kv_full_at": 0}}))).unwrap();
+    assert_eq!(off.scheduler.predicted.kv_full_at, 0.0);
     assert!(!errors(&with(base(), "/scheduler", json!({"predicted": {"nope": 1}}))).is_empty());
 }
 
