@@ -231,7 +231,9 @@ pub struct PollerConfig {
     /// not send to at `replicas` times the interval (`interval_ms` when its load moves,
     /// `idle_interval_ms` when idle), so the pods see about the scrape rate of one gateway
     /// whatever the number of replicas; an endpoint a replica sends to is still scraped every
-    /// `interval_ms` by that replica, and its own in-flight estimate covers the gaps. 1 to 1000.
+    /// `interval_ms` by that replica, and its own in-flight estimate covers the gaps. It also
+    /// scales the rendezvous credit (`scheduler.predicted.rendezvous_credit`; none with 1), so
+    /// set it to the number of gateway replicas. 1 to 1000.
     /// Default 1. On the whole replay traces (5 seeds) idle back-off ties fixed polling at 4
     /// replicas too, but one LoRA seed in five was slower: where that spread matters, set
     /// `idle_interval_ms` = `interval_ms`.

@@ -111,12 +111,15 @@ pub struct PredictedConfig {
     #[serde(default = "default_active_weight")]
     #[cfg_attr(feature = "schema", schemars(range(min = 0.0, max = 100.0)))]
     pub active_weight: f64,
-    /// When no candidate is known to hold any of the prompt's blocks, the rendezvous winner's
-    /// uncached tokens are multiplied by `1 − rendezvous_credit`: the chance that another
-    /// replica or worker already sent this prefix there. Default 0 (off): in the replay benchmark
-    /// 0.5 made Mooncake at 4 replicas × 4 workers worse (3.23 s against 2.32 s TTFT p90 at load
-    /// 4.5): most of its prompts are never seen again, and with each worker seeing a sixteenth of
-    /// the traffic the credit herds.
+    /// When nothing distinguishes the pods for a prompt (no eligible one holds more of its
+    /// blocks than every other, e.g. only a system prompt all share) and the request names no
+    /// adapter, the rendezvous winner's uncached tokens are multiplied by
+    /// `1 − rendezvous_credit × (1 − 1 / poller.replicas)`: the chance that another gateway
+    /// replica already sent this prefix there (a gateway's own workers share their prefix table,
+    /// so with one replica there is no credit). Default 0.5: in the replay benchmark (3 seeds,
+    /// 4 replicas × 4 workers, `poller.replicas` 4) it took Mooncake at load 4.5 from 2.57 s to
+    /// 1.93 s TTFT p90 and the shared-prefix trace at half speed from 108 s to 26 s; one replica
+    /// is unchanged. Set `poller.replicas` to the number of gateway replicas.
     #[serde(default = "default_rendezvous_credit")]
     #[cfg_attr(feature = "schema", schemars(range(min = 0.0, max = 1.0)))]
     pub rendezvous_credit: f64,
@@ -158,7 +161,7 @@ fn default_miss_weight() -> f64 {
     0.5
 }
 fn default_rendezvous_credit() -> f64 {
-    0.0
+    0.5
 }
 fn default_kv_full_at() -> f64 {
     0.8

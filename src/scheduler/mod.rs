@@ -255,6 +255,9 @@ pub fn neutral_fill(raw: &[Option<f64>]) -> Vec<f64> {
 pub struct Scheduler {
     cfg: SchedulerConfig,
     stale_after_ms: u64,
+    /// Gateway replicas polling the same pods (`poller.replicas`): the share of the traffic
+    /// this gateway does not see is `1 − 1 / gateways` (the rendezvous credit's scale).
+    gateways: u32,
     failure_mode: FailureMode,
     /// Passive-health settings (max ejection percent, phantom load).
     health: HealthConfig,
@@ -281,6 +284,7 @@ impl Scheduler {
             sc.model_weights.iter().map(|(k, o)| (k.clone(), sc.weights.overridden(o))).collect();
         Scheduler {
             stale_after_ms: cfg.poller.stale_after_ms,
+            gateways: cfg.poller.replicas.max(1),
             failure_mode: cfg.filter.failure_mode,
             health: cfg.health.clone(),
             models: ModelTable::new(cfg),
@@ -652,11 +656,20 @@ impl Scheduler {
             let keys: Vec<u32> = addr_hash.iter().map(|&h| endpoint_key_of_hash(h)).collect();
             let rates = self.rates.rates(store, &keys, self.cfg.predicted.prior_ms_per_token, now_ms);
             let mean = self.ledger.mean_tokens().unwrap_or(prompt_tokens);
-            // Nothing known about this prefix anywhere: the rendezvous winner is where another
-            // replica or worker most likely sent its earlier turns (`predict::rendezvous_credit`).
+            // Nothing distinguishes the pods for this prefix (no eligible one holds more of it
+            // than every other, e.g. only a system prompt all share): the rendezvous winner is
+            // where another gateway most likely sent its earlier turns. Credit scaled by the
+            // share of the traffic other gateways see (`predict`, "Rendezvous credit"). Not for
+            // an adapter request: where its adapter is loaded is a signal every gateway scrapes
+            // alike, and the LoRA factor already follows it.
             let pr = &self.cfg.predicted;
-            let unknown = matched.iter().all(|&m| m == 0);
-            let winner = if unknown && pr.rendezvous_credit > 0.0 {
+            let credit_share = if resolved.adapter.is_some() {
+                0.0
+            } else {
+                predict::rendezvous_credit_share(pr.rendezvous_credit, self.gateways)
+            };
+            let unknown = predict::nothing_distinguishes(&matched, &eligible);
+            let winner = if unknown && credit_share > 0.0 {
                 predict::rendezvous_key(req.session_id, &hashes, pr.rendezvous_blocks)
                     .and_then(|k| predict::rendezvous_winner(k, &addr_hash, &eligible))
             } else {
@@ -664,7 +677,7 @@ impl Scheduler {
             };
             // Sum and count of the eligible candidates' queues: the miss penalty's `busy`.
             let (mut queue_sum, mut queue_n) = (0.0, 0.0);
-            let credit = 1.0 - pr.rendezvous_credit.clamp(0.0, 1.0);
+            let credit = 1.0 - credit_share;
             pred.reserve(cands.len());
             let inputs = cands.iter().zip(&addr_hash).zip(&eligible).zip(&matched).zip(&live).zip(&rates);
             for (i, (((((c, &h), &ok), &m), &waiting), &rate)) in inputs.enumerate() {

@@ -68,12 +68,20 @@
 //! one block and no session id: lowest rank, seeded random tie-break. Fallbacks: the next lowest
 //! ranks.
 //!
-//! **Rendezvous credit.** When no candidate is known to hold any of the prompt's blocks (no
-//! local or cross-worker match), the rendezvous winner is where other replicas and workers sent
-//! this prefix if they saw it before: its `uncached` is multiplied by `1 − rendezvous_credit`
-//! (default 0: off, see `scheduler.predicted.rendezvous_credit`; measured to herd on Mooncake at
-//! 4 × 4). When on, a long prompt's later turns meet its earlier ones across replicas even when
-//! the winner is somewhat busier, while a short prompt still goes where the queue is shortest.
+//! **Rendezvous credit.** When nothing distinguishes the pods for this prompt (no eligible one
+//! holds more of its blocks than every other: none holds any, or all hold the same system
+//! prompt) and the request names no adapter, the rendezvous winner is where another gateway
+//! replica most likely sent this prefix if it saw it before:
+//! ```text
+//! uncached(winner) × (1 − rendezvous_credit × (1 − 1 / poller.replicas))   (credit 0.5)
+//! ```
+//! `1 − 1 / replicas` is the share of the traffic other replicas see; a gateway's own workers
+//! share the cross-worker prefix table, so with one replica a prefix none of them placed was
+//! placed by no one, and there is no credit. An adapter request gets none: where its adapter is
+//! loaded is scraped alike by every replica, and the LoRA factor follows it. With the credit,
+//! replicas that share nothing still send a conversation's turns, and a group's requests, to
+//! one pod; without it each replica placed them by its own view of the queues, and a hot prefix
+//! lived on several pods at once ([`rendezvous_credit_share`], [`nothing_distinguishes`]).
 //!
 //! # Missing signals
 //! - No queue reported: `waiting(e)` = this gateway's in-flight count to `e` (never missing).
@@ -399,6 +407,25 @@ impl MissPenalty {
     }
 }
 
+/// The rendezvous credit applied: `credit × (1 − 1 / gateways)`, in [0, 1]: the chance that a
+/// prefix this gateway has not placed was placed by another one. 0 with one gateway (its workers
+/// share their prefix table, so a prefix none of them placed was placed by no one).
+pub fn rendezvous_credit_share(credit: f64, gateways: u32) -> f64 {
+    let credit = if credit.is_nan() { 0.0 } else { credit.clamp(0.0, 1.0) };
+    credit * (1.0 - 1.0 / f64::from(gateways.max(1)))
+}
+
+/// `true` when no eligible candidate holds more of the prompt's blocks than every other eligible
+/// one (none holds any, or all hold the same leading blocks, such as a system prompt every
+/// request starts with); `false` with no eligible candidate.
+pub fn nothing_distinguishes(matched: &[usize], eligible: &[bool]) -> bool {
+    let mut held = matched.iter().zip(eligible).filter(|(_, &ok)| ok).map(|(&m, _)| m);
+    match held.next() {
+        Some(first) => held.all(|m| m == first),
+        None => false,
+    }
+}
+
 /// The KV congestion factor of a candidate: `1 / (1 − min(usage, full_at))`, with `usage`
 /// clamped to [0, 1] (NaN counts as 0) and `full_at` to [0, 0.99]. 1 at an empty cache or with
 /// `full_at` 0 (off); `1 / (1 − full_at)` (5 at the default 0.8) for every pod at or past
@@ -545,6 +572,29 @@ mod tests {
         assert_eq!(least_uncached(&[1.0], &[false]), f64::INFINITY);
         assert_eq!(miss_penalty(0.03, 5000.0, f64::INFINITY, 2.0, 0.5), 0.0);
         assert_eq!(miss_penalty(f64::NAN, 5000.0, least, 2.0, 0.5), 0.0);
+    }
+
+    #[test]
+    fn rendezvous_credit_scales_with_the_traffic_other_gateways_see() {
+        assert_eq!(rendezvous_credit_share(0.5, 1), 0.0);
+        assert_eq!(rendezvous_credit_share(0.5, 0), 0.0);
+        assert!((rendezvous_credit_share(0.5, 4) - 0.375).abs() < 1e-12);
+        assert!((rendezvous_credit_share(0.5, 2) - 0.25).abs() < 1e-12);
+        assert!((rendezvous_credit_share(2.0, 1000) - 0.999).abs() < 1e-12);
+        assert_eq!(rendezvous_credit_share(f64::NAN, 4), 0.0);
+        assert_eq!(rendezvous_credit_share(-1.0, 4), 0.0);
+    }
+
+    #[test]
+    fn nothing_distinguishes_the_pods_when_all_eligible_hold_the_same() {
+        assert!(nothing_distinguishes(&[0, 0, 0], &[true; 3]));
+        // A system prompt every pod holds.
+        assert!(nothing_distinguishes(&[2, 2, 2], &[true; 3]));
+        assert!(!nothing_distinguishes(&[2, 5, 2], &[true; 3]));
+        // An overloaded pod's match does not count.
+        assert!(nothing_distinguishes(&[2, 5, 2], &[true, false, true]));
+        assert!(!nothing_distinguishes(&[2, 5], &[false, false]));
+        assert!(!nothing_distinguishes(&[], &[]));
     }
 
     #[test]

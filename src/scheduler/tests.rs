@@ -756,6 +756,41 @@ fn a_pod_without_kv_usage_never_looks_emptier_than_one_that_reports_it() {
     assert_eq!(fresh_pick_kv(Some(0.0), 0.0, ""), "a:1");
 }
 
+/// The primary of a fresh 8 KiB prompt (`id`) on four idle, equal pods, with a given
+/// `affinity_slack`, `poller.replicas` and model, and the tie-break seed `seed`.
+fn idle_pick(id: u32, slack: f64, replicas: u32, model: &str, seed: u64) -> String {
+    let cfg = config_ttft(&format!(
+        r#","poller":{{"replicas":{replicas}}},"scheduler":{{"predicted":{{"affinity_slack":{slack}}}}}"#
+    ));
+    let mut s = Scheduler::new(&cfg);
+    let sn = snap((1..=4).map(|i| ep(&format!("10.0.0.{i}:8000"), &["llama"], 0.0, 0.2)).collect());
+    let prompt = fresh_prompt(id, 8);
+    let r = PickRequest { model, prompt: &prompt, ..Default::default() };
+    s.pick(&r, &sn, &InflightCounts::default(), &MemStore::new(), &mut SplitMix64::new(seed), NOW)
+        .unwrap()
+        .primary
+}
+
+#[test]
+fn with_several_replicas_a_prefix_nobody_told_apart_goes_to_its_rendezvous_winner() {
+    for id in 0..12 {
+        // The rendezvous winner: the primary among equal pods with the default slack.
+        let winner = idle_pick(id, 0.2, 1, "llama", 1);
+        // Without slack, one gateway breaks the tie at random: no credit with one replica.
+        let one: std::collections::HashSet<String> =
+            (0..24).map(|seed| idle_pick(id, 0.0, 1, "llama", seed)).collect();
+        assert!(one.len() > 1, "prompt {id}: one replica spreads its ties");
+        // Four replicas: the credit makes the winner strictly cheapest, whatever the seed.
+        for seed in 0..8 {
+            assert_eq!(idle_pick(id, 0.0, 4, "llama", seed), winner, "prompt {id} seed {seed}");
+        }
+        // An adapter request gets no credit: ties spread again.
+        let adapter: std::collections::HashSet<String> =
+            (0..24).map(|seed| idle_pick(id, 0.0, 4, "sql-lora", seed)).collect();
+        assert!(adapter.len() > 1, "prompt {id}: adapter requests are not credited");
+    }
+}
+
 #[test]
 fn a_burst_from_one_worker_spreads_before_any_scrape_sees_it() {
     // Eight idle pods, one snapshot for the whole burst: each pick's prefill is pending in the

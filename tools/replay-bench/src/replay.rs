@@ -184,11 +184,18 @@ pub fn run(trace: &Trace, policy: Policy, rc: &RunConfig) -> Result<RunResult, S
 
     // The configuration document is the same for every policy's poller (endpoints, interval);
     // Scheduler-based policies also take their scheduler section from it.
-    let cfg: Config = if policy.uses_scheduler() {
+    let mut cfg: Config = if policy.uses_scheduler() {
         strategy::config(policy, n, trace.adapters, rc.poll_ms, rc.ours_overrides.as_ref())?
     } else {
         strategy::config(Policy::Ours, n, trace.adapters, rc.poll_ms, None)?
     };
+    // Ours at R replicas is deployed as its docs say: `poller.replicas` = R (unless an override
+    // sets the poller section itself). It spreads each replica's scrapes of the pods it does not
+    // send to, and scales the rendezvous credit.
+    let poller_overridden = rc.ours_overrides.as_ref().is_some_and(|o| o.get("poller").is_some());
+    if policy.is_ours() && !policy.central() && !poller_overridden {
+        cfg.poller.replicas = u32::try_from(rc.replicas.max(1)).unwrap_or(u32::MAX);
+    }
     let sat = cfg.saturation.params(cfg.poller.stale_after_ms);
     let mut rng = SplitMix64::new(rc.seed ^ 0x5eed);
     // A central picker (GIE's EPP, the oracle) is one state for the whole topology.
