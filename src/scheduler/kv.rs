@@ -14,13 +14,14 @@
 use super::{neutral_fill, Candidate};
 
 pub fn scores(cands: &[Candidate<'_>]) -> Vec<f64> {
-    let raw: Vec<Option<f64>> = cands
-        .iter()
-        .map(|c| {
-            c.metrics.and_then(|m| m.kv_usage).filter(|u| u.is_finite()).map(|u| 1.0 - u.clamp(0.0, 1.0))
-        })
-        .collect();
+    let raw: Vec<Option<f64>> = cands.iter().map(free).collect();
     neutral_fill(&raw)
+}
+
+/// One candidate's score before the neutral fill: `1 − clamp(usage, 0, 1)`, `None` when the
+/// usage is missing or not finite.
+pub fn free(c: &Candidate<'_>) -> Option<f64> {
+    c.metrics.and_then(|m| m.kv_usage).filter(|u| u.is_finite()).map(|u| 1.0 - u.clamp(0.0, 1.0))
 }
 
 #[cfg(test)]

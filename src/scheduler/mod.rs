@@ -240,13 +240,24 @@ struct Prediction {
     usable_rate: f64,
     /// This request's uncached prompt tokens there.
     uncached: f64,
+    /// The KV scorer's score before the neutral fill (`kv::free`), for the KV congestion factor.
+    kv_free: Option<f64>,
 }
 
 /// Replaces missing scores by the neutral `min(0.5, lowest known)`; 0.5 when none is known.
 pub fn neutral_fill(raw: &[Option<f64>]) -> Vec<f64> {
-    let lowest = raw.iter().flatten().copied().fold(f64::INFINITY, f64::min);
-    let neutral = if lowest.is_finite() { lowest.min(0.5) } else { 0.5 };
+    let neutral = neutral_score(raw.iter().flatten().copied().fold(f64::INFINITY, f64::min));
     raw.iter().map(|s| s.unwrap_or(neutral)).collect()
+}
+
+/// The score [`neutral_fill`] gives a missing signal, from the lowest known score
+/// (`f64::INFINITY` when none is known).
+pub fn neutral_score(lowest: f64) -> f64 {
+    if lowest.is_finite() {
+        lowest.min(0.5)
+    } else {
+        0.5
+    }
 }
 
 /// The scheduler of one worker VM. Built once per configuration; holds the worker-local state
@@ -668,8 +679,7 @@ impl Scheduler {
             } else {
                 predict::rendezvous_credit_share(pr.rendezvous_credit, self.gateways)
             };
-            let unknown = predict::nothing_distinguishes(&matched, &eligible);
-            let winner = if unknown && credit_share > 0.0 {
+            let winner = if credit_share > 0.0 && predict::nothing_distinguishes(&matched, &eligible) {
                 predict::rendezvous_key(req.session_id, &hashes, pr.rendezvous_blocks)
                     .and_then(|k| predict::rendezvous_winner(k, &addr_hash, &eligible))
             } else {
@@ -677,6 +687,8 @@ impl Scheduler {
             };
             // Sum and count of the eligible candidates' queues: the miss penalty's `busy`.
             let (mut queue_sum, mut queue_n) = (0.0, 0.0);
+            // The lowest known KV score: the neutral fill of a missing one.
+            let mut lowest_free = f64::INFINITY;
             let credit = 1.0 - credit_share;
             pred.reserve(cands.len());
             let inputs = cands.iter().zip(&addr_hash).zip(&eligible).zip(&matched).zip(&live).zip(&rates);
@@ -704,27 +716,37 @@ impl Scheduler {
                     queue_sum += waiting;
                     queue_n += 1.0;
                 }
+                let kv_free = kv::free(c);
+                if let Some(f) = kv_free {
+                    lowest_free = lowest_free.min(f);
+                }
                 pred.push(Prediction {
                     ttft: predict::ttft_of_work(&inp, work),
                     work,
                     rate: inp.rate,
                     usable_rate: predict::usable_rate(inp.rate),
                     uncached: inp.uncached,
+                    kv_free,
                 });
             }
             // Rank by predicted TTFT plus the miss penalty (`predict`, "Cost").
             let least = predict::least_uncached_of(pred.iter().map(|p| p.uncached), &eligible);
             let busy = if queue_n > 0.0 { queue_sum / queue_n } else { 0.0 };
             let penalty = predict::MissPenalty::new(least, busy, pr.miss_weight);
-            costs = pred.iter().map(|p| p.ttft + penalty.of_usable_rate(p.usable_rate, p.uncached)).collect();
-            // KV congestion (`predict`, "KV congestion"): missing usages take the KV scorer's
+            // KV congestion (`predict`, "KV congestion"): a missing usage takes the KV scorer's
             // neutral fill, so a pod without the metric never looks emptier than the others.
-            if pr.kv_full_at > 0.0 {
-                let free = kv::scores(&cands);
-                for (c, f) in costs.iter_mut().zip(&free) {
-                    *c *= predict::kv_congestion(1.0 - f, pr.kv_full_at);
-                }
-            }
+            let neutral_free = neutral_score(lowest_free);
+            costs = pred
+                .iter()
+                .map(|p| {
+                    let cost = p.ttft + penalty.of_usable_rate(p.usable_rate, p.uncached);
+                    if pr.kv_full_at > 0.0 {
+                        cost * predict::kv_congestion(1.0 - p.kv_free.unwrap_or(neutral_free), pr.kv_full_at)
+                    } else {
+                        cost
+                    }
+                })
+                .collect();
             for (r, p) in rows.iter_mut().zip(&pred) {
                 r.predicted_ms = p.ttft;
                 r.work = p.work;
