@@ -371,8 +371,8 @@ pub fn prefix_shard(data: &[u8]) {
     } else {
         Vec::new()
     };
-    let mut updates: Vec<(u64, u32)> = vec![(0, 1), (u64::MAX, 2)];
-    updates.extend(stored.iter().take(3).map(|&h| (h, 3)));
+    let mut updates: Vec<prefix_shared::Record> = vec![(0, 1, [0; 3]), (u64::MAX, 2, [1, 2, 3])];
+    updates.extend(stored.iter().take(3).map(|&h| (h, 3, [7, 0, 0])));
     updates.sort_unstable();
     updates.dedup_by_key(|u| u.0);
     for max in [1, 2, 4, 64] {
@@ -380,8 +380,9 @@ pub fn prefix_shard(data: &[u8]) {
         assert_eq!(out.len() % RECORD_BYTES, 0);
         assert!(out.len() / RECORD_BYTES <= max);
         if max >= updates.len() {
-            for &(h, e) in &updates {
+            for &(h, e, t) in &updates {
                 assert_eq!(prefix_shared::find(&out, h), Some(e), "update {h:#x} lost (max {max})");
+                assert_eq!(prefix_shared::find_all(&out, h).next(), Some((e, t)), "tags of {h:#x} lost");
             }
         }
     }

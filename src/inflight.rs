@@ -60,17 +60,39 @@ const MAX_SYNC_ATTEMPTS: usize = 8;
 /// Format tag in front of every slot record.
 const RECORD_TAG: &str = "i1";
 
-/// In-flight counts by endpoint address. Missing means zero. Keyed by the address's hash
-/// (`crate::by_address`), so the scheduler reads a candidate's count with the hash it computed
-/// once for that candidate ([`InflightCounts::get_hashed`]).
+/// One endpoint's entry in a VM's record: its in-flight count, and of those the requests still in
+/// prefill (sent, no first response byte yet) with their uncached prompt tokens, as the VM's
+/// scheduler ledger counts them (`crate::scheduler::predict::Ledger`). The prefill part lets
+/// every worker's predicted-TTFT ranking see the prefill the other workers queued on a pod, not
+/// only their request count.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct EndpointLoad {
+    pub n: u32,
+    pub prefill_n: u32,
+    pub prefill_tokens: u64,
+}
+
+impl EndpointLoad {
+    fn add(&mut self, o: &EndpointLoad) {
+        self.n = self.n.saturating_add(o.n);
+        self.prefill_n = self.prefill_n.saturating_add(o.prefill_n);
+        self.prefill_tokens = self.prefill_tokens.saturating_add(o.prefill_tokens);
+    }
+}
+
+/// In-flight counts by endpoint address, with their prefill part ([`EndpointLoad`]). Missing
+/// means zero. Keyed by the address's hash (`crate::by_address`), so the scheduler reads a
+/// candidate's count with the hash it computed once for that candidate
+/// ([`InflightCounts::get_hashed`]).
 #[derive(Debug, Clone, Default)]
 pub struct InflightCounts {
-    counts: ByAddress<u32>,
+    counts: ByAddress<EndpointLoad>,
 }
 
 impl PartialEq for InflightCounts {
     fn eq(&self, other: &Self) -> bool {
-        self.counts.len() == other.counts.len() && self.iter().all(|(a, n)| other.get(a) == n)
+        self.counts.len() == other.counts.len()
+            && self.counts.iter().all(|(a, l)| other.counts.get(address_hash(a), a) == Some(l))
     }
 }
 
@@ -83,73 +105,122 @@ impl InflightCounts {
 
     /// [`InflightCounts::get`] for an address whose `address_hash` is `hash`.
     pub fn get_hashed(&self, hash: u64, address: &str) -> u32 {
-        self.counts.get(hash, address).copied().unwrap_or(0)
+        self.counts.get(hash, address).map_or(0, |l| l.n)
+    }
+
+    /// The requests in prefill on `address` (whose `address_hash` is `hash`) and their uncached
+    /// prompt tokens, summed over the VMs that published them: `(tokens, count)`.
+    pub fn prefill_hashed(&self, hash: u64, address: &str) -> (f64, u32) {
+        self.counts.get(hash, address).map_or((0.0, 0), |l| (l.prefill_tokens as f64, l.prefill_n))
     }
 
     pub fn total(&self) -> u64 {
-        self.counts.values().map(|&c| u64::from(c)).sum()
+        self.counts.values().map(|l| u64::from(l.n)).sum()
     }
 
     pub fn iter(&self) -> impl Iterator<Item = (&str, u32)> {
-        self.counts.iter().map(|(k, v)| (k, *v))
+        self.counts.iter().map(|(k, v)| (k, v.n))
     }
 
-    /// Parses the stored value; malformed entries are skipped.
+    /// Parses the stored value; malformed entries are skipped. An entry is `addr=n` or
+    /// `addr=n/prefill_n/prefill_tokens` (a VM that has nothing in prefill there writes the
+    /// short form; a VM of a release before the prefill part skips the long form's entries, so
+    /// during a rolling reload it undercounts, never misreads).
     pub fn decode(bytes: &[u8]) -> Self {
         let mut counts = ByAddress::default();
         let Ok(text) = std::str::from_utf8(bytes) else {
             return Self { counts };
         };
         for entry in text.split(';') {
-            if let Some((addr, n)) = entry.rsplit_once('=') {
-                if let Ok(n) = n.parse::<u32>() {
-                    if n > 0 && !addr.is_empty() {
-                        counts.insert(address_hash(addr), addr, n);
-                    }
+            let Some((addr, v)) = entry.rsplit_once('=') else { continue };
+            if addr.is_empty() {
+                continue;
+            }
+            let mut parts = v.split('/');
+            let load = match (parts.next(), parts.next(), parts.next(), parts.next()) {
+                (Some(n), None, None, None) => {
+                    n.parse().ok().map(|n| EndpointLoad { n, ..Default::default() })
                 }
+                (Some(n), Some(pn), Some(pt), None) => match (n.parse(), pn.parse(), pt.parse()) {
+                    (Ok(n), Ok(prefill_n), Ok(prefill_tokens)) => {
+                        Some(EndpointLoad { n, prefill_n, prefill_tokens })
+                    }
+                    _ => None,
+                },
+                _ => None,
+            };
+            if let Some(l) = load.filter(|l| l.n > 0) {
+                // A prefill part beyond the count is garbled: keep the count alone.
+                let l = if l.prefill_n > l.n { EndpointLoad { n: l.n, ..Default::default() } } else { l };
+                counts.insert(address_hash(addr), addr, l);
             }
         }
         Self { counts }
     }
 
     pub fn encode(&self) -> Vec<u8> {
-        let mut entries: Vec<(&str, &u32)> = self.counts.iter().filter(|(_, &n)| n > 0).collect();
+        let mut entries: Vec<(&str, &EndpointLoad)> = self.counts.iter().filter(|(_, l)| l.n > 0).collect();
         // Sorted so equal contents give equal bytes (stable for tests and debugging).
-        entries.sort();
-        let mut out = String::with_capacity(entries.len() * 24);
-        for (i, (addr, n)) in entries.into_iter().enumerate() {
+        entries.sort_by(|a, b| a.0.cmp(b.0));
+        let mut out = String::with_capacity(entries.len() * 32);
+        for (i, (addr, l)) in entries.into_iter().enumerate() {
             if i > 0 {
                 out.push(';');
             }
             out.push_str(addr);
             out.push('=');
-            out.push_str(&n.to_string());
+            out.push_str(&l.n.to_string());
+            if l.prefill_n > 0 {
+                out.push('/');
+                out.push_str(&l.prefill_n.to_string());
+                out.push('/');
+                out.push_str(&l.prefill_tokens.to_string());
+            }
         }
         out.into_bytes()
     }
 
     /// Adds `other`'s counts to these.
     fn add_all(&mut self, other: &InflightCounts) {
-        for (a, n) in other.iter() {
-            self.counts.update(address_hash(a), a, |e| *e = e.saturating_add(n));
+        for (a, l) in other.counts.iter() {
+            self.counts.update(address_hash(a), a, |e| e.add(l));
         }
     }
 
-    /// Applies `delta`, saturating at 0 and u32::MAX; returns the new count.
+    /// Applies `delta`, saturating at 0 and u32::MAX; returns the new count. The prefill part
+    /// never exceeds the count (a request that ended is no longer in prefill).
     fn apply(&mut self, address: &str, delta: i32) -> u32 {
         let hash = address_hash(address);
-        let cur = self.get_hashed(hash, address);
+        let cur = self.counts.get(hash, address).copied().unwrap_or_default();
         let next = if delta >= 0 {
-            cur.saturating_add(delta as u32)
+            cur.n.saturating_add(delta as u32)
         } else {
-            cur.saturating_sub(delta.unsigned_abs())
+            cur.n.saturating_sub(delta.unsigned_abs())
         };
         if next == 0 {
             self.counts.remove(hash, address);
         } else {
-            self.counts.insert(hash, address, next);
+            let mut l = EndpointLoad { n: next, ..cur };
+            if l.prefill_n > next {
+                l.prefill_n = next;
+            }
+            self.counts.insert(hash, address, l);
         }
         next
+    }
+
+    /// Sets the prefill part of `address` (capped at its count; nothing without a count).
+    fn set_prefill(&mut self, address: &str, tokens: f64, n: u32) {
+        let hash = address_hash(address);
+        if let Some(l) = self.counts.get_mut(hash, address) {
+            l.prefill_n = n.min(l.n);
+            l.prefill_tokens = if l.prefill_n == 0 || !tokens.is_finite() || tokens <= 0.0 {
+                0
+            } else {
+                // Saturating float-to-int conversion; prompt tokens are far below u64::MAX.
+                tokens.round() as u64
+            };
+        }
     }
 }
 
@@ -286,6 +357,42 @@ impl InflightTable {
         Ok(n)
     }
 
+    /// [`InflightTable::adjust`] that also sets the prefill part of `address` to this VM's
+    /// scheduler ledger (`prefill` = (tokens, count) still in prefill there), in the same write.
+    pub fn adjust_with_prefill(
+        &mut self,
+        store: &dyn SharedStore,
+        address: &str,
+        delta: i32,
+        prefill: (f64, u32),
+        now_ms: u64,
+    ) -> Result<u32, StoreError> {
+        let n = self.local.apply(address, delta);
+        self.local.set_prefill(address, prefill.0, prefill.1);
+        self.sync(store, now_ms)?;
+        Ok(n)
+    }
+
+    /// A request's prefill on `address` ended (its first response byte): sets the prefill part
+    /// to this VM's ledger (`prefill` = (tokens, count)) and publishes it, so that the other
+    /// workers stop counting that prefill ahead of theirs. Nothing to publish (the count is
+    /// unchanged) when the part was already equal.
+    pub fn set_prefill(
+        &mut self,
+        store: &dyn SharedStore,
+        address: &str,
+        prefill: (f64, u32),
+        now_ms: u64,
+    ) -> Result<(), StoreError> {
+        let hash = address_hash(address);
+        let before = self.local.counts.get(hash, address).copied();
+        self.local.set_prefill(address, prefill.0, prefill.1);
+        if self.local.counts.get(hash, address).copied() == before {
+            return Ok(());
+        }
+        self.sync(store, now_ms)
+    }
+
     /// The root's tick: verify the slot is still ours (one read) and rewrite the heartbeat when
     /// due. A VM with nothing ever counted has no slot and does nothing.
     pub fn tick(&mut self, store: &dyn SharedStore, now_ms: u64) -> Result<(), StoreError> {
@@ -403,6 +510,47 @@ mod tests {
         assert_eq!(a.adjust(&s, "10.0.0.1:8000", -1, T0).unwrap(), 0);
         assert_eq!(s.get(&slot_key(0)).unwrap().unwrap().0, b"i1 000000000000000a 1000000 10.0.0.2:8000=1");
         assert_eq!(s.keys(), vec![slot_key(0)]);
+    }
+
+    #[test]
+    fn the_prefill_part_is_published_with_the_count_and_summed() {
+        let s = MemStore::new();
+        let mut a = InflightTable::new(0xA);
+        let mut b = InflightTable::new(0xB);
+        a.adjust_with_prefill(&s, "e", 1, (3000.0, 1), T0).unwrap();
+        a.adjust_with_prefill(&s, "e", 1, (5000.0, 2), T0).unwrap();
+        b.adjust_with_prefill(&s, "e", 1, (1000.0, 1), T0).unwrap();
+        let h = address_hash("e");
+        assert_eq!(a.read(&s, T0).unwrap().prefill_hashed(h, "e"), (6000.0, 3));
+        assert_eq!(b.read(&s, T0).unwrap().prefill_hashed(h, "e"), (6000.0, 3));
+        // A's first request produced its first byte: its prefill part shrinks, the count stays.
+        a.set_prefill(&s, "e", (2000.0, 1), T0).unwrap();
+        let c = b.read(&s, T0).unwrap();
+        assert_eq!((c.get("e"), c.prefill_hashed(h, "e")), (3, (3000.0, 2)));
+        // Ends: the prefill part never outlives the count.
+        a.adjust_with_prefill(&s, "e", -1, (2000.0, 1), T0).unwrap();
+        a.adjust_with_prefill(&s, "e", -1, (0.0, 0), T0).unwrap();
+        b.adjust(&s, "e", -1, T0).unwrap();
+        assert_eq!(b.read(&s, T0).unwrap().prefill_hashed(h, "e"), (0.0, 0));
+        // Nothing changed: set_prefill writes nothing (the CAS token is unchanged).
+        a.adjust_with_prefill(&s, "f", 1, (10.0, 1), T0).unwrap();
+        let before = s.get(&slot_key(a.slot().unwrap())).unwrap().unwrap().1;
+        a.set_prefill(&s, "f", (10.0, 1), T0).unwrap();
+        assert_eq!(s.get(&slot_key(a.slot().unwrap())).unwrap().unwrap().1, before);
+    }
+
+    #[test]
+    fn records_with_and_without_a_prefill_part_decode() {
+        let c = InflightCounts::decode(b"a:1=3/2/7000;b:1=1;c:1=2/5/9;d:1=2/1;e:1=0/0/0");
+        let pf = |a: &str| c.prefill_hashed(address_hash(a), a);
+        // The short form (and an older release's record) has no prefill part; a part beyond
+        // the count is garbled and dropped, the count kept; a malformed entry is skipped.
+        assert_eq!((c.get("a:1"), pf("a:1")), (3, (7000.0, 2)));
+        assert_eq!((c.get("b:1"), pf("b:1")), (1, (0.0, 0)));
+        assert_eq!((c.get("c:1"), pf("c:1")), (2, (0.0, 0)));
+        assert_eq!((c.get("d:1"), c.get("e:1")), (0, 0));
+        assert_eq!(InflightCounts::decode(&c.encode()), c);
+        assert_eq!(c.encode(), b"a:1=3/2/7000;b:1=1;c:1=2".to_vec());
     }
 
     #[test]

@@ -311,9 +311,18 @@ fn go(
     // The +1 counts locally even if publishing it fails (the next tick publishes it), so the
     // matching -1 is always due.
     ex.holding = Some(pick.primary.clone());
+    // With the count, this worker's prefill queued there (its ledger, which the pick just
+    // updated), so the other workers' predictions count it.
+    let prefill = worker.scheduler.borrow().ledger_prefill(&pick.primary);
     if let Err(e) = timed!(
         "go.inflight_adjust",
-        worker.inflight.borrow_mut().adjust(inputs.store, &pick.primary, 1, inputs.now_ms)
+        worker.inflight.borrow_mut().adjust_with_prefill(
+            inputs.store,
+            &pick.primary,
+            1,
+            prefill,
+            inputs.now_ms
+        )
     ) {
         warn!("inference-picker: publishing the in-flight increment failed: {e:?}");
     }
@@ -592,9 +601,16 @@ impl Filter {
         let holding = self.ex.borrow_mut().holding.take();
         if let Some(addr) = holding {
             let now_ms = io::now_ms();
+            let prefill = self.worker.scheduler.borrow().ledger_prefill(&addr);
             let published = timed!(
                 "log.inflight_adjust",
-                self.worker.inflight.borrow_mut().adjust(&io::HostStore, &addr, -1, now_ms)
+                self.worker.inflight.borrow_mut().adjust_with_prefill(
+                    &io::HostStore,
+                    &addr,
+                    -1,
+                    prefill,
+                    now_ms
+                )
             );
             if let Err(e) = published {
                 warn!("inference-picker: publishing the in-flight release for {addr} failed: {e:?}");
@@ -777,6 +793,22 @@ impl Filter {
                 if let Err(e) = scheduler.first_byte(ticket, served.as_deref(), &io::HostStore, io::now_ms())
                 {
                     warn!("inference-picker: recording the first-byte time failed: {e:?}");
+                }
+            }
+            // Its prefill is over: the other workers stop counting it ahead of theirs (one read
+            // and one write of this VM's in-flight record).
+            let holding = self.ex.borrow().holding.clone();
+            if let Some(addr) = holding {
+                let prefill = scheduler.ledger_prefill(&addr);
+                drop(scheduler);
+                let published = self.worker.inflight.borrow_mut().set_prefill(
+                    &io::HostStore,
+                    &addr,
+                    prefill,
+                    io::now_ms(),
+                );
+                if let Err(e) = published {
+                    warn!("inference-picker: publishing the end of a prefill on {addr} failed: {e:?}");
                 }
             }
         }

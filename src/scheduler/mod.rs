@@ -321,6 +321,14 @@ impl Scheduler {
         &self.session_keys
     }
 
+    /// This worker's requests still in prefill on `address` and their uncached prompt tokens,
+    /// `(tokens, count)`: what the host publishes with its in-flight count there
+    /// (`crate::inflight::InflightTable::adjust_with_prefill`), so the other workers' predictions
+    /// count it.
+    pub fn ledger_prefill(&self, address: &str) -> (f64, u32) {
+        self.ledger.pending(address)
+    }
+
     /// The first response byte of the request `ticket` ([`Pick::ticket`]) arrived from `served`
     /// (the endpoint that answered, when the host knows it): its prefill no longer counts as
     /// work ahead, and the time since it was sent teaches the endpoint's rate to every worker
@@ -700,7 +708,12 @@ impl Scheduler {
                 if winner == Some(i) {
                     own *= credit;
                 }
-                let (pending, active) = self.ledger.pending_and_active(h, c.address);
+                // The prefill queued there by every worker of this gateway (their ledgers,
+                // published with the in-flight counts), or this worker's own when that is more
+                // (its latest pick may not be published yet).
+                let (mine, active) = self.ledger.pending_and_active(h, c.address);
+                let shared = inflight.prefill_hashed(h, c.address);
+                let pending = if shared.1 > mine.1 { shared } else { mine };
                 let inp = predict::Inputs {
                     uncached: own,
                     pending,

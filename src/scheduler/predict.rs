@@ -13,12 +13,16 @@
 //!   prefix scorer's matched blocks × `prefix.block_chars` ÷ `chars_per_token` (local index and
 //!   cross-worker table, as for the prefix score); 0 on an overloaded endpoint (guard).
 //! - `pending_tokens(e)`, `pending_n(e)`: the uncached prompt tokens (and the count) of the
-//!   requests THIS worker sent to `e` that have not produced their first response byte yet
-//!   ([`Ledger`]; updated at every pick, exact for this worker, like Dynamo's prefill tokens).
+//!   requests every worker of this Envoy sent to `e` that have not produced their first response
+//!   byte yet: each worker's [`Ledger`] (updated at every pick and first byte, exact for that
+//!   worker, like Dynamo's prefill tokens), published with its in-flight record and summed by
+//!   readers (`crate::inflight::InflightCounts::prefill_hashed`); this worker's own ledger when
+//!   it shows more requests (its latest pick not yet read back). Missing (an older release's
+//!   record): this worker's ledger alone.
 //! - `waiting(e)`: the live queue estimate of `crate::load` (scraped queue + what this gateway
 //!   sent since the scrape and has not seen finish): requests of every worker and, at the last
 //!   scrape, of every gateway.
-//! - `per_request(e)` = `pending_tokens(e) ÷ pending_n(e)` when this worker has some there, else
+//! - `per_request(e)` = `pending_tokens(e) ÷ pending_n(e)` when some are pending there, else
 //!   the worker's running mean of the uncached tokens it sends ([`Ledger::mean_tokens`]).
 //! - `overhead_tokens` (256): the fixed cost of any request (a scheduler step, the network), so
 //!   that a fully cached prompt on an idle endpoint does not predict 0. Every request ahead

@@ -9,30 +9,45 @@
 //! load actually sent a conversation. The table records the real decision.
 //!
 //! **Layout (bounded whatever the traffic).** `shared_shards` keys
-//! `inference-picker/prefix/NNNN` (default 256). Each value is a sequence of 12-byte records
-//! `le64(block hash) ‖ le32(endpoint key)`, oldest first, at most `shared_entries_per_shard`
-//! (default 64 → 768 bytes, which every read copies) records; writing a hash that is present moves it to the end, and the
-//! oldest records fall off the front. A hash lives in shard `hash mod shards`. The endpoint key
-//! is the low 32 bits of `xxh3_64(address)`; it is only ever compared with the keys of the
-//! current candidates, so a stale entry for an endpoint that left names nothing (a 32-bit
-//! collision among a pool's candidates has odds ~n²/2³³, 1e-4 for 1024 endpoints, and would
-//! only misdirect a soft score).
+//! `inference-picker/prefix2/NNNN` (default 256). Each value is a sequence of 18-byte records
+//! `le64(octave hash) ‖ le32(endpoint key) ‖ 3 × le16(step tag)`, oldest first, at most
+//! `shared_entries_per_shard` (default 64 → 1,152 bytes, which every read copies) records. A
+//! hash keeps the [`MAX_ENDPOINTS_PER_HASH`] endpoints that received it last (1: the table says
+//! where a prefix went last; a worker's local index knows every pod it sent it to). Keeping up
+//! to 8 was measured and rejected: the table does not see evictions, so a pod that received a
+//! prefix long ago stayed listed for it, and Mooncake's hit rate and TTFT p90 at 1 × 1 got
+//! worse (13.4 % → 13.1 %, 1.18 → 1.21 s); overwriting lets the newest placement age the old
+//! one out. Writing a hash that is present replaces its record (its endpoint and tags) and moves
+//! it to the end; the oldest records fall off the front.
+//! A hash lives in shard `hash mod shards`. The endpoint key is the low 32 bits of
+//! `xxh3_64(address)`; it is only ever compared with the keys of the current candidates, so a
+//! stale entry for an endpoint that left names nothing (a 32-bit collision among a pool's
+//! candidates has odds ~n²/2³³, 1e-4 for 1024 endpoints, and would only misdirect a soft score).
 //!
-//! **Checkpoints.** Only the blocks at positions 4, 8, 16, … (block counts, powers of two from
-//! [`FIRST_CHECKPOINT`] up to the request's block count) are stored; a prompt shorter than 4
-//! blocks (1 KiB) is not shared across workers, since so short a prefix is cheap to recompute. A later turn extends an earlier one, so it contains
-//! every checkpoint the earlier turn wrote. Reads walk the checkpoints in ascending order and
-//! stop at the first miss (a chain that misses at 2^j misses beyond it too, unless it was
-//! evicted): a fresh prompt costs 1 read, a conversation of n blocks about log2(n/4) + 2. The match
-//! length is a lower bound within a factor of 2 of the truth; the local index gives the exact
-//! count when this worker sent the earlier turns itself.
+//! **Checkpoints: octaves, in quarter steps.** A record sits at each octave start `b` = 4, 8,
+//! 16, … blocks (powers of two from [`FIRST_CHECKPOINT`] up to the request's block count), under
+//! the chained hash of the prompt's first `b` blocks; its three step tags are the top 16 bits of
+//! the chained hashes at `b × 5/4`, `b × 6/4` and `b × 7/4` (0 past the writer's prompt). A
+//! reader whose own hashes give the same tags knows the endpoint holds those longer prefixes
+//! too, so the match is resolved to a quarter octave (a lower bound at least 80 % of the truth;
+//! whole octaves alone gave 50 %, which let a long shared system prompt look barely cached on
+//! its pod to the workers that had not sent it there themselves) for one read and one write per
+//! octave, as before. A 16-bit tag matches a foreign prefix with odds 1/65,536, only ever
+//! overstating a soft score by less than an octave. A prompt shorter than 4 blocks (1 KiB) is
+//! not shared across workers, since so short a prefix is cheap to recompute. A later turn
+//! extends an earlier one, so it finds every record the earlier turn wrote.
 //!
-//! **Writes.** After the pick, the primary's key is written at every checkpoint not already
-//! known to map to it, grouped by shard: one CAS read-modify-write per shard touched, retried up
-//! to [`MAX_CAS_ATTEMPTS`] times. The values read during the lookup are reused for the first
-//! attempt, so a conversation continuing on the same endpoint usually costs 1 write (its newest
-//! checkpoint) and no extra read. A write that keeps losing races is dropped: the table is a
-//! hint, and the next turn writes again.
+//! **Reads** walk the octaves in ascending order and stop at the first octave with no record (a
+//! chain that misses at 2^j misses beyond it too, unless it was evicted): a fresh prompt costs 1
+//! read, a conversation of n blocks about log2(n/4) + 2. The local index gives the exact count
+//! when this worker sent the earlier turns itself.
+//!
+//! **Writes.** After the pick, the primary's key is written at every octave where the lookup did
+//! not find it already covering this prompt, grouped by shard: one CAS read-modify-write per
+//! shard touched, retried up to [`MAX_CAS_ATTEMPTS`] times. The values read during the lookup are
+//! reused for the first attempt, so a conversation continuing on the same endpoint usually costs
+//! 1 write (its newest octave) and no extra read. A write that keeps losing races is dropped: the
+//! table is a hint, and the next turn writes again.
 //!
 //! **First writes.** A never-written shard has no CAS token, and a write with cas 0 is blind, so
 //! two workers' very first writes to one shard could race and one be lost. A shard read as absent
@@ -42,13 +57,18 @@
 //! (`two_first_writers_of_a_shard_both_land`).
 //!
 //! **Failure behaviour.** A store error on read counts as a miss; on write the update is
-//! skipped. A value whose length is not a multiple of 12 is read as empty and replaced on the
+//! skipped. A value whose length is not a multiple of 18 is read as empty and replaced on the
 //! next write. Neither can make the scheduler fail a request.
 
 use crate::ports::{SharedStore, StoreError};
 
-pub const KEY_PREFIX: &str = "inference-picker/prefix/";
-pub const RECORD_BYTES: usize = 12;
+/// `prefix2`: the 18-byte records with step tags (a release with the 12-byte records of
+/// `prefix/` never reads them, nor they its).
+pub const KEY_PREFIX: &str = "inference-picker/prefix2/";
+/// Steps per octave: the octave start and `STEPS − 1` tagged positions after it.
+pub const STEPS: usize = 4;
+/// Bytes of one record: hash, endpoint key, a 16-bit tag per step after the octave start.
+pub const RECORD_BYTES: usize = 8 + 4 + 2 * (STEPS - 1);
 pub const MAX_CAS_ATTEMPTS: usize = 4;
 
 /// The key naming an endpoint in the table: the low 32 bits of `xxh3_64(address)`.
@@ -65,52 +85,125 @@ pub fn endpoint_key_of_hash(hash: u64) -> u32 {
 /// shared prefix is cheap to recompute and not worth a shared-data write per request.
 pub const FIRST_CHECKPOINT: usize = 4;
 
-/// Checkpoint positions (in blocks) for a request of `n` blocks: 4, 8, 16, … ≤ n.
+/// Most endpoints one hash keeps in the table (the most recent writers; see the module doc for
+/// why 1).
+pub const MAX_ENDPOINTS_PER_HASH: usize = 1;
+
+/// Octave starts (in blocks) for a request of `n` blocks: 4, 8, 16, … ≤ n.
 pub fn checkpoints(n: usize) -> impl Iterator<Item = usize> {
     std::iter::successors(Some(FIRST_CHECKPOINT), |p| p.checked_mul(2)).take_while(move |&p| p <= n)
 }
 
-fn records(value: &[u8]) -> impl DoubleEndedIterator<Item = (u64, u32)> + '_ {
+/// The tagged positions after octave start `b`: `b + q × b / STEPS`, q = 1 … STEPS − 1.
+fn step_positions(b: usize) -> impl Iterator<Item = usize> {
+    (1..STEPS).map(move |q| b + q * b / STEPS)
+}
+
+/// A chained hash's step tag: its top 16 bits, never 0 (0 marks a position past the prompt).
+fn tag(h: u64) -> u16 {
+    ((h >> 48) as u16).max(1)
+}
+
+/// One record: (octave hash, endpoint key, step tags).
+pub type Record = (u64, u32, [u16; STEPS - 1]);
+
+/// The step tags of `hashes` after octave start `b` (0 past the prompt).
+pub fn step_tags(hashes: &[u64], b: usize) -> [u16; STEPS - 1] {
+    let mut t = [0u16; STEPS - 1];
+    for (slot, p) in t.iter_mut().zip(step_positions(b)) {
+        if let Some(&h) = p.checked_sub(1).and_then(|i| hashes.get(i)) {
+            *slot = tag(h);
+        }
+    }
+    t
+}
+
+/// How far a record at octave start `b` with tags `stored` covers `hashes`: `b`, or the last
+/// step position up to which every tag matches (and lies within the prompt).
+fn covered(hashes: &[u64], b: usize, stored: &[u16; STEPS - 1]) -> usize {
+    let mut m = b;
+    for (p, &s) in step_positions(b).zip(stored) {
+        match p.checked_sub(1).and_then(|i| hashes.get(i)) {
+            Some(&h) if s != 0 && tag(h) == s => m = p,
+            _ => break,
+        }
+    }
+    m
+}
+
+/// The furthest this prompt reaches within octave `b`: its last step position (or `b`).
+fn reach(n: usize, b: usize) -> usize {
+    step_positions(b).filter(|&p| p <= n).last().unwrap_or(b)
+}
+
+fn records(value: &[u8]) -> impl DoubleEndedIterator<Item = Record> + '_ {
     let usable = if value.len().is_multiple_of(RECORD_BYTES) { value } else { &[] };
     usable.chunks_exact(RECORD_BYTES).map(|r| {
         let mut h = [0u8; 8];
         let mut e = [0u8; 4];
-        let (a, b) = r.split_at(8);
-        h.copy_from_slice(a);
-        e.copy_from_slice(b.get(..4).unwrap_or(&[0; 4]));
-        (u64::from_le_bytes(h), u32::from_le_bytes(e))
+        h.copy_from_slice(r.get(..8).unwrap_or(&[0; 8]));
+        e.copy_from_slice(r.get(8..12).unwrap_or(&[0; 4]));
+        let mut t = [0u16; STEPS - 1];
+        for (q, slot) in t.iter_mut().enumerate() {
+            let at = 12 + 2 * q;
+            if let (Some(&lo), Some(&hi)) = (r.get(at), r.get(at + 1)) {
+                *slot = u16::from_le_bytes([lo, hi]);
+            }
+        }
+        (u64::from_le_bytes(h), u32::from_le_bytes(e), t)
     })
 }
 
-/// The endpoint key stored for `h` in a shard value.
+/// The endpoint key stored most recently for `h` in a shard value.
 pub fn find(value: &[u8], h: u64) -> Option<u32> {
-    records(value).rev().find(|&(rh, _)| rh == h).map(|(_, e)| e)
+    records(value).rev().find(|r| r.0 == h).map(|r| r.1)
 }
 
-/// `value` with `updates` moved/added to the end and the oldest records dropped beyond `max`.
-pub fn upsert(value: &[u8], updates: &[(u64, u32)], max: usize) -> Vec<u8> {
-    let usable = if value.len().is_multiple_of(RECORD_BYTES) { value } else { &[] };
-    let updated = |h: u64| updates.iter().any(|&(u, _)| u == h);
-    let kept = records(usable).filter(|&(h, _)| !updated(h)).count();
-    let mut skip = (kept + updates.len()).saturating_sub(max);
-    let mut out = Vec::with_capacity((kept + updates.len()).min(max) * RECORD_BYTES);
-    for (rec, (h, _)) in usable.chunks_exact(RECORD_BYTES).zip(records(usable)) {
-        if updated(h) {
-            continue;
-        }
-        if skip > 0 {
-            skip -= 1;
-            continue;
-        }
-        out.extend_from_slice(rec);
+/// Every record stored for `h` in a shard value, most recent first: (endpoint key, step tags).
+pub fn find_all(value: &[u8], h: u64) -> impl Iterator<Item = (u32, [u16; STEPS - 1])> + '_ {
+    records(value).rev().filter(move |r| r.0 == h).map(|r| (r.1, r.2))
+}
+
+/// `value` with `updates` put at the end (each replacing the record of the same hash and
+/// endpoint), then, newest first, at most [`MAX_ENDPOINTS_PER_HASH`] records per hash and `max`
+/// records in all kept (the oldest drop).
+pub fn upsert(value: &[u8], updates: &[Record], max: usize) -> Vec<u8> {
+    let same = |a: &Record, b: &Record| a.0 == b.0 && a.1 == b.1;
+    let mut all: Vec<Record> = records(value).filter(|r| !updates.iter().any(|u| same(r, u))).collect();
+    for u in updates {
+        // A duplicate within `updates` keeps its last position.
+        all.retain(|r| !same(r, u));
+        all.push(*u);
     }
-    for (h, e) in updates {
-        if skip > 0 {
-            skip -= 1;
-            continue;
+    let mut keep = vec![false; all.len()];
+    let mut per_hash: Vec<(u64, usize)> = Vec::new();
+    let mut kept = 0;
+    for (i, r) in all.iter().enumerate().rev() {
+        if kept >= max {
+            break;
         }
+        let n = match per_hash.iter().position(|(h, _)| *h == r.0) {
+            Some(j) => j,
+            None => {
+                per_hash.push((r.0, 0));
+                per_hash.len() - 1
+            }
+        };
+        if let (Some((_, c)), Some(k)) = (per_hash.get_mut(n), keep.get_mut(i)) {
+            if *c < MAX_ENDPOINTS_PER_HASH {
+                *c += 1;
+                *k = true;
+                kept += 1;
+            }
+        }
+    }
+    let mut out = Vec::with_capacity(kept * RECORD_BYTES);
+    for ((h, e, t), _) in all.iter().zip(&keep).filter(|(_, k)| **k) {
         out.extend_from_slice(&h.to_le_bytes());
         out.extend_from_slice(&e.to_le_bytes());
+        for x in t {
+            out.extend_from_slice(&x.to_le_bytes());
+        }
     }
     out
 }
@@ -118,7 +211,7 @@ pub fn upsert(value: &[u8], updates: &[(u64, u32)], max: usize) -> Vec<u8> {
 /// What one request's lookup found, kept for its write.
 #[derive(Debug, Default)]
 pub struct Lookup {
-    /// (checkpoint position in blocks, endpoint key), ascending.
+    /// (blocks the record covers, endpoint key), by ascending octave.
     pub hits: Vec<(usize, u32)>,
     /// Shard values read (shard, value, cas), reused by [`SharedPrefix::record`].
     read: Vec<(usize, Vec<u8>, u32)>,
@@ -176,57 +269,53 @@ impl SharedPrefix {
         Ok(store.get(key)?.unwrap_or_default())
     }
 
-    /// Looks up the checkpoints of `hashes` in ascending order until the first miss.
+    /// Looks up the octaves of `hashes` in ascending order until the first one with no record.
     pub fn lookup(&self, store: &dyn SharedStore, hashes: &[u64]) -> Lookup {
         let mut out = Lookup::default();
         if !self.enabled() {
             return out;
         }
-        for p in checkpoints(hashes.len()) {
-            let Some(&h) = hashes.get(p - 1) else { break };
+        for b in checkpoints(hashes.len()) {
+            let Some(&h) = hashes.get(b - 1) else { break };
             let shard = self.shard(h);
-            let found = match out.read.iter().find(|(s, _, _)| *s == shard) {
-                Some((_, v, _)) => find(v, h),
-                None => {
-                    out.reads += 1;
-                    match self.get(store, shard) {
-                        Ok((v, cas)) => {
-                            let f = find(&v, h);
-                            out.read.push((shard, v, cas));
-                            f
-                        }
-                        Err(_) => None,
-                    }
+            if !out.read.iter().any(|(s, _, _)| *s == shard) {
+                out.reads += 1;
+                match self.get(store, shard) {
+                    Ok((v, cas)) => out.read.push((shard, v, cas)),
+                    Err(_) => break,
                 }
-            };
-            match found {
-                Some(key) => out.hits.push((p, key)),
-                None => break,
+            }
+            let before = out.hits.len();
+            if let Some((_, v, _)) = out.read.iter().find(|(s, _, _)| *s == shard) {
+                out.hits.extend(find_all(v, h).map(|(key, tags)| (covered(hashes, b, &tags), key)));
+            }
+            if out.hits.len() == before {
+                break;
             }
         }
         out
     }
 
-    /// Writes `key` at every checkpoint of `hashes` not already known to map to it. Returns the
-    /// number of successful shard writes.
+    /// Writes `key` at every octave of `hashes` where the lookup did not find it covering this
+    /// prompt already. Returns the number of successful shard writes.
     /// Consumes the values the lookup read (they become the first CAS attempt's input).
     pub fn record(&self, store: &dyn SharedStore, hashes: &[u64], key: u32, lookup: &mut Lookup) -> usize {
         if !self.enabled() {
             return 0;
         }
-        let mut todo: Vec<(usize, u64)> = checkpoints(hashes.len())
-            .filter(|p| !lookup.hits.iter().any(|&(hp, hk)| hp == *p && hk == key))
-            .filter_map(|p| hashes.get(p - 1))
-            .map(|&h| (self.shard(h), h))
+        let n = hashes.len();
+        let mut todo: Vec<(usize, Record)> = checkpoints(n)
+            .filter(|&b| !lookup.hits.iter().any(|&(hp, hk)| hk == key && hp == reach(n, b)))
+            .filter_map(|b| hashes.get(b - 1).map(|&h| (self.shard(h), (h, key, step_tags(hashes, b)))))
             .collect();
-        todo.sort_unstable();
+        todo.sort_unstable_by_key(|(s, r)| (*s, r.0));
         let mut writes = 0;
         let mut rest = todo.as_slice();
         while let Some(&(shard, _)) = rest.first() {
             let n = rest.iter().take_while(|(s, _)| *s == shard).count();
             let (group, tail) = rest.split_at(n);
             rest = tail;
-            let updates: Vec<(u64, u32)> = group.iter().map(|&(_, h)| (h, key)).collect();
+            let updates: Vec<Record> = group.iter().map(|&(_, r)| r).collect();
             if self.write_shard(store, shard, &updates, lookup) {
                 writes += 1;
             }
@@ -238,7 +327,7 @@ impl SharedPrefix {
         &self,
         store: &dyn SharedStore,
         shard: usize,
-        updates: &[(u64, u32)],
+        updates: &[Record],
         lookup: &Lookup,
     ) -> bool {
         let Some(k) = self.keys.get(shard) else { return false };
@@ -294,44 +383,85 @@ mod tests {
         assert_eq!(checkpoints(256).count(), 7);
     }
 
+    const T: [u16; 3] = [0; 3];
+
     #[test]
     fn upsert_moves_to_end_and_bounds() {
-        let v = upsert(&[], &[(1, 10), (2, 20)], 3);
-        assert_eq!(v.len(), 24);
-        // Re-writing 1 moves it to the end with the new endpoint; 3 is added; max 3 kept.
-        let v = upsert(&v, &[(1, 11), (3, 30)], 3);
-        assert_eq!(records(&v).collect::<Vec<_>>(), vec![(2, 20), (1, 11), (3, 30)]);
+        let v = upsert(&[], &[(1, 10, T), (2, 20, T)], 3);
+        assert_eq!(v.len(), 2 * RECORD_BYTES);
+        // Re-writing (1, 10) moves it to the end with its new tags; (3, 30) is added; max 3.
+        let v = upsert(&v, &[(1, 10, [5, 6, 7]), (3, 30, T)], 3);
+        assert_eq!(records(&v).collect::<Vec<_>>(), vec![(2, 20, T), (1, 10, [5, 6, 7]), (3, 30, T)]);
         // One more drops the oldest (2).
-        let v = upsert(&v, &[(4, 40)], 3);
-        assert_eq!(records(&v).collect::<Vec<_>>(), vec![(1, 11), (3, 30), (4, 40)]);
+        let v = upsert(&v, &[(4, 40, T)], 3);
+        assert_eq!(records(&v).collect::<Vec<_>>(), vec![(1, 10, [5, 6, 7]), (3, 30, T), (4, 40, T)]);
         assert_eq!((find(&v, 3), find(&v, 2)), (Some(30), None));
         // Garbage length reads as empty.
         assert_eq!(find(&[1, 2, 3], 0), None);
-        assert_eq!(upsert(&[1, 2, 3], &[(5, 50)], 3).len(), 12);
+        assert_eq!(upsert(&[1, 2, 3], &[(5, 50, T)], 3).len(), RECORD_BYTES);
     }
 
     #[test]
-    fn second_worker_finds_first_workers_conversation() {
+    fn a_hash_keeps_the_endpoints_that_received_it_last() {
+        let v = upsert(&[], &[(1, 10, T), (2, 20, T)], 64);
+        let v = upsert(&v, &[(1, 11, [1, 2, 3])], 64);
+        let kept: Vec<(u32, [u16; 3])> = find_all(&v, 1).collect();
+        assert_eq!(kept.len(), MAX_ENDPOINTS_PER_HASH);
+        assert_eq!(kept.first(), Some(&(11, [1, 2, 3])));
+        // Every endpoint writes hash 1 in turn: only the newest stay, and the other hash is not
+        // pushed out by it.
+        let mut v = v;
+        for e in 100..120u32 {
+            v = upsert(&v, &[(1, e, T)], 64);
+        }
+        let kept: Vec<u32> = find_all(&v, 1).map(|(e, _)| e).collect();
+        assert_eq!(kept, (120 - MAX_ENDPOINTS_PER_HASH as u32..120).rev().collect::<Vec<_>>());
+        assert_eq!(find(&v, 2), Some(20));
+        assert_eq!(v.len(), (1 + MAX_ENDPOINTS_PER_HASH) * RECORD_BYTES);
+    }
+
+    #[test]
+    fn step_tags_resolve_the_match_within_an_octave() {
+        // A 100-block prompt recorded on endpoint 7; a reader sharing its first 90 blocks (a
+        // system prompt, then its own question) matches 80 blocks (octave 64, steps 80, 96, 112:
+        // 80 ≤ 90 < 96), not the octave start's 64.
         let store = MemStore::new();
         let t = SharedPrefix::new(8, 64);
-        // Turn 1: 10 blocks → checkpoints 4 and 8 written for endpoint 7.
-        let turn1: Vec<u64> = (100..110).collect();
-        let mut l = t.lookup(&store, &turn1);
-        assert_eq!((l.hits.len(), l.reads), (0, 1));
-        assert!(t.record(&store, &turn1, 7, &mut l) >= 1);
-        // Turn 2 (another worker, same store): extends turn 1 to 20 blocks. Checkpoints 4 and 8
-        // hit endpoint 7, 16 misses: matched lower bound 8 of 20 (the truth is 10).
-        let mut turn2 = turn1.clone();
-        turn2.extend(200..210);
-        let mut l = t.lookup(&store, &turn2);
-        assert_eq!(l.hits, vec![(4, 7), (8, 7)]);
-        assert_eq!((l.matched(7), l.matched(8)), (8, 0));
-        // Recording turn 2 on endpoint 7 writes only checkpoint 16 (one shard).
-        assert_eq!(t.record(&store, &turn2, 7, &mut l), 1);
-        assert_eq!(t.lookup(&store, &turn2).matched(7), 16);
-        // A prompt of 3 blocks is never looked up or written.
-        let mut l = t.lookup(&store, &[1, 2, 3]);
-        assert_eq!((l.reads, t.record(&store, &[1, 2, 3], 7, &mut l)), (0, 0));
+        let writer: Vec<u64> = (1..=100).map(|i: u64| i.wrapping_mul(0x9E37_79B9_7F4A_7C15)).collect();
+        let mut l = t.lookup(&store, &writer);
+        assert!(t.record(&store, &writer, 7, &mut l) >= 1);
+        let mut reader = writer[..90].to_vec();
+        reader.extend((1..=30).map(|i: u64| i.wrapping_mul(0x1234_5678_9ABC_DEF1)));
+        assert_eq!(t.lookup(&store, &reader).matched(7), 80);
+        // The writer's own next turn finds all of its 100 blocks' last step (96).
+        let mut next = writer.clone();
+        next.extend((1..=50).map(|i: u64| i.wrapping_mul(0x0F0F_0F0F_0F0F_0F0F)));
+        assert_eq!(t.lookup(&store, &next).matched(7), 96);
+        // Another endpoint receives the same system prompt: the table now names it.
+        let mut other = writer[..90].to_vec();
+        other.extend((1..=20).map(|i: u64| i.wrapping_mul(0x5555_5555_5555_5555)));
+        let mut l = t.lookup(&store, &other);
+        t.record(&store, &other, 8, &mut l);
+        assert_eq!(t.lookup(&store, &reader).matched(8), 80);
+    }
+
+    #[test]
+    fn a_prompt_already_covered_is_not_written_again() {
+        let store = MemStore::new();
+        let t = SharedPrefix::new(8, 64);
+        let p: Vec<u64> = (1..=40).map(|i: u64| i.wrapping_mul(0x9E37_79B9_7F4A_7C15)).collect();
+        let mut l = t.lookup(&store, &p);
+        assert!(t.record(&store, &p, 3, &mut l) >= 1);
+        let mut l = t.lookup(&store, &p);
+        assert_eq!(l.matched(3), 40);
+        assert_eq!(t.record(&store, &p, 3, &mut l), 0);
+        // A longer prompt on the same endpoint rewrites only the octave it extends (32 → 48).
+        let mut longer = p.clone();
+        longer.extend((1..=10).map(|i: u64| i.wrapping_mul(0x1111_1111_1111_1111)));
+        let mut l = t.lookup(&store, &longer);
+        assert_eq!(l.matched(3), 40);
+        assert_eq!(t.record(&store, &longer, 3, &mut l), 1);
+        assert_eq!(t.lookup(&store, &longer).matched(3), 48);
     }
 
     #[test]
@@ -363,7 +493,7 @@ mod tests {
         }
         fn set(&self, key: &str, value: &[u8], cas: u32) -> Result<(), StoreError> {
             if !self.raced.replace(true) {
-                let other = upsert(&[], &[(999, 9)], 16);
+                let other = upsert(&[], &[(999, 9, T)], 16);
                 self.inner.set(key, &other, 0)?;
             }
             self.inner.set(key, value, cas)

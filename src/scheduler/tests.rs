@@ -810,6 +810,28 @@ fn a_burst_from_one_worker_spreads_before_any_scrape_sees_it() {
     assert_eq!(s.pending_requests(), 8);
 }
 
+/// The primary of a fresh 8 KiB prompt on `a:1` (KV 10 %) and `b:1` (KV 30 %), both with an
+/// empty scraped queue, on a worker whose own ledger is empty, given the in-flight record.
+fn pick_with_peers(inflight: &[u8]) -> String {
+    let mut s = Scheduler::new(&config_ttft(r#","scheduler":{"predicted":{"affinity_slack":0}}"#));
+    let sn = snap(vec![ep("a:1", &["llama"], 0.0, 0.1), ep("b:1", &["llama"], 0.0, 0.3)]);
+    let prompt = fresh_prompt(9, 8);
+    let r = PickRequest { model: "llama", prompt: &prompt, ..Default::default() };
+    let inf = InflightCounts::decode(inflight);
+    s.pick(&r, &sn, &inf, &MemStore::new(), &mut SplitMix64::new(1), NOW).unwrap().primary
+}
+
+#[test]
+fn the_prefill_other_workers_queued_counts_as_work_ahead() {
+    // Other workers of this Envoy published one 20,000-token prefill pending on a and two
+    // short ones (2,000 tokens together) on b. Ahead of this prompt (2,048 + 256 tokens): a
+    // 20,256 × 1.11 (KV factor) against b 2,512 × 1.43 → b.
+    assert_eq!(pick_with_peers(b"a:1=1/1/20000;b:1=2/2/2000"), "b:1");
+    // The same counts without their prefill part (an older release's record): nothing queued
+    // shows, and the emptier KV cache wins.
+    assert_eq!(pick_with_peers(b"a:1=1;b:1=2"), "a:1");
+}
+
 /// One predicted-TTFT pick of a fresh prompt (`id`) on two idle pods: the scheduler, its store
 /// and the pick, for the ledger tests.
 fn one_ttft_pick(id: u32) -> (Scheduler, MemStore, Pick) {

@@ -191,7 +191,7 @@ fn real_main() -> Result<(), String> {
     };
     let mut results = suite::empty_results(&workloads);
     suite::execute(&workloads, &mut results, &tasks, &common, args.jobs, &progress)?;
-    // Second phase: ours at 4 × 4 at each workload's reference load.
+    // Second phase: ours at 1 × 4 and 4 × 4 at each workload's reference load.
     // and the gap-to-the-limit variants there (issue #16).
     let mut scale_out = suite::scale_out_tasks(&results, &workloads, &common);
     let gap = suite::gap_tasks(&results, &workloads, &common);

@@ -732,6 +732,8 @@ impl Sim<'_> {
         match self.servers[si].submit(sim) {
             Ok(()) => {
                 let _ = rep.inflight.borrow_mut().adjust(&rep.store, &self.addresses[si], 1, now_ms);
+                let ri = self.workers[wi].replica;
+                publish_prefill(&self.replicas, &self.workers, ri, &self.addresses[si], now_ms);
                 self.out.routed(idx, si);
             }
             Err(e) => {
@@ -777,6 +779,20 @@ fn report(
     }
 }
 
+/// Ours: each worker publishes its ledger's prefill per endpoint with its in-flight record, and
+/// readers sum the records (`InflightTable::adjust_with_prefill`, `set_prefill`); the replica's
+/// one table holds that sum, as exact and immediate as its counts.
+fn publish_prefill(replicas: &[Replica], workers: &[Worker], ri: usize, address: &str, now_ms: u64) {
+    let Some(r) = replicas.get(ri) else { return };
+    let (mut tokens, mut n) = (0.0, 0u32);
+    for s in workers.iter().filter(|w| w.replica == ri).filter_map(|w| w.sched.as_ref()) {
+        let (t, k) = s.ledger_prefill(address);
+        tokens += t;
+        n = n.saturating_add(k);
+    }
+    let _ = r.inflight.borrow_mut().set_prefill(&r.store, address, (tokens, n), now_ms);
+}
+
 fn handle_events(
     events: &[Event],
     si: usize,
@@ -792,6 +808,7 @@ fn handle_events(
                 if let Some(l) = live.get_mut(id as usize) {
                     l.first = Some(t_ms);
                     report(l, Some(t_ms), si, replicas, workers, addresses);
+                    publish_prefill(replicas, workers, l.replica, &addresses[si], EPOCH_MS + t_ms as u64);
                     if let Some(d) = replicas.get_mut(l.replica).and_then(|r| r.dynamo.as_mut()) {
                         d.first_token(id);
                     }
@@ -817,6 +834,7 @@ fn handle_events(
                             d.finished(id);
                         }
                     }
+                    publish_prefill(replicas, workers, l.replica, &addresses[si], EPOCH_MS + t_ms as u64);
                 }
             }
             Event::Rejected { id, t_ms, .. } => {
@@ -836,6 +854,7 @@ fn handle_events(
                                 d.finished(id);
                             }
                         }
+                        publish_prefill(replicas, workers, l.replica, &addresses[si], EPOCH_MS + t_ms as u64);
                     }
                 }
             }

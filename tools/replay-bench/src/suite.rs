@@ -513,8 +513,12 @@ pub fn main_tasks(workloads: &[Workload], common: &Common) -> Vec<Task> {
     v
 }
 
-/// `ours` at 4 replicas × 4 workers at each workload's reference load (the SUMMARY's 4×4
-/// figures), for workloads that ran ours.
+/// The scale-out topologies of `ours` at each reference load: one Envoy with 4 workers (Envoy
+/// runs a worker per core, so this is how a single gateway ships) and 4 replicas × 4 workers.
+pub const SCALE_OUT: [(usize, usize); 2] = [(1, 4), (4, 4)];
+
+/// `ours` at each [`SCALE_OUT`] topology at each workload's reference load (the SUMMARY's 1×4
+/// and 4×4 figures), for workloads that ran ours.
 pub fn scale_out_tasks(results: &[WorkloadResult], workloads: &[Workload], common: &Common) -> Vec<Task> {
     let mut v = Vec::new();
     for (wi, (r, w)) in results.iter().zip(workloads).enumerate() {
@@ -522,11 +526,13 @@ pub fn scale_out_tasks(results: &[WorkloadResult], workloads: &[Workload], commo
             continue;
         }
         let Ok(load) = reference_load(r) else { continue };
-        if r.point("ours", load, (4, 4)).is_some() {
-            continue;
-        }
-        for &seed in &common.seeds {
-            v.push(Task { workload: wi, policy: Policy::Ours, load, replicas: 4, workers: 4, seed });
+        for (replicas, workers) in SCALE_OUT {
+            if r.point("ours", load, (replicas, workers)).is_some() {
+                continue;
+            }
+            for &seed in &common.seeds {
+                v.push(Task { workload: wi, policy: Policy::Ours, load, replicas, workers, seed });
+            }
         }
     }
     v
@@ -697,6 +703,7 @@ pub fn summary_values(w: &WorkloadResult) -> Result<(f64, SummaryValues), String
         return Err(format!("{}: worst_vs_best_baseline is not a number", w.key));
     }
     let four = need("ours", load, (4, 4))?;
+    let one_envoy = need("ours", load, (1, 4))?;
     let hit = ours.hit_rate.median;
     let vals = vec![
         (
@@ -714,6 +721,7 @@ pub fn summary_values(w: &WorkloadResult) -> Result<(f64, SummaryValues), String
         ("rejected_pct", ours.rejected_pct.median),
         ("replicas_4x4_vs_1x1", o / four.ttft_p90_strict_s.median),
         ("hit_rate_4x4_vs_1x1", four.hit_rate.median / hit.max(1e-12)),
+        ("workers_1x4_vs_1x1", o / one_envoy.ttft_p90_strict_s.median),
         ("ttft_p90_vs_dynamo", ratio(need("dynamo", load, (1, 1))?.ttft_p90_strict_s.median, "dynamo")?),
         ("ttft_p90_vs_oracle", ratio(need("oracle", load, (1, 1))?.ttft_p90_strict_s.median, "oracle")?),
     ];

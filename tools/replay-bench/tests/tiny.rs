@@ -163,11 +163,13 @@ fn the_report_has_the_summary_line() {
     let ws = [w.clone()];
     let mut res = suite::empty_results(&ws);
     suite::execute(&ws, &mut res, &suite::main_tasks(&ws, &common), &common, 2, &|_| {}).unwrap();
-    // Without the 4×4 runs there is no SUMMARY, and the bench says why instead of printing n/a.
+    // Without the scale-out runs there is no SUMMARY, and the bench says why instead of printing
+    // n/a.
     let err = suite::summary_line(&res[0]).unwrap_err();
     assert!(err.contains("4x4"), "{err}");
     let scale = suite::scale_out_tasks(&res, &ws, &common);
-    assert_eq!(scale.len(), 3);
+    // 1 × 4 and 4 × 4, 3 seeds each.
+    assert_eq!(scale.len(), 6);
     suite::execute(&ws, &mut res, &scale, &common, 2, &|_| {}).unwrap();
     let line = suite::summary_line(&res[0]).unwrap();
     let fields: Vec<&str> = line.split_whitespace().collect();
@@ -185,6 +187,7 @@ fn the_report_has_the_summary_line() {
             "rejected_pct",
             "replicas_4x4_vs_1x1",
             "hit_rate_4x4_vs_1x1",
+            "workers_1x4_vs_1x1",
             "ttft_p90_vs_dynamo",
             "ttft_p90_vs_oracle",
             "seeds",
