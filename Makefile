@@ -106,6 +106,8 @@ e2e: wasm sim venv
 
 bench-check:
 	cargo bench --workspace --no-run
+	# bench-routing's `cargo run -p replay-bench` must resolve its binary (the crate has two).
+	cargo run -q -p replay-bench -- --help > /dev/null
 
 bench:
 	cargo bench -p inference-picker

@@ -108,6 +108,11 @@ impl InflightCounts {
         self.counts.get(hash, address).map_or(0, |l| l.n)
     }
 
+    /// The whole entry of `address` (whose `address_hash` is `hash`): count and prefill part.
+    pub fn load_hashed(&self, hash: u64, address: &str) -> EndpointLoad {
+        self.counts.get(hash, address).copied().unwrap_or_default()
+    }
+
     /// The requests in prefill on `address` (whose `address_hash` is `hash`) and their uncached
     /// prompt tokens, summed over the VMs that published them: `(tokens, count)`.
     pub fn prefill_hashed(&self, hash: u64, address: &str) -> (f64, u32) {

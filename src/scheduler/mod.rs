@@ -563,8 +563,10 @@ impl Scheduler {
         // `live_queue`, and by the prediction).
         let need_live = self.cfg.live_queue || predicted;
         let addr_hash: Vec<u64> = healthy.iter().map(|e| address_hash(&e.address)).collect();
-        let counts: Vec<u32> =
-            healthy.iter().zip(&addr_hash).map(|(e, &h)| inflight.get_hashed(h, &e.address)).collect();
+        // One probe per candidate for its count and the prefill the workers queued there.
+        let loads: Vec<crate::inflight::EndpointLoad> =
+            healthy.iter().zip(&addr_hash).map(|(e, &h)| inflight.load_hashed(h, &e.address)).collect();
+        let counts: Vec<u32> = loads.iter().map(|l| l.n).collect();
         let live: Vec<Option<f64>> = if need_live {
             healthy
                 .iter()
@@ -712,7 +714,7 @@ impl Scheduler {
                 // published with the in-flight counts), or this worker's own when that is more
                 // (its latest pick may not be published yet).
                 let (mine, active) = self.ledger.pending_and_active(h, c.address);
-                let shared = inflight.prefill_hashed(h, c.address);
+                let shared = loads.get(i).map_or((0.0, 0), |l| (l.prefill_tokens as f64, l.prefill_n));
                 let pending = if shared.1 > mine.1 { shared } else { mine };
                 let inp = predict::Inputs {
                     uncached: own,

@@ -12,9 +12,8 @@
 //! `inference-picker/prefix2/NNNN` (default 256). Each value is a sequence of 18-byte records
 //! `le64(octave hash) ‖ le32(endpoint key) ‖ 3 × le16(step tag)`, oldest first, at most
 //! `shared_entries_per_shard` (default 64 → 1,152 bytes, which every read copies) records. A
-//! hash keeps the [`MAX_ENDPOINTS_PER_HASH`] endpoints that received it last (1: the table says
-//! where a prefix went last; a worker's local index knows every pod it sent it to). Keeping up
-//! to 8 was measured and rejected: the table does not see evictions, so a pod that received a
+//! hash names the endpoint that received it last (a worker's local index knows every pod it sent
+//! it to). Keeping the last 8 endpoints per hash was measured and rejected: the table does not see evictions, so a pod that received a
 //! prefix long ago stayed listed for it, and Mooncake's hit rate and TTFT p90 at 1 × 1 got
 //! worse (13.4 % → 13.1 %, 1.18 → 1.21 s); overwriting lets the newest placement age the old
 //! one out. Writing a hash that is present replaces its record (its endpoint and tags) and moves
@@ -84,10 +83,6 @@ pub fn endpoint_key_of_hash(hash: u64) -> u32 {
 /// The first checkpoint, in blocks (1 KiB of text with the default 256-byte blocks). A shorter
 /// shared prefix is cheap to recompute and not worth a shared-data write per request.
 pub const FIRST_CHECKPOINT: usize = 4;
-
-/// Most endpoints one hash keeps in the table (the most recent writers; see the module doc for
-/// why 1).
-pub const MAX_ENDPOINTS_PER_HASH: usize = 1;
 
 /// Octave starts (in blocks) for a request of `n` blocks: 4, 8, 16, … ≤ n.
 pub fn checkpoints(n: usize) -> impl Iterator<Item = usize> {
@@ -159,46 +154,42 @@ pub fn find(value: &[u8], h: u64) -> Option<u32> {
     records(value).rev().find(|r| r.0 == h).map(|r| r.1)
 }
 
-/// Every record stored for `h` in a shard value, most recent first: (endpoint key, step tags).
+/// Every record stored for `h` in a shard value, most recent first: (endpoint key, step tags);
+/// [`upsert`] keeps one per hash, so at most one unless the value was written otherwise.
 pub fn find_all(value: &[u8], h: u64) -> impl Iterator<Item = (u32, [u16; STEPS - 1])> + '_ {
     records(value).rev().filter(move |r| r.0 == h).map(|r| (r.1, r.2))
 }
 
-/// `value` with `updates` put at the end (each replacing the record of the same hash and
-/// endpoint), then, newest first, at most [`MAX_ENDPOINTS_PER_HASH`] records per hash and `max`
-/// records in all kept (the oldest drop).
+/// `value` with `updates` put at the end (each replacing the record of the same hash: a hash
+/// names the endpoint that received it last) and the oldest records dropped beyond `max`.
 pub fn upsert(value: &[u8], updates: &[Record], max: usize) -> Vec<u8> {
-    let same = |a: &Record, b: &Record| a.0 == b.0 && a.1 == b.1;
-    let mut all: Vec<Record> = records(value).filter(|r| !updates.iter().any(|u| same(r, u))).collect();
-    for u in updates {
-        // A duplicate within `updates` keeps its last position.
-        all.retain(|r| !same(r, u));
-        all.push(*u);
-    }
-    let mut keep = vec![false; all.len()];
-    let mut per_hash: Vec<(u64, usize)> = Vec::new();
-    let mut kept = 0;
-    for (i, r) in all.iter().enumerate().rev() {
-        if kept >= max {
-            break;
+    let usable = if value.len().is_multiple_of(RECORD_BYTES) { value } else { &[] };
+    let updated = |h: u64| updates.iter().any(|u| u.0 == h);
+    let kept = records(usable).filter(|r| !updated(r.0)).count();
+    // A hash twice in `updates`: its last record wins.
+    let fresh: Vec<&Record> = updates
+        .iter()
+        .enumerate()
+        .filter(|(i, u)| !updates.iter().skip(i + 1).any(|v| v.0 == u.0))
+        .map(|(_, u)| u)
+        .collect();
+    let mut skip = (kept + fresh.len()).saturating_sub(max);
+    let mut out = Vec::with_capacity((kept + fresh.len()).min(max) * RECORD_BYTES);
+    for (rec, r) in usable.chunks_exact(RECORD_BYTES).zip(records(usable)) {
+        if updated(r.0) {
+            continue;
         }
-        let n = match per_hash.iter().position(|(h, _)| *h == r.0) {
-            Some(j) => j,
-            None => {
-                per_hash.push((r.0, 0));
-                per_hash.len() - 1
-            }
-        };
-        if let (Some((_, c)), Some(k)) = (per_hash.get_mut(n), keep.get_mut(i)) {
-            if *c < MAX_ENDPOINTS_PER_HASH {
-                *c += 1;
-                *k = true;
-                kept += 1;
-            }
+        if skip > 0 {
+            skip -= 1;
+            continue;
         }
+        out.extend_from_slice(rec);
     }
-    let mut out = Vec::with_capacity(kept * RECORD_BYTES);
-    for ((h, e, t), _) in all.iter().zip(&keep).filter(|(_, k)| **k) {
+    for (h, e, t) in fresh {
+        if skip > 0 {
+            skip -= 1;
+            continue;
+        }
         out.extend_from_slice(&h.to_le_bytes());
         out.extend_from_slice(&e.to_le_bytes());
         for x in t {
@@ -402,22 +393,15 @@ mod tests {
     }
 
     #[test]
-    fn a_hash_keeps_the_endpoints_that_received_it_last() {
+    fn a_hash_names_the_endpoint_that_received_it_last() {
         let v = upsert(&[], &[(1, 10, T), (2, 20, T)], 64);
         let v = upsert(&v, &[(1, 11, [1, 2, 3])], 64);
-        let kept: Vec<(u32, [u16; 3])> = find_all(&v, 1).collect();
-        assert_eq!(kept.len(), MAX_ENDPOINTS_PER_HASH);
-        assert_eq!(kept.first(), Some(&(11, [1, 2, 3])));
-        // Every endpoint writes hash 1 in turn: only the newest stay, and the other hash is not
-        // pushed out by it.
-        let mut v = v;
-        for e in 100..120u32 {
-            v = upsert(&v, &[(1, e, T)], 64);
-        }
-        let kept: Vec<u32> = find_all(&v, 1).map(|(e, _)| e).collect();
-        assert_eq!(kept, (120 - MAX_ENDPOINTS_PER_HASH as u32..120).rev().collect::<Vec<_>>());
-        assert_eq!(find(&v, 2), Some(20));
-        assert_eq!(v.len(), (1 + MAX_ENDPOINTS_PER_HASH) * RECORD_BYTES);
+        assert_eq!(find_all(&v, 1).collect::<Vec<_>>(), vec![(11, [1, 2, 3])]);
+        assert_eq!(records(&v).collect::<Vec<_>>(), vec![(2, 20, T), (1, 11, [1, 2, 3])]);
+        // The same hash twice in one update: the last wins.
+        let v = upsert(&v, &[(3, 30, T), (3, 31, T)], 64);
+        assert_eq!(find_all(&v, 3).collect::<Vec<_>>(), vec![(31, T)]);
+        assert_eq!(v.len(), 3 * RECORD_BYTES);
     }
 
     #[test]
