@@ -289,3 +289,49 @@ def test_predicted_ttft_learns_each_pods_rate_from_streamed_responses():
         envoy.stop()
         fast.stop()
         slow.stop()
+
+
+def test_the_prefill_one_worker_queued_counts_on_every_worker():
+    # One slow pod, four workers. A long streamed request holds the pod in prefill for seconds.
+    # Every later pick, whichever worker makes it, must count that prefill in the pod's predicted
+    # work (debug scores). A worker that did not send it sees it only through the prefill each
+    # worker publishes with its in-flight count: with per-worker ledgers, the ~3 in 4 picks made
+    # on the other workers would show a few hundred tokens of work instead of ~10,000.
+    sim = Sim("prefill-0", extra=["--speed", "0.05"])
+    envoy = Envoy(picker_config([endpoint(sim)], scheduler={"debug_scores": True}), concurrency=4)
+    long_tokens = 10_000
+    try:
+        envoy.wait_routable()
+        time.sleep(3 * POLL_S)
+        body = {"model": LLAMA, "max_tokens": 2, "stream": True,
+                "messages": [{"role": "user", "content": "long " + "lorem ipsum " * (long_tokens * 4 // 12)}]}
+        with requests.Session() as s:
+            held = s.post(envoy.url + "/v1/chat/completions", json=body, stream=True, timeout=120)
+            try:
+                assert held.status_code == 200, held.text
+                # Let a few scrapes show it running, so the live queue estimate no longer counts
+                # it as waiting: only the published prefill can.
+                time.sleep(4 * POLL_S)
+                def short(i):
+                    with requests.Session() as t:
+                        # Streamed, so the headers (and the scores) come with the first byte.
+                        r = t.post(envoy.url + "/v1/chat/completions", stream=True, timeout=120,
+                                   json={"model": LLAMA, "max_tokens": 1, "stream": True,
+                                         "messages": [{"role": "user", "content": f"short {i}"}]})
+                        try:
+                            assert r.status_code == 200, r.text
+                            scores = r.headers["x-inference-picker-scores"]
+                            return int(scores.split(" work=")[1].split()[0])
+                        finally:
+                            r.close()
+
+                # Sent together, each on a new connection (spread over the workers), while the
+                # long prompt is still in prefill: each pick happens as its request arrives.
+                with cf.ThreadPoolExecutor(8) as ex:
+                    works = list(ex.map(short, range(8)))
+                assert all(w >= long_tokens for w in works), works
+            finally:
+                held.close()
+    finally:
+        envoy.stop()
+        sim.stop()
