@@ -73,6 +73,11 @@ pub struct EndpointLoad {
 }
 
 impl EndpointLoad {
+    /// The prefill part as the prediction reads it: `(tokens, count)`.
+    pub fn prefill(&self) -> (f64, u32) {
+        (self.prefill_tokens as f64, self.prefill_n)
+    }
+
     fn add(&mut self, o: &EndpointLoad) {
         self.n = self.n.saturating_add(o.n);
         self.prefill_n = self.prefill_n.saturating_add(o.prefill_n);
@@ -108,15 +113,10 @@ impl InflightCounts {
         self.counts.get(hash, address).map_or(0, |l| l.n)
     }
 
-    /// The whole entry of `address` (whose `address_hash` is `hash`): count and prefill part.
+    /// The whole entry of `address` (whose `address_hash` is `hash`): the count, and the requests
+    /// in prefill there with their uncached prompt tokens, summed over the VMs that published them.
     pub fn load_hashed(&self, hash: u64, address: &str) -> EndpointLoad {
         self.counts.get(hash, address).copied().unwrap_or_default()
-    }
-
-    /// The requests in prefill on `address` (whose `address_hash` is `hash`) and their uncached
-    /// prompt tokens, summed over the VMs that published them: `(tokens, count)`.
-    pub fn prefill_hashed(&self, hash: u64, address: &str) -> (f64, u32) {
-        self.counts.get(hash, address).map_or((0.0, 0), |l| (l.prefill_tokens as f64, l.prefill_n))
     }
 
     pub fn total(&self) -> u64 {
@@ -526,17 +526,17 @@ mod tests {
         a.adjust_with_prefill(&s, "e", 1, (5000.0, 2), T0).unwrap();
         b.adjust_with_prefill(&s, "e", 1, (1000.0, 1), T0).unwrap();
         let h = address_hash("e");
-        assert_eq!(a.read(&s, T0).unwrap().prefill_hashed(h, "e"), (6000.0, 3));
-        assert_eq!(b.read(&s, T0).unwrap().prefill_hashed(h, "e"), (6000.0, 3));
+        assert_eq!(a.read(&s, T0).unwrap().load_hashed(h, "e").prefill(), (6000.0, 3));
+        assert_eq!(b.read(&s, T0).unwrap().load_hashed(h, "e").prefill(), (6000.0, 3));
         // A's first request produced its first byte: its prefill part shrinks, the count stays.
         a.set_prefill(&s, "e", (2000.0, 1), T0).unwrap();
         let c = b.read(&s, T0).unwrap();
-        assert_eq!((c.get("e"), c.prefill_hashed(h, "e")), (3, (3000.0, 2)));
+        assert_eq!((c.get("e"), c.load_hashed(h, "e").prefill()), (3, (3000.0, 2)));
         // Ends: the prefill part never outlives the count.
         a.adjust_with_prefill(&s, "e", -1, (2000.0, 1), T0).unwrap();
         a.adjust_with_prefill(&s, "e", -1, (0.0, 0), T0).unwrap();
         b.adjust(&s, "e", -1, T0).unwrap();
-        assert_eq!(b.read(&s, T0).unwrap().prefill_hashed(h, "e"), (0.0, 0));
+        assert_eq!(b.read(&s, T0).unwrap().load_hashed(h, "e").prefill(), (0.0, 0));
         // Nothing changed: set_prefill writes nothing (the CAS token is unchanged).
         a.adjust_with_prefill(&s, "f", 1, (10.0, 1), T0).unwrap();
         let before = s.get(&slot_key(a.slot().unwrap())).unwrap().unwrap().1;
@@ -547,7 +547,7 @@ mod tests {
     #[test]
     fn records_with_and_without_a_prefill_part_decode() {
         let c = InflightCounts::decode(b"a:1=3/2/7000;b:1=1;c:1=2/5/9;d:1=2/1;e:1=0/0/0");
-        let pf = |a: &str| c.prefill_hashed(address_hash(a), a);
+        let pf = |a: &str| c.load_hashed(address_hash(a), a).prefill();
         // The short form (and an older release's record) has no prefill part; a part beyond
         // the count is garbled and dropped, the count kept; a malformed entry is skipped.
         assert_eq!((c.get("a:1"), pf("a:1")), (3, (7000.0, 2)));

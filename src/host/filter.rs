@@ -797,13 +797,13 @@ impl Filter {
             }
             // Its prefill is over: the other workers stop counting it ahead of theirs (one read
             // and one write of this VM's in-flight record).
-            let holding = self.ex.borrow().holding.clone();
-            if let Some(addr) = holding {
-                let prefill = scheduler.ledger_prefill(&addr);
+            let ex = self.ex.borrow();
+            if let Some(addr) = ex.holding.as_deref() {
+                let prefill = scheduler.ledger_prefill(addr);
                 drop(scheduler);
                 let published = self.worker.inflight.borrow_mut().set_prefill(
                     &io::HostStore,
-                    &addr,
+                    addr,
                     prefill,
                     io::now_ms(),
                 );

@@ -566,21 +566,20 @@ impl Scheduler {
         // One probe per candidate for its count and the prefill the workers queued there.
         let loads: Vec<crate::inflight::EndpointLoad> =
             healthy.iter().zip(&addr_hash).map(|(e, &h)| inflight.load_hashed(h, &e.address)).collect();
-        let counts: Vec<u32> = loads.iter().map(|l| l.n).collect();
         let live: Vec<Option<f64>> = if need_live {
             healthy
                 .iter()
-                .zip(&counts)
-                .map(|(e, &n)| crate::load::live_queue(e, n, now_ms, self.stale_after_ms))
+                .zip(&loads)
+                .map(|(e, l)| crate::load::live_queue(e, l.n, now_ms, self.stale_after_ms))
                 .collect()
         } else {
             Vec::new()
         };
         let cands: Vec<Candidate<'_>> = healthy
             .iter()
-            .zip(&counts)
+            .zip(loads.iter().map(|l| l.n))
             .enumerate()
-            .map(|(i, (e, &n))| Candidate {
+            .map(|(i, (e, n))| Candidate {
                 address: &e.address,
                 metrics: e.metrics.as_ref(),
                 inflight: if health.is_empty() {
@@ -714,7 +713,7 @@ impl Scheduler {
                 // published with the in-flight counts), or this worker's own when that is more
                 // (its latest pick may not be published yet).
                 let (mine, active) = self.ledger.pending_and_active(h, c.address);
-                let shared = loads.get(i).map_or((0.0, 0), |l| (l.prefill_tokens as f64, l.prefill_n));
+                let shared = loads.get(i).map_or((0.0, 0), |l| l.prefill());
                 let pending = if shared.1 > mine.1 { shared } else { mine };
                 let inp = predict::Inputs {
                     uncached: own,

@@ -16,7 +16,7 @@
 //!   requests every worker of this Envoy sent to `e` that have not produced their first response
 //!   byte yet: each worker's [`Ledger`] (updated at every pick and first byte, exact for that
 //!   worker, like Dynamo's prefill tokens), published with its in-flight record and summed by
-//!   readers (`crate::inflight::InflightCounts::prefill_hashed`); this worker's own ledger when
+//!   readers (`crate::inflight::InflightCounts::load_hashed`); this worker's own ledger when
 //!   it shows more requests (its latest pick not yet read back). Missing (an older release's
 //!   record): this worker's ledger alone.
 //! - `waiting(e)`: the live queue estimate of `crate::load` (scraped queue + what this gateway

@@ -149,15 +149,14 @@ fn records(value: &[u8]) -> impl DoubleEndedIterator<Item = Record> + '_ {
     })
 }
 
-/// The endpoint key stored most recently for `h` in a shard value.
-pub fn find(value: &[u8], h: u64) -> Option<u32> {
-    records(value).rev().find(|r| r.0 == h).map(|r| r.1)
+/// The record stored most recently for `h` in a shard value: (endpoint key, step tags).
+pub fn find_record(value: &[u8], h: u64) -> Option<(u32, [u16; STEPS - 1])> {
+    records(value).rev().find(|r| r.0 == h).map(|r| (r.1, r.2))
 }
 
-/// Every record stored for `h` in a shard value, most recent first: (endpoint key, step tags);
-/// [`upsert`] keeps one per hash, so at most one unless the value was written otherwise.
-pub fn find_all(value: &[u8], h: u64) -> impl Iterator<Item = (u32, [u16; STEPS - 1])> + '_ {
-    records(value).rev().filter(move |r| r.0 == h).map(|r| (r.1, r.2))
+/// The endpoint key stored most recently for `h` in a shard value.
+pub fn find(value: &[u8], h: u64) -> Option<u32> {
+    find_record(value, h).map(|(e, _)| e)
 }
 
 /// `value` with `updates` put at the end (each replacing the record of the same hash: a hash
@@ -269,19 +268,23 @@ impl SharedPrefix {
         for b in checkpoints(hashes.len()) {
             let Some(&h) = hashes.get(b - 1) else { break };
             let shard = self.shard(h);
-            if !out.read.iter().any(|(s, _, _)| *s == shard) {
-                out.reads += 1;
-                match self.get(store, shard) {
-                    Ok((v, cas)) => out.read.push((shard, v, cas)),
-                    Err(_) => break,
+            let found = match out.read.iter().find(|(s, _, _)| *s == shard) {
+                Some((_, v, _)) => find_record(v, h),
+                None => {
+                    out.reads += 1;
+                    match self.get(store, shard) {
+                        Ok((v, cas)) => {
+                            let f = find_record(&v, h);
+                            out.read.push((shard, v, cas));
+                            f
+                        }
+                        Err(_) => None,
+                    }
                 }
-            }
-            let before = out.hits.len();
-            if let Some((_, v, _)) = out.read.iter().find(|(s, _, _)| *s == shard) {
-                out.hits.extend(find_all(v, h).map(|(key, tags)| (covered(hashes, b, &tags), key)));
-            }
-            if out.hits.len() == before {
-                break;
+            };
+            match found {
+                Some((key, tags)) => out.hits.push((covered(hashes, b, &tags), key)),
+                None => break,
             }
         }
         out
@@ -376,6 +379,11 @@ mod tests {
 
     const T: [u16; 3] = [0; 3];
 
+    /// `n` distinct block hashes derived from `seed` (stand-ins for a prompt's chained hashes).
+    fn chain(seed: u64, n: u64) -> Vec<u64> {
+        (1..=n).map(|i| i.wrapping_mul(seed)).collect()
+    }
+
     #[test]
     fn upsert_moves_to_end_and_bounds() {
         let v = upsert(&[], &[(1, 10, T), (2, 20, T)], 3);
@@ -396,11 +404,11 @@ mod tests {
     fn a_hash_names_the_endpoint_that_received_it_last() {
         let v = upsert(&[], &[(1, 10, T), (2, 20, T)], 64);
         let v = upsert(&v, &[(1, 11, [1, 2, 3])], 64);
-        assert_eq!(find_all(&v, 1).collect::<Vec<_>>(), vec![(11, [1, 2, 3])]);
+        assert_eq!(find_record(&v, 1), Some((11, [1, 2, 3])));
         assert_eq!(records(&v).collect::<Vec<_>>(), vec![(2, 20, T), (1, 11, [1, 2, 3])]);
         // The same hash twice in one update: the last wins.
         let v = upsert(&v, &[(3, 30, T), (3, 31, T)], 64);
-        assert_eq!(find_all(&v, 3).collect::<Vec<_>>(), vec![(31, T)]);
+        assert_eq!(find_record(&v, 3), Some((31, T)));
         assert_eq!(v.len(), 3 * RECORD_BYTES);
     }
 
@@ -411,19 +419,19 @@ mod tests {
         // 80 ≤ 90 < 96), not the octave start's 64.
         let store = MemStore::new();
         let t = SharedPrefix::new(8, 64);
-        let writer: Vec<u64> = (1..=100).map(|i: u64| i.wrapping_mul(0x9E37_79B9_7F4A_7C15)).collect();
+        let writer: Vec<u64> = chain(0x9E37_79B9_7F4A_7C15, 100);
         let mut l = t.lookup(&store, &writer);
         assert!(t.record(&store, &writer, 7, &mut l) >= 1);
         let mut reader = writer[..90].to_vec();
-        reader.extend((1..=30).map(|i: u64| i.wrapping_mul(0x1234_5678_9ABC_DEF1)));
+        reader.extend(chain(0x1234_5678_9ABC_DEF1, 30));
         assert_eq!(t.lookup(&store, &reader).matched(7), 80);
         // The writer's own next turn finds all of its 100 blocks' last step (96).
         let mut next = writer.clone();
-        next.extend((1..=50).map(|i: u64| i.wrapping_mul(0x0F0F_0F0F_0F0F_0F0F)));
+        next.extend(chain(0x0F0F_0F0F_0F0F_0F0F, 50));
         assert_eq!(t.lookup(&store, &next).matched(7), 96);
         // Another endpoint receives the same system prompt: the table now names it.
         let mut other = writer[..90].to_vec();
-        other.extend((1..=20).map(|i: u64| i.wrapping_mul(0x5555_5555_5555_5555)));
+        other.extend(chain(0x5555_5555_5555_5555, 20));
         let mut l = t.lookup(&store, &other);
         t.record(&store, &other, 8, &mut l);
         assert_eq!(t.lookup(&store, &reader).matched(8), 80);
@@ -433,7 +441,7 @@ mod tests {
     fn a_prompt_already_covered_is_not_written_again() {
         let store = MemStore::new();
         let t = SharedPrefix::new(8, 64);
-        let p: Vec<u64> = (1..=40).map(|i: u64| i.wrapping_mul(0x9E37_79B9_7F4A_7C15)).collect();
+        let p: Vec<u64> = chain(0x9E37_79B9_7F4A_7C15, 40);
         let mut l = t.lookup(&store, &p);
         assert!(t.record(&store, &p, 3, &mut l) >= 1);
         let mut l = t.lookup(&store, &p);
@@ -441,7 +449,7 @@ mod tests {
         assert_eq!(t.record(&store, &p, 3, &mut l), 0);
         // A longer prompt on the same endpoint rewrites only the octave it extends (32 → 48).
         let mut longer = p.clone();
-        longer.extend((1..=10).map(|i: u64| i.wrapping_mul(0x1111_1111_1111_1111)));
+        longer.extend(chain(0x1111_1111_1111_1111, 10));
         let mut l = t.lookup(&store, &longer);
         assert_eq!(l.matched(3), 40);
         assert_eq!(t.record(&store, &longer, 3, &mut l), 1);
