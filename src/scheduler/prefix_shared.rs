@@ -198,6 +198,21 @@ pub fn upsert(value: &[u8], updates: &[Record], max: usize) -> Vec<u8> {
     out
 }
 
+/// The records of a shard value, oldest first (none when its length is not a multiple of
+/// [`RECORD_BYTES`]).
+pub fn decode(value: &[u8]) -> Vec<Record> {
+    records(value).collect()
+}
+
+/// The records of `after` that `before` does not hold identically (same hash, endpoint and
+/// tags), oldest first: what was written to a shard between two reads of it. Applied to another
+/// table with [`upsert`], they replay those writes there (a hash rewritten twice in between
+/// gives its latest record once).
+pub fn delta(before: &[u8], after: &[u8]) -> Vec<Record> {
+    let old = decode(before);
+    records(after).filter(|r| !old.contains(r)).collect()
+}
+
 /// What one request's lookup found, kept for its write.
 #[derive(Debug, Default)]
 pub struct Lookup {
@@ -454,6 +469,29 @@ mod tests {
         assert_eq!(l.matched(3), 40);
         assert_eq!(t.record(&store, &longer, 3, &mut l), 1);
         assert_eq!(t.lookup(&store, &longer).matched(3), 48);
+    }
+
+    #[test]
+    fn a_delta_replayed_elsewhere_carries_exactly_the_new_writes() {
+        let t = [0u16; STEPS - 1];
+        let before = upsert(&[], &[(1, 10, t), (2, 20, t), (3, 30, t)], 8);
+        // Hash 2 moves to endpoint 21, hash 4 is new, hash 1 untouched.
+        let after = upsert(&before, &[(2, 21, t), (4, 40, t)], 8);
+        assert_eq!(delta(&before, &after), vec![(2, 21, t), (4, 40, t)]);
+        assert!(delta(&after, &after).is_empty());
+        // Tags count: the same endpoint with a longer reach is a write too.
+        let tagged = upsert(&after, &[(1, 10, [7, 0, 0])], 8);
+        assert_eq!(delta(&after, &tagged), vec![(1, 10, [7, 0, 0])]);
+        // Replayed on another table: its own records stay, the peer's writes land on top.
+        let other = upsert(&[], &[(2, 99, t), (5, 50, t)], 8);
+        let merged = upsert(&other, &delta(&before, &after), 8);
+        assert_eq!(find(&merged, 2), Some(21));
+        assert_eq!(find(&merged, 4), Some(40));
+        assert_eq!(find(&merged, 5), Some(50));
+        assert_eq!(find(&merged, 1), None);
+        // A garbled value decodes as empty, so everything in `after` is new.
+        assert_eq!(delta(&[1, 2, 3], &after).len(), decode(&after).len());
+        assert!(decode(&[1, 2, 3]).is_empty());
     }
 
     #[test]

@@ -56,6 +56,10 @@ struct Args {
     /// Delay between a scrape and the snapshot being visible to workers, ms.
     #[arg(long, default_value_t = 20)]
     metrics_delay_ms: u64,
+    /// A study, not a shipped feature: replicas of ours exchange their cross-worker prefix
+    /// tables' new writes every this many ms (default: never, as shipped). See FINDINGS.md.
+    #[arg(long)]
+    peer_sync_ms: Option<u64>,
     /// Only these workloads of the default set (comma-separated keys).
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
@@ -169,6 +173,7 @@ fn real_main() -> Result<(), String> {
         metrics_delay_ms: args.metrics_delay_ms,
         seeds: (args.seed..args.seed + args.seeds).collect(),
         ours_overrides,
+        peer_sync_ms: args.peer_sync_ms,
     };
     if args.bursts {
         return bursts_main(&args, &common, started);

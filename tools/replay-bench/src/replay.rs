@@ -69,6 +69,11 @@ pub struct RunConfig {
     pub seed: u64,
     /// Replaces `ours`' scheduler section (see `strategy::config`).
     pub ours_overrides: Option<serde_json::Value>,
+    /// A study, not a shipped feature: every this many ms, each replica of ours replays on its
+    /// own cross-worker prefix table the writes the other replicas made to theirs since the last
+    /// exchange (`prefix_shared::delta`, then `upsert`), as a gateway-to-gateway exchange would.
+    /// `None` (the default, and what ships): replicas share nothing.
+    pub peer_sync_ms: Option<u64>,
 }
 
 impl RunConfig {
@@ -87,6 +92,9 @@ impl RunConfig {
                 "metrics delay ({} ms) must be shorter than the poll interval ({} ms)",
                 self.metrics_delay_ms, self.poll_ms
             ));
+        }
+        if self.peer_sync_ms == Some(0) {
+            return Err("the peer exchange interval must be at least 1 ms".into());
         }
         if !(self.load.is_finite() && self.load > 0.0) {
             return Err(format!("load must be a positive number, got {}", self.load));
@@ -161,6 +169,9 @@ struct Sim<'a> {
     events: Vec<Event>,
     /// `oracle-approx-prefix`: its index of its own routing.
     approx: Option<oracle::ApproxIndex>,
+    /// `RunConfig::peer_sync_ms`: the next exchange, the table's shard keys, and each replica's
+    /// shard values as of the last exchange (what it has already passed on).
+    peer_sync: Option<PeerSync>,
 }
 
 /// Replays `trace` with `policy` under `rc`.
@@ -256,6 +267,18 @@ pub fn run(trace: &Trace, policy: Policy, rc: &RunConfig) -> Result<RunResult, S
             test_selection: None,
         },
         events: Vec::new(),
+        peer_sync: rc.peer_sync_ms.filter(|_| policy.is_ours() && n_replicas > 1).map(|ms| PeerSync {
+            every_ms: ms as f64,
+            next: 0.0,
+            keys: inference_picker::scheduler::prefix_shared::SharedPrefix::new(
+                cfg.scheduler.prefix.shared_shards,
+                cfg.scheduler.prefix.shared_entries_per_shard,
+            )
+            .keys()
+            .to_vec(),
+            entries: cfg.scheduler.prefix.shared_entries_per_shard.max(1),
+            sent: vec![Vec::new(); n_replicas],
+        }),
         approx: (policy == Policy::OracleApproxPrefix).then(|| {
             // As many units per server as its KV holds.
             let units = server_cfg.num_gpu_blocks * u64::from(server_cfg.block_size)
@@ -340,6 +363,7 @@ impl Sim<'_> {
                 // Each request to a random worker (one worker for a central picker; the draw is
                 // kept so that every strategy sees the same random sequence).
                 let wi = rng.below(rc.replicas * rc.workers) % self.workers.len();
+                self.exchange_prefixes(ta);
                 self.live[idx].arrival = ta;
                 self.live[idx].replica = self.workers[wi].replica;
                 self.live[idx].worker = wi;
@@ -347,6 +371,44 @@ impl Sim<'_> {
             }
         }
         Ok(())
+    }
+
+    /// `RunConfig::peer_sync_ms`: when an exchange is due (checked at each arrival, the only time
+    /// the tables are read), every replica's writes since the last exchange are replayed on every
+    /// other replica's table.
+    fn exchange_prefixes(&mut self, t: f64) {
+        use inference_picker::ports::SharedStore;
+        use inference_picker::scheduler::prefix_shared::{delta, upsert};
+        let Some(ps) = self.peer_sync.as_mut() else { return };
+        if t < ps.next {
+            return;
+        }
+        ps.next = t + ps.every_ms;
+        let read = |r: &Replica, k: &str| r.store.get(k).ok().flatten().map(|(v, _)| v).unwrap_or_default();
+        for (si, key) in ps.keys.iter().enumerate() {
+            let now: Vec<Vec<u8>> = self.replicas.iter().map(|r| read(r, key)).collect();
+            let deltas: Vec<_> = now
+                .iter()
+                .zip(&ps.sent)
+                .map(|(v, sent)| delta(sent.get(si).map_or(&[][..], |s| s.as_slice()), v))
+                .collect();
+            if deltas.iter().all(Vec::is_empty) {
+                continue;
+            }
+            for (ri, rep) in self.replicas.iter().enumerate() {
+                let mut v = now[ri].clone();
+                for (from, d) in deltas.iter().enumerate() {
+                    if from != ri && !d.is_empty() {
+                        v = upsert(&v, d, ps.entries);
+                    }
+                }
+                let _ = rep.store.set(key, &v, 0);
+            }
+        }
+        // What each replica holds now has been passed on (its own writes) or came from a peer.
+        for (ri, rep) in self.replicas.iter().enumerate() {
+            ps.sent[ri] = ps.keys.iter().map(|k| read(rep, k)).collect();
+        }
     }
 
     fn advance_server(&mut self, si: usize, t: f64) {
@@ -862,4 +924,14 @@ fn handle_events(
             Event::Token { .. } => {}
         }
     }
+}
+
+/// The state of the `RunConfig::peer_sync_ms` study.
+struct PeerSync {
+    every_ms: f64,
+    next: f64,
+    keys: Vec<String>,
+    entries: usize,
+    /// Per replica, per shard: its value at the last exchange.
+    sent: Vec<Vec<Vec<u8>>>,
 }

@@ -53,6 +53,13 @@ pub fn markdown(
         let _ =
             writeln!(s, "**`ours` and its variants ran with non-default configuration sections:** `{o}`.\n");
     }
+    if let Some(ms) = common.peer_sync_ms {
+        let _ = writeln!(
+            s,
+            "**Study, not what ships:** replicas of `ours` exchanged their prefix tables' new writes \
+             every {ms} ms (`--peer-sync-ms`).\n"
+        );
+    }
     s.push_str(CALIBRATION);
     s.push_str(&targets(results));
 

@@ -51,6 +51,8 @@ pub struct Common {
     pub seeds: Vec<u64>,
     /// Replaces `ours`' configuration sections (a proposal under test).
     pub ours_overrides: Option<serde_json::Value>,
+    /// `RunConfig::peer_sync_ms` of every run (a study; `None` by default).
+    pub peer_sync_ms: Option<u64>,
 }
 
 impl Default for Common {
@@ -62,6 +64,7 @@ impl Default for Common {
             metrics_delay_ms: 20,
             seeds: (1..=DEFAULT_SEEDS).collect(),
             ours_overrides: None,
+            peer_sync_ms: None,
         }
     }
 }
@@ -640,6 +643,7 @@ pub fn execute(
                     load: t.load,
                     seed: t.seed,
                     ours_overrides: common.ours_overrides.clone(),
+                    peer_sync_ms: common.peer_sync_ms,
                 };
                 let r = run(&w.trace, t.policy, &rc);
                 if let Ok(r) = &r {
