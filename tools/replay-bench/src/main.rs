@@ -60,6 +60,10 @@ struct Args {
     /// tables' new writes every this many ms (default: never, as shipped). See FINDINGS.md.
     #[arg(long)]
     peer_sync_ms: Option<u64>,
+    /// With --peer-sync-ms: the exchange also carries each replica's in-flight counts and queued
+    /// prefill (a study).
+    #[arg(long)]
+    peer_sync_load: bool,
     /// Only these workloads of the default set (comma-separated keys).
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
@@ -174,6 +178,7 @@ fn real_main() -> Result<(), String> {
         seeds: (args.seed..args.seed + args.seeds).collect(),
         ours_overrides,
         peer_sync_ms: args.peer_sync_ms,
+        peer_sync_load: args.peer_sync_load,
     };
     if args.bursts {
         return bursts_main(&args, &common, started);

@@ -74,6 +74,10 @@ pub struct RunConfig {
     /// exchange (`prefix_shared::delta`, then `upsert`), as a gateway-to-gateway exchange would.
     /// `None` (the default, and what ships): replicas share nothing.
     pub peer_sync_ms: Option<u64>,
+    /// With `peer_sync_ms`: each exchange also copies every other replica's in-flight record
+    /// (counts and queued prefill, `inference_picker::inflight`) into this replica's store, where
+    /// its readers add it to their own as they add another worker's.
+    pub peer_sync_load: bool,
 }
 
 impl RunConfig {
@@ -92,6 +96,9 @@ impl RunConfig {
                 "metrics delay ({} ms) must be shorter than the poll interval ({} ms)",
                 self.metrics_delay_ms, self.poll_ms
             ));
+        }
+        if self.peer_sync_load && self.peer_sync_ms.is_none() {
+            return Err("the load exchange needs an exchange interval (peer_sync_ms)".into());
         }
         if self.peer_sync_ms == Some(0) {
             return Err("the peer exchange interval must be at least 1 ms".into());
@@ -212,9 +219,11 @@ pub fn run(trace: &Trace, policy: Policy, rc: &RunConfig) -> Result<RunResult, S
     // A central picker (GIE's EPP, the oracle) is one state for the whole topology.
     let (n_replicas, n_workers) = if policy.central() { (1, 1) } else { (rc.replicas, rc.workers) };
     let replicas: Vec<Replica> = (0..n_replicas)
-        .map(|_| Replica {
+        .map(|ri| Replica {
             store: MemStore::new(),
-            inflight: std::cell::RefCell::new(inflight::InflightTable::new(1)),
+            // One owner nonce per replica: a replica's reader skips its own record by it (and the
+            // `peer_sync_load` study copies the others' records in).
+            inflight: std::cell::RefCell::new(inflight::InflightTable::new(1 + ri as u64)),
             poller: Poller::new(&cfg),
             next_poll: rng.next_f64() * rc.poll_ms as f64,
             adaptive: policy.is_ours(),
@@ -277,6 +286,7 @@ pub fn run(trace: &Trace, policy: Policy, rc: &RunConfig) -> Result<RunResult, S
             .keys()
             .to_vec(),
             entries: cfg.scheduler.prefix.shared_entries_per_shard.max(1),
+            load: rc.peer_sync_load,
             sent: vec![Vec::new(); n_replicas],
         }),
         approx: (policy == Policy::OracleApproxPrefix).then(|| {
@@ -403,6 +413,22 @@ impl Sim<'_> {
                     }
                 }
                 let _ = rep.store.set(key, &v, 0);
+            }
+        }
+        if ps.load {
+            // Each replica's own record is its slot 0 (claimed first, lowest free); the others'
+            // go to slots 1.. in replica order, rewritten at every exchange (their heartbeats
+            // keep them alive while the exchange runs more often than `inflight::TTL_MS`).
+            let own: Vec<Option<Vec<u8>>> = self
+                .replicas
+                .iter()
+                .map(|r| r.store.get(&inflight::slot_key(0)).ok().flatten().map(|v| v.0))
+                .collect();
+            for (ri, rep) in self.replicas.iter().enumerate() {
+                let others = own.iter().enumerate().filter(|(j, _)| *j != ri).map(|(_, v)| v);
+                for (k, v) in others.enumerate() {
+                    let _ = rep.store.set(&inflight::slot_key(k + 1), v.as_deref().unwrap_or_default(), 0);
+                }
             }
         }
         // What each replica holds now has been passed on (its own writes) or came from a peer.
@@ -932,6 +958,8 @@ struct PeerSync {
     next: f64,
     keys: Vec<String>,
     entries: usize,
+    /// `RunConfig::peer_sync_load`.
+    load: bool,
     /// Per replica, per shard: its value at the last exchange.
     sent: Vec<Vec<Vec<u8>>>,
 }

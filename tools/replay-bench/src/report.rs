@@ -57,7 +57,8 @@ pub fn markdown(
         let _ = writeln!(
             s,
             "**Study, not what ships:** replicas of `ours` exchanged their prefix tables' new writes \
-             every {ms} ms (`--peer-sync-ms`).\n"
+             every {ms} ms (`--peer-sync-ms`){}.\n",
+            if common.peer_sync_load { ", and their in-flight records (`--peer-sync-load`)" } else { "" }
         );
     }
     s.push_str(CALIBRATION);

@@ -53,6 +53,8 @@ pub struct Common {
     pub ours_overrides: Option<serde_json::Value>,
     /// `RunConfig::peer_sync_ms` of every run (a study; `None` by default).
     pub peer_sync_ms: Option<u64>,
+    /// `RunConfig::peer_sync_load` of every run.
+    pub peer_sync_load: bool,
 }
 
 impl Default for Common {
@@ -65,6 +67,7 @@ impl Default for Common {
             seeds: (1..=DEFAULT_SEEDS).collect(),
             ours_overrides: None,
             peer_sync_ms: None,
+            peer_sync_load: false,
         }
     }
 }
@@ -644,6 +647,7 @@ pub fn execute(
                     seed: t.seed,
                     ours_overrides: common.ours_overrides.clone(),
                     peer_sync_ms: common.peer_sync_ms,
+                    peer_sync_load: common.peer_sync_load,
                 };
                 let r = run(&w.trace, t.policy, &rc);
                 if let Ok(r) = &r {
