@@ -29,6 +29,7 @@ pub mod live_config;
 pub mod load;
 pub mod metrics;
 pub mod pd;
+pub mod peers;
 pub mod pod_models;
 pub mod poller;
 pub mod pools;

@@ -332,6 +332,36 @@ impl SharedPrefix {
         writes
     }
 
+    /// Applies records another gateway wrote to its table (`crate::peers`): each goes to its
+    /// shard with [`upsert`] (it replaces this table's record of the same hash: the newest write
+    /// wins), one CAS read-modify-write per shard touched. Returns the shard writes that landed.
+    pub fn apply(&self, store: &dyn SharedStore, records: &[Record]) -> usize {
+        if !self.enabled() {
+            return 0;
+        }
+        let mut todo: Vec<(usize, Record)> = records.iter().map(|&r| (self.shard(r.0), r)).collect();
+        // Stable: a hash given twice keeps its order, so `upsert` keeps the later record.
+        todo.sort_by_key(|(s, _)| *s);
+        let none = Lookup::default();
+        let mut writes = 0;
+        let mut rest = todo.as_slice();
+        while let Some(&(shard, _)) = rest.first() {
+            let n = rest.iter().take_while(|(s, _)| *s == shard).count();
+            let (group, tail) = rest.split_at(n);
+            rest = tail;
+            let updates: Vec<Record> = group.iter().map(|&(_, r)| r).collect();
+            if self.write_shard(store, shard, &updates, &none) {
+                writes += 1;
+            }
+        }
+        writes
+    }
+
+    /// The current value of every shard, in key order (an absent or unreadable shard is empty).
+    pub fn read_all(&self, store: &dyn SharedStore) -> Vec<Vec<u8>> {
+        (0..self.keys.len()).map(|i| self.get(store, i).map(|(v, _)| v).unwrap_or_default()).collect()
+    }
+
     fn write_shard(
         &self,
         store: &dyn SharedStore,

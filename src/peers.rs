@@ -1,0 +1,275 @@
+//! Gateway-to-gateway exchange of the cross-worker prefix table: the pure core.
+//!
+//! **Why.** Gateway replicas share nothing, so a conversation whose turns reach different
+//! replicas is placed by each one's own view, and its KV cache is lost. In the replay benchmark
+//! (Mooncake, 4 replicas × 4 workers, load 4.5) replicas that replayed each other's table writes
+//! every 1 s got the hit rate of one gateway back (13.7 % against 10.2 %; one gateway 13.6 %) and
+//! TTFT p90 from 1.85 to 1.58 s; every 5 s did as well (`tools/replay-bench/FINDINGS.md`,
+//! "Replicas that exchange their prefix tables").
+//!
+//! **How.** Each gateway's poller (the singleton) reads its table every `interval_ms`
+//! ([`Exporter::collect`]: the records that changed since its last read, at most
+//! [`MAX_RECORDS`]) and POSTs them ([`encode`]) to every peer gateway. A peer's filter takes a
+//! request to the exchange path only with the shared token ([`classify`]: anything else is
+//! answered locally and never reaches a model server), decodes the body ([`decode`]) and applies
+//! the records to its own table (`SharedPrefix::apply`: the newest write of a hash wins).
+//! Records a gateway received look new to its own next read, so it passes them on once more;
+//! the replay measured that echo and it cost nothing (FINDINGS.md), so records carry no origin.
+//!
+//! **Wire format.** `IPX1` then 18-byte records exactly as the table stores them
+//! (`prefix_shared::RECORD_BYTES`: `le64 hash ‖ le32 endpoint key ‖ 3 × le16 step tag`). A body
+//! that does not start with the magic, whose length is not a whole number of records, or that
+//! holds more than [`MAX_RECORDS`] is refused whole: nothing of it is applied.
+//!
+//! **Failure behaviour.** A peer that does not answer loses that batch (the table is a hint; the
+//! next turn's own write repairs it). A store error on read counts the shard as empty (its
+//! records are sent again later); on apply the shard is skipped.
+//!
+//! Not wired into the module yet (configuration, poller and filter): see the branch's README
+//! note and issue #11's closing notes.
+
+use crate::ports::SharedStore;
+use crate::scheduler::prefix_shared::{decode as decode_shard, delta, Record, SharedPrefix, RECORD_BYTES};
+
+/// The body's first bytes (format version 1).
+pub const MAGIC: &[u8; 4] = b"IPX1";
+/// Most records in one batch (73,732 bytes): the default table holds 16,384 (256 shards × 64).
+pub const MAX_RECORDS: usize = 4096;
+/// The largest valid body.
+pub const MAX_BODY_BYTES: usize = MAGIC.len() + MAX_RECORDS * RECORD_BYTES;
+
+/// Why a body was refused.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum WireError {
+    BadMagic,
+    Truncated { len: usize },
+    TooMany { records: usize },
+}
+
+/// `MAGIC ‖ records`. Callers keep batches within [`MAX_RECORDS`] ([`Exporter::collect`] does).
+pub fn encode(records: &[Record]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(MAGIC.len() + records.len() * RECORD_BYTES);
+    out.extend_from_slice(MAGIC);
+    for (h, e, tags) in records {
+        out.extend_from_slice(&h.to_le_bytes());
+        out.extend_from_slice(&e.to_le_bytes());
+        for t in tags {
+            out.extend_from_slice(&t.to_le_bytes());
+        }
+    }
+    out
+}
+
+/// The records of a body, or why it is refused (whole).
+pub fn decode(body: &[u8]) -> Result<Vec<Record>, WireError> {
+    let rest = body.strip_prefix(MAGIC.as_slice()).ok_or(WireError::BadMagic)?;
+    if !rest.len().is_multiple_of(RECORD_BYTES) {
+        return Err(WireError::Truncated { len: body.len() });
+    }
+    let n = rest.len() / RECORD_BYTES;
+    if n > MAX_RECORDS {
+        return Err(WireError::TooMany { records: n });
+    }
+    Ok(decode_shard(rest))
+}
+
+/// What the poller read of its table at its last exchange, to send only what changed since.
+#[derive(Debug, Default)]
+pub struct Exporter {
+    last: Vec<Vec<u8>>,
+}
+
+impl Exporter {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Reads every shard and returns the records written since the previous call (all of them
+    /// on the first), at most [`MAX_RECORDS`]: past that, the newest of each shard go first and
+    /// the shards not sent are not marked read, so their records go with the next call.
+    pub fn collect(&mut self, store: &dyn SharedStore, table: &SharedPrefix) -> Vec<Record> {
+        let now = table.read_all(store);
+        if self.last.len() != now.len() {
+            self.last = vec![Vec::new(); now.len()];
+        }
+        let mut out = Vec::new();
+        for (last, value) in self.last.iter_mut().zip(now) {
+            let d = delta(last, &value);
+            if out.len() + d.len() > MAX_RECORDS {
+                continue;
+            }
+            out.extend(d);
+            *last = value;
+        }
+        out
+    }
+}
+
+/// What the filter does with a request, decided from its head alone.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PeerRequest {
+    /// Not the exchange path (or the exchange is off): an inference request like any other.
+    NotPeer,
+    /// Answer locally with this status; nothing reaches a model server.
+    Reject { status: u32, code: &'static str, message: &'static str },
+    /// Read the body (at most [`MAX_BODY_BYTES`]) and apply it.
+    Accept,
+}
+
+/// The exchange's settings as the filter sees them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Endpoint<'a> {
+    /// The exchange path, e.g. `/.inference-picker/v1/prefixes`.
+    pub path: &'a str,
+    /// The shared token peers send in the token header.
+    pub token: &'a str,
+}
+
+/// Classifies a request head. `path` is `:path` (a query string makes it another path: peers
+/// never send one); `token` is the token header's value, if sent. With the exchange off
+/// (`endpoint` `None`) every request is [`PeerRequest::NotPeer`].
+pub fn classify(
+    endpoint: Option<&Endpoint<'_>>,
+    method: &str,
+    path: &str,
+    token: Option<&[u8]>,
+) -> PeerRequest {
+    let Some(ep) = endpoint else { return PeerRequest::NotPeer };
+    if path != ep.path {
+        return PeerRequest::NotPeer;
+    }
+    // The token first: without it, the path's existence is not confirmed beyond a 404-like 403.
+    if !token.is_some_and(|t| ct_eq(t, ep.token.as_bytes())) || ep.token.is_empty() {
+        return PeerRequest::Reject {
+            status: 403,
+            code: "forbidden",
+            message: "This path is for gateway peers only.",
+        };
+    }
+    if method != "POST" {
+        return PeerRequest::Reject {
+            status: 405,
+            code: "method_not_allowed",
+            message: "Peers send their prefix records with POST.",
+        };
+    }
+    PeerRequest::Accept
+}
+
+/// Equality whose time does not depend on where the first difference is (it still reveals the
+/// length, which a token's configured minimum makes worthless).
+fn ct_eq(a: &[u8], b: &[u8]) -> bool {
+    if a.len() != b.len() {
+        return false;
+    }
+    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+/// Applies a received body to this gateway's table. Returns how many records it held, or why
+/// it was refused (then nothing was applied).
+pub fn receive(store: &dyn SharedStore, table: &SharedPrefix, body: &[u8]) -> Result<usize, WireError> {
+    let records = decode(body)?;
+    table.apply(store, &records);
+    Ok(records.len())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ports::MemStore;
+    use crate::scheduler::prefix_shared::{find, STEPS};
+
+    const T: [u16; STEPS - 1] = [0; STEPS - 1];
+
+    fn table() -> SharedPrefix {
+        SharedPrefix::new(16, 8)
+    }
+
+    #[test]
+    fn a_batch_round_trips_and_bad_bodies_are_refused_whole() {
+        let recs = vec![(1u64, 10u32, [1, 2, 3]), (u64::MAX, u32::MAX, T)];
+        let body = encode(&recs);
+        assert_eq!(body.len(), 4 + 2 * RECORD_BYTES);
+        assert_eq!(decode(&body), Ok(recs));
+        assert_eq!(decode(&encode(&[])), Ok(vec![]));
+        assert_eq!(decode(b"IPX2"), Err(WireError::BadMagic));
+        assert_eq!(decode(b""), Err(WireError::BadMagic));
+        assert_eq!(decode(&body[..body.len() - 1]), Err(WireError::Truncated { len: body.len() - 1 }));
+        let big = encode(&vec![(7, 7, T); MAX_RECORDS + 1]);
+        assert_eq!(decode(&big), Err(WireError::TooMany { records: MAX_RECORDS + 1 }));
+        assert_eq!(encode(&vec![(7, 7, T); MAX_RECORDS]).len(), MAX_BODY_BYTES);
+        // A refused body applies nothing.
+        let store = MemStore::new();
+        assert!(receive(&store, &table(), &body[..body.len() - 1]).is_err());
+        assert!(table().read_all(&store).iter().all(Vec::is_empty));
+    }
+
+    #[test]
+    fn what_one_gateway_wrote_reaches_the_other_and_only_once() {
+        let (a, b) = (MemStore::new(), MemStore::new());
+        let t = table();
+        let mut ex = Exporter::new();
+        assert!(ex.collect(&a, &t).is_empty());
+        t.apply(&a, &[(100, 1, T), (101, 2, T)]);
+        let batch = ex.collect(&a, &t);
+        assert_eq!(batch.len(), 2);
+        assert_eq!(receive(&b, &t, &encode(&batch)), Ok(2));
+        let shard_of = |h: u64| t.read_all(&b)[(h % 16) as usize].clone();
+        assert_eq!(find(&shard_of(100), 100), Some(1));
+        assert_eq!(find(&shard_of(101), 101), Some(2));
+        // A hash given twice in one batch: the later record wins.
+        t.apply(&b, &[(5, 1, T), (5, 2, T)]);
+        assert_eq!(find(&t.read_all(&b)[5], 5), Some(2));
+        // Nothing new: nothing sent. A rewrite is sent, and wins on the peer.
+        assert!(ex.collect(&a, &t).is_empty());
+        t.apply(&a, &[(100, 3, T)]);
+        assert_eq!(ex.collect(&a, &t), vec![(100, 3, T)]);
+        receive(&b, &t, &encode(&[(100, 3, T)])).unwrap();
+        assert_eq!(find(&shard_of(100), 100), Some(3));
+    }
+
+    #[test]
+    fn a_batch_is_capped_and_the_rest_follows() {
+        let store = MemStore::new();
+        let t = SharedPrefix::new(256, 64);
+        let recs: Vec<Record> = (0..(MAX_RECORDS as u64 + 500)).map(|h| (h, 1, T)).collect();
+        t.apply(&store, &recs);
+        let mut ex = Exporter::new();
+        let first = ex.collect(&store, &t);
+        assert!(!first.is_empty() && first.len() <= MAX_RECORDS, "{}", first.len());
+        let second = ex.collect(&store, &t);
+        assert_eq!(first.len() + second.len(), recs.len());
+        assert!(ex.collect(&store, &t).is_empty());
+    }
+
+    #[test]
+    fn only_a_post_with_the_token_to_the_path_is_accepted() {
+        let ep = Endpoint { path: "/.inference-picker/v1/prefixes", token: "s3cret-token-0123456789" };
+        let tok = Some("s3cret-token-0123456789".as_bytes());
+        assert_eq!(classify(Some(&ep), "POST", ep.path, tok), PeerRequest::Accept);
+        assert_eq!(classify(None, "POST", ep.path, tok), PeerRequest::NotPeer);
+        assert_eq!(classify(Some(&ep), "POST", "/v1/chat/completions", tok), PeerRequest::NotPeer);
+        assert_eq!(
+            classify(Some(&ep), "POST", "/.inference-picker/v1/prefixes?x=1", tok),
+            PeerRequest::NotPeer
+        );
+        for bad in [
+            None,
+            Some(&b""[..]),
+            Some(&b"s3cret-token-012345678"[..]),
+            Some(&b"S3cret-token-0123456789"[..]),
+        ] {
+            assert!(matches!(
+                classify(Some(&ep), "POST", ep.path, bad),
+                PeerRequest::Reject { status: 403, .. }
+            ));
+        }
+        assert!(matches!(classify(Some(&ep), "GET", ep.path, tok), PeerRequest::Reject { status: 405, .. }));
+        // An empty configured token never accepts anything.
+        let open = Endpoint { path: ep.path, token: "" };
+        assert!(matches!(
+            classify(Some(&open), "POST", ep.path, Some(b"")),
+            PeerRequest::Reject { status: 403, .. }
+        ));
+    }
+}
