@@ -122,6 +122,10 @@ pub struct Config {
     /// Default: none (endpoint roles are ignored and no request is split).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pd: Option<crate::pd::PdConfig>,
+    /// The other replicas of this gateway, with which it exchanges its prefix table (see
+    /// `crate::peers`). Default: none (replicas share nothing).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub peers: Option<crate::peers::PeersConfig>,
 }
 
 /// One model server.
@@ -473,6 +477,7 @@ read::from_json_struct!(Config {
     pod_models = None,
     pool = None,
     pd = None,
+    peers = None,
 });
 read::from_json_struct!(EndpointConfig { address, models, role = crate::pd::Role::default() });
 read::from_json_struct!(ModelConfig { name, adapters = Vec::new(), criticality = Criticality::default() });
@@ -675,6 +680,12 @@ impl Config {
         }
         if let Some(p) = &self.pool {
             p.validate("pool", &mut errs.0);
+        }
+        if let Some(p) = &self.peers {
+            p.validate("peers", &mut errs.0);
+            if self.filter.passthrough_prefixes.iter().any(|x| crate::request::prefix_matches(x, &p.path)) {
+                errs.push("peers.path", format!("{:?} is covered by filter.passthrough_prefixes", p.path));
+            }
         }
         if errs.0.is_empty() {
             Ok(())

@@ -25,11 +25,162 @@
 //! next turn's own write repairs it). A store error on read counts the shard as empty (its
 //! records are sent again later); on apply the shard is skipped.
 //!
-//! Not wired into the module yet (configuration, poller and filter): see the branch's README
-//! note and issue #11's closing notes.
+//! **Where.** `peers` in the configuration ([`PeersConfig`]); the poller's side is
+//! `host::poller` (`PeerSender`), the filter's `host::filter` (the exchange path).
 
+use serde::Serialize;
+
+use crate::config::{read, ConfigError};
 use crate::ports::SharedStore;
 use crate::scheduler::prefix_shared::{decode as decode_shard, delta, Record, SharedPrefix, RECORD_BYTES};
+
+/// The header that carries the shared token.
+pub const TOKEN_HEADER: &str = "x-inference-picker-peer-token";
+/// Shortest shared token accepted, in bytes.
+pub const MIN_TOKEN_BYTES: usize = 16;
+/// Bounds of `peers.interval_ms`.
+pub const MIN_INTERVAL_MS: u64 = 100;
+pub const MAX_INTERVAL_MS: u64 = 60_000;
+/// Most peers (a gateway's other replicas).
+pub const MAX_PEERS: usize = 64;
+
+/// `peers` section of the configuration: the other replicas of this gateway, to which the
+/// poller sends its prefix table's new records, and the path on which the filter takes theirs.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
+#[serde(deny_unknown_fields)]
+pub struct PeersConfig {
+    /// The other replicas' listener addresses (`ip:port`, IPv6 bracketed), reached through the
+    /// poller's ORIGINAL_DST cluster (`poller.cluster`). At most 64; with `kubernetes`, may be
+    /// empty. This gateway's own address may be listed too (it applies its own records: no
+    /// change), so every replica can share one list. Default: none.
+    #[serde(default)]
+    #[cfg_attr(feature = "schema", schemars(length(max = MAX_PEERS)))]
+    pub addresses: Vec<String>,
+    /// Find the replicas as `discovery.kubernetes` finds model servers: the gateway's own pods
+    /// (its namespace and labels), `target_ports` = the listener port the exchange path is
+    /// served on, `models` empty. Every `refresh_ms`; the first 64 Ready pods. Default: none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kubernetes: Option<crate::config::KubernetesDiscoveryConfig>,
+    /// The exchange path. Requests to it are answered by the filter and never reach a model
+    /// server. Default `/.inference-picker/v1/prefixes`.
+    #[serde(default = "default_path")]
+    pub path: String,
+    /// The shared token, inline (at least 16 bytes). Prefer `token_env`. Exactly one of the two.
+    #[serde(default)]
+    pub token: Option<String>,
+    /// Name of a VM environment variable holding the shared token (Envoy
+    /// `vm_config.environment_variables`, Istio `vmConfig.env`).
+    #[serde(default)]
+    pub token_env: Option<String>,
+    /// How often the poller sends what changed, in ms: 100 to 60000. Default 1000.
+    #[serde(default = "default_interval_ms")]
+    #[cfg_attr(feature = "schema", schemars(range(min = MIN_INTERVAL_MS, max = MAX_INTERVAL_MS)))]
+    pub interval_ms: u64,
+    /// Timeout of one send, in ms: 1 to `interval_ms`. Default 1000.
+    #[serde(default = "default_timeout_ms")]
+    #[cfg_attr(feature = "schema", schemars(range(min = 1)))]
+    pub timeout_ms: u64,
+}
+
+read::from_json_struct!(PeersConfig {
+    addresses = Vec::new(),
+    kubernetes = None,
+    path = default_path(),
+    token = None,
+    token_env = None,
+    interval_ms = default_interval_ms(),
+    timeout_ms = default_timeout_ms(),
+});
+
+fn default_path() -> String {
+    "/.inference-picker/v1/prefixes".to_string()
+}
+/// `peers.interval_ms` by default.
+pub const DEFAULT_INTERVAL_MS: u64 = 1_000;
+
+fn default_interval_ms() -> u64 {
+    DEFAULT_INTERVAL_MS
+}
+fn default_timeout_ms() -> u64 {
+    1_000
+}
+
+impl PeersConfig {
+    pub fn validate(&self, at: &str, errs: &mut Vec<ConfigError>) {
+        if let Some(k) = &self.kubernetes {
+            // Its own rules, but `models`: peers serve none (said once, below).
+            let without_models = crate::config::KubernetesDiscoveryConfig { models: Vec::new(), ..k.clone() };
+            without_models.validate_into(&format!("{at}.kubernetes"), &[], errs);
+            if !k.models.is_empty() {
+                errs.push(ConfigError::new(
+                    format!("{at}.kubernetes.models"),
+                    "must be empty: peers serve no model",
+                ));
+            }
+        }
+        let mut push = |f: &str, reason: String| errs.push(ConfigError::new(format!("{at}.{f}"), reason));
+        if self.addresses.len() > MAX_PEERS {
+            push("addresses", format!("must list at most {MAX_PEERS} peers, got {}", self.addresses.len()));
+        }
+        if self.addresses.is_empty() && self.kubernetes.is_none() {
+            push("addresses", "list the peers, or find them with `kubernetes`".into());
+        }
+        for (i, a) in self.addresses.iter().enumerate() {
+            if let Err(e) = crate::config::parse_endpoint_address(a) {
+                push(&format!("addresses[{i}]"), e);
+            }
+        }
+        let p = &self.path;
+        if !p.starts_with('/')
+            || p.contains(['?', '#'])
+            || p.len() > 256
+            || p.bytes().any(|b| !b.is_ascii_graphic())
+        {
+            push("path", format!("must be an absolute path of printable ASCII without a query, got {p:?}"));
+        } else if crate::request::INFERENCE_PATHS.iter().any(|i| crate::request::prefix_matches(p, i))
+            || [crate::request::MODELS_PATH].iter().chain(crate::request::HEALTH_PATHS.iter()).any(|x| x == p)
+        {
+            push("path", format!("{p:?} is a path the filter serves itself"));
+        }
+        match (&self.token, &self.token_env) {
+            (Some(_), Some(_)) => push("token", "set `token` or `token_env`, not both".into()),
+            (None, None) => {
+                push("token", "set `token` or `token_env`: the exchange needs a shared token".into())
+            }
+            (Some(t), None) if t.len() < MIN_TOKEN_BYTES => {
+                push("token", format!("must be at least {MIN_TOKEN_BYTES} bytes"))
+            }
+            (None, Some(e)) if e.is_empty() || !e.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_') => {
+                push("token_env", format!("{e:?} is not an environment variable name"))
+            }
+            _ => {}
+        }
+        if !(MIN_INTERVAL_MS..=MAX_INTERVAL_MS).contains(&self.interval_ms) {
+            push(
+                "interval_ms",
+                format!("must be {MIN_INTERVAL_MS} to {MAX_INTERVAL_MS}, got {}", self.interval_ms),
+            );
+        }
+        if self.timeout_ms == 0 || self.timeout_ms > self.interval_ms {
+            push(
+                "timeout_ms",
+                format!("must be 1 to interval_ms ({}), got {}", self.interval_ms, self.timeout_ms),
+            );
+        }
+    }
+
+    /// The token: inline, or read from the VM environment (`None` when the variable is unset or
+    /// shorter than [`MIN_TOKEN_BYTES`]: the exchange then stays off, logged by the host).
+    pub fn resolve_token(&self, env: impl Fn(&str) -> Option<String>) -> Option<String> {
+        let t = match (&self.token, &self.token_env) {
+            (Some(t), _) => Some(t.clone()),
+            (None, Some(name)) => env(name),
+            (None, None) => None,
+        };
+        t.filter(|t| t.len() >= MIN_TOKEN_BYTES)
+    }
+}
 
 /// The body's first bytes (format version 1).
 pub const MAGIC: &[u8; 4] = b"IPX1";

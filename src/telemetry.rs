@@ -58,6 +58,12 @@ pub const VM_MEMORY: &str = "inference_picker_vm_memory_bytes";
 /// (not 200), `not_utf8`, `metrics` (no routing metric found), `too_large` (over
 /// `poller.max_response_bytes`), `lost` (no callback within the timeout).
 pub const SCRAPE_FAILURES: &str = "inference_picker_scrape_failures_total";
+/// `peers`: sends of prefix records to another replica that failed (Envoy refused the call,
+/// or the peer did not answer 204).
+pub const PEER_SEND_FAILURES: &str = "inference_picker_peer_send_failures_total";
+/// `peers`: prefix records received from other replicas and applied, by `outcome`: `applied`
+/// (records in accepted batches), `refused` (batches refused whole: bad body or over the cap).
+pub const PEER_RECORDS: &str = "inference_picker_peer_records_total";
 /// Gauge set by the poller at each publish: endpoints whose last scrape succeeded (GIE's
 /// `inference_pool_ready_pods` to its EPP). Below the pool's size, some pods are unreachable or lying.
 pub const READY_ENDPOINTS: &str = "inference_picker_ready_endpoints";

@@ -745,3 +745,119 @@ fn duplicate_keys_anywhere_are_errors() {
         {"address": "10.0.0.2:80", "models": ["m"]}], "models": [{"name": "m"}]}"#;
     assert!(Config::from_json(doc.as_bytes()).is_ok());
 }
+
+// ---- peers ----
+
+fn with_peers(p: Value) -> Value {
+    let mut v = base();
+    v["peers"] = p;
+    v
+}
+
+#[test]
+fn peers_defaults_and_token_resolution() {
+    let cfg = parse(&with_peers(json!({"addresses": ["10.1.0.2:8080"], "token_env": "PEER_TOKEN"}))).unwrap();
+    let p = cfg.peers.unwrap();
+    assert_eq!(p.path, "/.inference-picker/v1/prefixes");
+    assert_eq!((p.interval_ms, p.timeout_ms), (1000, 1000));
+    assert_eq!(p.resolve_token(|n| (n == "PEER_TOKEN").then(|| "x".repeat(16))), Some("x".repeat(16)));
+    // Unset or too short: no token, so nothing is sent or accepted.
+    assert_eq!(p.resolve_token(|_| None), None);
+    assert_eq!(p.resolve_token(|_| Some("short".into())), None);
+    assert!(parse(&base()).unwrap().peers.is_none());
+}
+
+#[test]
+fn peers_rules() {
+    let ok_token = "0123456789abcdef";
+    assert_only(
+        &errors(&with_peers(json!({"addresses": [], "token": ok_token}))),
+        "peers.addresses",
+        "find them with `kubernetes`",
+    );
+    let many: Vec<String> = (0..65).map(|i| format!("10.1.0.{i}:8080")).collect();
+    assert_only(
+        &errors(&with_peers(json!({"addresses": many, "token": ok_token}))),
+        "peers.addresses",
+        "at most 64",
+    );
+    assert_only(
+        &errors(&with_peers(json!({"addresses": ["peer.local:80"], "token": ok_token}))),
+        "peers.addresses[0]",
+        "",
+    );
+    assert_only(
+        &errors(&with_peers(json!({"addresses": ["10.1.0.2:8080"]}))),
+        "peers.token",
+        "needs a shared token",
+    );
+    assert_only(
+        &errors(&with_peers(json!({"addresses": ["10.1.0.2:8080"], "token": "short"}))),
+        "peers.token",
+        "at least 16 bytes",
+    );
+    assert_only(
+        &errors(&with_peers(json!({"addresses": ["10.1.0.2:8080"], "token": ok_token, "token_env": "T"}))),
+        "peers.token",
+        "not both",
+    );
+    assert_only(
+        &errors(&with_peers(json!({"addresses": ["10.1.0.2:8080"], "token_env": "NOT-A-NAME"}))),
+        "peers.token_env",
+        "not an environment variable name",
+    );
+    for path in ["/v1/chat/completions", "/v1", "/healthz", "/v1/models"] {
+        assert_only(
+            &errors(&with_peers(json!({"addresses": ["10.1.0.2:8080"], "token": ok_token, "path": path}))),
+            "peers.path",
+            "filter serves itself",
+        );
+    }
+    assert_only(
+        &errors(&with_peers(json!({"addresses": ["10.1.0.2:8080"], "token": ok_token, "path": "/x?y=1"}))),
+        "peers.path",
+        "without a query",
+    );
+    assert_only(
+        &errors(&with_peers(
+            json!({"addresses": ["10.1.0.2:8080"], "token": ok_token, "interval_ms": 50, "timeout_ms": 50}),
+        )),
+        "peers.interval_ms",
+        "100 to 60000",
+    );
+    assert_only(
+        &errors(&with_peers(json!({"addresses": ["10.1.0.2:8080"], "token": ok_token, "timeout_ms": 2000}))),
+        "peers.timeout_ms",
+        "1 to interval_ms",
+    );
+    let mut v = with_peers(json!({"addresses": ["10.1.0.2:8080"], "token": ok_token}));
+    v["filter"] = json!({"passthrough_prefixes": ["/.inference-picker"]});
+    assert_only(&errors(&v), "peers.path", "passthrough_prefixes");
+}
+
+#[test]
+fn peers_found_through_kubernetes() {
+    let k = json!({"namespace": "gw", "selector": {"app": "gateway"}, "target_ports": [8080], "token_env": "K8S_TOKEN"});
+    let cfg = parse(&with_peers(json!({"kubernetes": k, "token": "0123456789abcdef"}))).unwrap();
+    assert!(cfg.peers.unwrap().addresses.is_empty());
+    // A model of `models`, so that the only complaint is that peers serve none.
+    let mut bad = k.clone();
+    bad["models"] = json!(["llama"]);
+    assert_only(
+        &errors(&with_peers(json!({"kubernetes": bad, "token": "0123456789abcdef"}))),
+        "peers.kubernetes.models",
+        "must be empty",
+    );
+    let mut no_sel = k.clone();
+    no_sel["selector"] = json!({});
+    assert_only(
+        &errors(&with_peers(json!({"kubernetes": no_sel, "token": "0123456789abcdef"}))),
+        "peers.kubernetes.selector",
+        "at least one label",
+    );
+    assert_only(
+        &errors(&with_peers(json!({"token": "0123456789abcdef"}))),
+        "peers.addresses",
+        "find them with `kubernetes`",
+    );
+}

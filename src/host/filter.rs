@@ -19,6 +19,7 @@ use super::{io, Worker};
 use crate::admission::{self, Decision};
 use crate::errors::Rejection;
 use crate::health::{self, HealthView};
+use crate::peers;
 use crate::pools::{self, Claim, HeadStep};
 use crate::ports::SharedStore;
 use crate::priority::PriorityHeaders;
@@ -26,6 +27,7 @@ use crate::request::{
     self, BodyInputs, HeadDecision, Prepared, RequestHead, DEBUG_SCORES_HEADER, DESTINATION_HEADER,
     MAX_RETRIES_HEADER, ORIGINAL_DST_HEADER, QUEUE_MS_HEADER, SERVED_HEADER,
 };
+use crate::scheduler::prefix_shared::SharedPrefix;
 use crate::telemetry;
 
 /// What one request has learned and decided so far.
@@ -62,6 +64,8 @@ pub(crate) struct Exchange {
     first_byte_seen: bool,
     /// Split P/D request (a prefill pod was named): its first byte teaches no rate.
     split: bool,
+    /// A peer gateway's prefix records (`crate::peers`): answered here once the body is in.
+    peer: bool,
 }
 
 pub(crate) type Shared = Rc<RefCell<Exchange>>;
@@ -570,6 +574,11 @@ impl HttpContext for Filter {
             if ex.answered {
                 return Action::Pause;
             }
+            if ex.peer {
+                let size = ex.body_size;
+                drop(ex);
+                return self.peer_body(size, true);
+            }
             ex.body_size
         };
         self.on_complete_request(body_size)
@@ -631,6 +640,13 @@ impl Filter {
     fn request_headers(&mut self, end_of_stream: bool) -> Action {
         let worker = self.worker.clone();
         let cfg = &worker.cfg;
+        // The exchange path of `peers` first: it is no inference request, and nothing of it may
+        // reach a model server. One extra header read per request, only with `peers` set.
+        if let Some(pc) = cfg.peers.as_ref() {
+            if io::request_header(":path").as_deref() == Some(pc.path.as_str()) {
+                return self.peer_headers(end_of_stream);
+            }
+        }
         // Several pools, body-based routing: a request another pool claimed is not ours; any
         // client-sent model header goes before anything else (crate::pools).
         let routing = cfg.pool.as_ref().is_some_and(|p| p.route_by_model);
@@ -707,6 +723,80 @@ impl Filter {
         }
     }
 
+    /// `peers`: the exchange path's head. Only a POST with the shared token goes on (to its body);
+    /// anything else is answered here.
+    fn peer_headers(&mut self, end_of_stream: bool) -> Action {
+        let cfg = self.worker.cfg.clone();
+        let Some(pc) = cfg.peers.as_ref() else { return Action::Continue };
+        let token = self.worker.peer_token();
+        let endpoint = token.as_deref().map(|t| peers::Endpoint { path: &pc.path, token: t });
+        let method = io::request_header(":method").unwrap_or_default();
+        let sent = io::request_header_bytes(peers::TOKEN_HEADER);
+        let decision = match endpoint.as_ref() {
+            Some(ep) => peers::classify(Some(ep), &method, &pc.path, sent.as_deref()),
+            // No usable token configured here: the path exists but takes nothing.
+            None => peers::PeerRequest::Reject {
+                status: 403,
+                code: "forbidden",
+                message: "This path is for gateway peers only.",
+            },
+        };
+        match decision {
+            peers::PeerRequest::Accept => {
+                self.ex.borrow_mut().peer = true;
+                if end_of_stream {
+                    return self.peer_body(0, true);
+                }
+                Action::Pause
+            }
+            peers::PeerRequest::Reject { status, code, message } => {
+                self.reject(&Rejection::new(status, "invalid_request_error", code, message))
+            }
+            // `classify` with this path never says so; answer as for any unknown path.
+            peers::PeerRequest::NotPeer => {
+                self.reject(&Rejection::new(404, "invalid_request_error", "not_found", "No route."))
+            }
+        }
+    }
+
+    /// `peers`: a peer's body, applied to this gateway's prefix table once complete.
+    fn peer_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+        if body_size > peers::MAX_BODY_BYTES {
+            return self.reject(&Rejection::new(
+                413,
+                "invalid_request_error",
+                "request_too_large",
+                format!("A batch of prefix records is at most {} bytes.", peers::MAX_BODY_BYTES),
+            ));
+        }
+        if !end_of_stream {
+            return Action::Pause;
+        }
+        let body = if body_size == 0 { Vec::new() } else { io::request_body(body_size).unwrap_or_default() };
+        let prefix = &self.worker.cfg.scheduler.prefix;
+        let table = SharedPrefix::new(prefix.shared_shards, prefix.shared_entries_per_shard);
+        let mut m = self.worker.metrics.borrow_mut();
+        match peers::receive(&io::HostStore, &table, &body) {
+            Ok(n) => {
+                m.add(telemetry::name(telemetry::PEER_RECORDS, &[("outcome", "applied")]), n as u64);
+                drop(m);
+                self.ex.borrow_mut().answered = true;
+                io::send_local_reply(204, &[], &[]);
+                Action::Pause
+            }
+            Err(e) => {
+                m.count(telemetry::name(telemetry::PEER_RECORDS, &[("outcome", "refused")]));
+                drop(m);
+                self.reject(&Rejection::new(
+                    400,
+                    "invalid_request_error",
+                    "bad_peer_records",
+                    format!("The prefix records were refused whole: {e:?}."),
+                ))
+            }
+        }
+    }
+
     fn request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
         {
             let mut ex = self.ex.borrow_mut();
@@ -717,6 +807,9 @@ impl Filter {
                 return Action::Pause;
             }
             ex.body_size = body_size;
+        }
+        if self.ex.borrow().peer {
+            return self.peer_body(body_size, end_of_stream);
         }
         if body_size > self.worker.cfg.filter.max_body_bytes {
             return self.reject(&request::too_large(&self.worker.cfg));

@@ -645,6 +645,36 @@ pub fn dispatch_get(cluster: &str, path: &str, authority: &str, timeout_ms: u64)
     dispatch_http_call(cluster, headers, timeout_ms)
 }
 
+/// POSTs `body` to `authority` (`ip:port`) through an ORIGINAL_DST cluster, with `extra`
+/// headers; returns the callout's token.
+pub fn dispatch_post(
+    cluster: &str,
+    path: &str,
+    authority: &str,
+    extra: &[(&str, &str)],
+    body: &[u8],
+    timeout_ms: u64,
+) -> Result<u32, String> {
+    let mut headers = vec![
+        (":method", "POST"),
+        (":path", path),
+        (":authority", authority),
+        (":scheme", "http"),
+        ("content-type", "application/octet-stream"),
+        ("x-envoy-original-dst-host", authority),
+    ];
+    headers.extend_from_slice(extra);
+    #[allow(clippy::disallowed_methods)]
+    proxy_wasm::hostcalls::dispatch_http_call(
+        cluster,
+        headers,
+        Some(body),
+        vec![],
+        Duration::from_millis(timeout_ms),
+    )
+    .map_err(|s| format!("{s:?}"))
+}
+
 /// The SDK's wrapper, the one allowed: it registers the callout's token with the SDK's
 /// dispatcher, which routes the response back to this context. It panics only on statuses
 /// Envoy does not return for `proxy_http_call` (Ok, BadArgument, InternalFailure).

@@ -66,9 +66,17 @@ pub(crate) struct Worker {
     pub health: RefCell<Recorder>,
     /// This VM's in-flight counts and its slot in shared data (`crate::inflight`).
     pub inflight: RefCell<inflight::InflightTable>,
+    /// `peers`: the shared token peers must send (resolved once; `None` when unset: the
+    /// exchange path then takes nothing).
+    pub peer_token: Option<String>,
 }
 
 impl Worker {
+    /// `peers`: the shared token (see the field).
+    pub fn peer_token(&self) -> Option<String> {
+        self.peer_token.clone()
+    }
+
     /// The latest snapshot (the cached one if shared data cannot be read).
     pub fn snapshot(&self) -> Rc<Snapshot> {
         let refreshed = self.snapshots.borrow_mut().refresh(&io::HostStore);
@@ -402,6 +410,7 @@ impl RootContext for Root {
                     io::entropy(),
                     self.context_id,
                 ))),
+                peer_token: cfg.peers.as_ref().and_then(|p| p.resolve_token(|name| std::env::var(name).ok())),
                 cfg,
             }))
         };

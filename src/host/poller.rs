@@ -16,9 +16,11 @@ use crate::config::Config;
 use crate::discovery::TokenSource;
 use crate::inflight::InflightTable;
 use crate::lease::{holder_id, Lease, LeaseState};
+use crate::peers::{self, Exporter};
 use crate::pod_models::{self, ModelsError, ModelsLearner};
 use crate::poller::{response_within_cap, Poller, ScrapeError, ScrapeResult};
 use crate::ports::SharedStore;
+use crate::scheduler::prefix_shared::SharedPrefix;
 use crate::snapshot::{self, SNAPSHOT_VERSION_KEY};
 use crate::telemetry::{self, LogLimiter};
 
@@ -41,6 +43,24 @@ pub(crate) struct PollerRole {
     models: Option<ModelsLearner>,
     /// Outstanding model-list fetches: token → endpoint address.
     model_calls: HashMap<u32, String>,
+    /// `peers`: sends this gateway's new prefix-table records to the other replicas.
+    peers: Option<PeerSender>,
+}
+
+/// The poller's side of `crate::peers`.
+struct PeerSender {
+    table: SharedPrefix,
+    exporter: Exporter,
+    /// `None` when `token_env` names an unset (or too short) variable: nothing is sent.
+    token: Option<String>,
+    next_ms: u64,
+    /// Outstanding sends: token → peer address.
+    calls: HashMap<u32, String>,
+    /// `peers.kubernetes`: the replicas found at the last good pod list, its outstanding call,
+    /// and when the next list is due.
+    found: Vec<String>,
+    list_call: Option<u32>,
+    next_list_ms: u64,
 }
 
 impl PollerRole {
@@ -57,7 +77,30 @@ impl PollerRole {
             inflight: InflightTable::new(io::entropy()),
             models: None,
             model_calls: HashMap::new(),
+            peers: None,
         };
+        p.peers = p.cfg.peers.as_ref().map(|pc| {
+            let token = pc.resolve_token(|name| std::env::var(name).ok());
+            if token.is_none() {
+                error!(
+                    "inference-picker-poller: peers: the shared token is unset or shorter than {} bytes \
+                     (token_env {:?}); this gateway sends no prefix records",
+                    peers::MIN_TOKEN_BYTES,
+                    pc.token_env
+                );
+            }
+            let prefix = &p.cfg.scheduler.prefix;
+            PeerSender {
+                table: SharedPrefix::new(prefix.shared_shards, prefix.shared_entries_per_shard),
+                exporter: Exporter::new(),
+                token,
+                next_ms: 0,
+                calls: HashMap::new(),
+                found: Vec::new(),
+                list_call: None,
+                next_list_ms: 0,
+            }
+        });
         p.models = ModelsLearner::from_config(&p.cfg);
         p.continue_versions();
         p
@@ -78,6 +121,7 @@ impl PollerRole {
     /// It may be called at any tick rate: the core decides which scrapes and refreshes are due.
     pub fn tick(&mut self, now: u64) {
         self.tick_pod_models(now);
+        self.tick_peers(now);
         if let Some(k) = self.cfg.discovery.as_ref().map(|d| &d.kubernetes) {
             if self.core.discovery_due(now) {
                 let token = match k.token_source() {
@@ -133,6 +177,44 @@ impl PollerRole {
 
     pub fn on_response(&mut self, token: u32, num_headers: usize, body_size: usize) {
         let now = io::now_ms();
+        if let Some(ps) = self.peers.as_mut().filter(|p| p.list_call == Some(token)) {
+            ps.list_call = None;
+            let Some(k) = self.cfg.peers.as_ref().and_then(|p| p.kubernetes.as_ref()) else { return };
+            let status = if num_headers == 0 { None } else { io::call_response_status() };
+            let parsed = if response_within_cap(body_size, self.cfg.poller.max_response_bytes) {
+                crate::discovery::parse_pod_list_response(
+                    status.unwrap_or(0),
+                    &io::call_response_body(body_size),
+                    k,
+                )
+                .map_err(|e| format!("{e:?}"))
+            } else {
+                Err(format!("{body_size} bytes, over poller.max_response_bytes"))
+            };
+            match parsed {
+                Ok(d) => {
+                    ps.found = d.endpoints.into_iter().map(|e| e.address).take(peers::MAX_PEERS).collect();
+                    debug!("inference-picker-poller: peers: {} found", ps.found.len());
+                }
+                Err(e) => {
+                    self.metrics.count(telemetry::name(telemetry::PEER_SEND_FAILURES, &[]));
+                    if self.errors.allow("peer_list", now).is_some() {
+                        warn!("inference-picker-poller: peers: pod list unusable, keeping the previous peers: {e}");
+                    }
+                }
+            }
+            return;
+        }
+        if let Some(address) = self.peers.as_mut().and_then(|p| p.calls.remove(&token)) {
+            let status = if num_headers == 0 { None } else { io::call_response_status() };
+            if status != Some(204) {
+                self.metrics.count(telemetry::name(telemetry::PEER_SEND_FAILURES, &[]));
+                if self.errors.allow("peer", now).is_some() {
+                    warn!("inference-picker-poller: peers: {address} answered {status:?} to the prefix records (204 expected); check its peers.path and token");
+                }
+            }
+            return;
+        }
         if let Some(address) = self.model_calls.remove(&token) {
             self.on_models_response(&address, num_headers, body_size, now);
             return;
@@ -198,6 +280,70 @@ impl PollerRole {
 
     /// Starts the model-list fetches that are due: new pods at once, the others every
     /// `pod_models.refresh_ms`. Through the metrics cluster, like a scrape.
+    /// `peers`: every `interval_ms`, the records written since the last send, to every peer.
+    fn tick_peers(&mut self, now: u64) {
+        let (Some(pc), Some(ps)) = (self.cfg.peers.as_ref(), self.peers.as_mut()) else { return };
+        if let Some(k) = pc.kubernetes.as_ref() {
+            if now >= ps.next_list_ms {
+                // A list still unanswered a whole refresh later is lost (its timeout is shorter).
+                ps.list_call = None;
+                ps.next_list_ms = now.saturating_add(k.refresh_ms);
+                let token = match k.token_source() {
+                    TokenSource::None => None,
+                    TokenSource::Inline(t) => Some(t.to_string()),
+                    TokenSource::Env(name) => std::env::var(name).ok(),
+                };
+                match io::dispatch(&k.api_cluster, &k.pod_list_headers(token.as_deref()), k.timeout_ms) {
+                    Ok(t) => ps.list_call = Some(t),
+                    Err(e) => {
+                        self.metrics.count(telemetry::name(telemetry::PEER_SEND_FAILURES, &[]));
+                        if self.errors.allow("peer_list", now).is_some() {
+                            warn!(
+                                "inference-picker-poller: peers: cannot list pods through cluster {:?}: {e}",
+                                k.api_cluster
+                            );
+                        }
+                    }
+                }
+            }
+        }
+        if now < ps.next_ms {
+            return;
+        }
+        ps.next_ms = now.saturating_add(pc.interval_ms);
+        let Some(token) = ps.token.as_deref() else { return };
+        // A send still unanswered after a whole interval is lost (Envoy's timeout is shorter).
+        ps.calls.clear();
+        let batch = ps.exporter.collect(&io::HostStore, &ps.table);
+        if batch.is_empty() {
+            return;
+        }
+        let body = peers::encode(&batch);
+        let cluster = &self.cfg.poller.cluster;
+        let mut targets: Vec<&String> = pc.addresses.iter().collect();
+        targets.extend(ps.found.iter().filter(|f| !pc.addresses.contains(f)));
+        for address in targets {
+            match io::dispatch_post(
+                cluster,
+                &pc.path,
+                address,
+                &[(peers::TOKEN_HEADER, token)],
+                &body,
+                pc.timeout_ms,
+            ) {
+                Ok(t) => {
+                    ps.calls.insert(t, address.clone());
+                }
+                Err(e) => {
+                    self.metrics.count(telemetry::name(telemetry::PEER_SEND_FAILURES, &[]));
+                    if self.errors.allow("peer", now).is_some() {
+                        warn!("inference-picker-poller: peers: cannot send to {address} through cluster {cluster:?}: {e}");
+                    }
+                }
+            }
+        }
+    }
+
     fn tick_pod_models(&mut self, now: u64) {
         let (Some(m), Some(pm)) = (&mut self.models, &self.cfg.pod_models) else {
             return;

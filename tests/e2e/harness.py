@@ -184,8 +184,10 @@ class Envoy:
     def __init__(self, config: dict, concurrency: int = 2, base_yaml: Path = ENVOY_YAML,
                  singleton: bool = True, extra_clusters: list | None = None,
                  front_filters: list[dict] | None = None, pool_hosts: list[str] | None = None,
-                 retry_policy: dict | None = None):
-        self.port = free_port()
+                 retry_policy: dict | None = None, port: int | None = None):
+        # `port`: a listener port chosen by the caller (free_port()), e.g. for gateways that
+        # must know each other's address before either starts.
+        self.port = port or free_port()
         self.admin_port = free_port()
         self.config = config
         LIVE_ENVOYS.append(self)

@@ -56,13 +56,17 @@ struct Args {
     /// Delay between a scrape and the snapshot being visible to workers, ms.
     #[arg(long, default_value_t = 20)]
     metrics_delay_ms: u64,
-    /// A study, not a shipped feature: replicas of ours exchange their cross-worker prefix
-    /// tables' new writes every this many ms (default: never, as shipped). See FINDINGS.md.
+    /// Replicas of ours exchange their prefix tables' new records every this many ms, as the
+    /// module's `peers` section does (default: its default interval, 1000; only runs with more
+    /// than one replica exchange anything).
     #[arg(long)]
     peer_sync_ms: Option<u64>,
-    /// With --peer-sync-ms: the exchange also carries each replica's in-flight counts and queued
-    /// prefill (a study).
-    #[arg(long)]
+    /// Replicas of ours share nothing (no `peers` section).
+    #[arg(long, conflicts_with = "peer_sync_ms")]
+    no_peer_sync: bool,
+    /// A study, not what ships: the exchange also carries each replica's in-flight counts and
+    /// queued prefill (FINDINGS.md: it does not help).
+    #[arg(long, conflicts_with = "no_peer_sync")]
     peer_sync_load: bool,
     /// Only these workloads of the default set (comma-separated keys).
     #[arg(long, value_delimiter = ',')]
@@ -177,7 +181,11 @@ fn real_main() -> Result<(), String> {
         metrics_delay_ms: args.metrics_delay_ms,
         seeds: (args.seed..args.seed + args.seeds).collect(),
         ours_overrides,
-        peer_sync_ms: args.peer_sync_ms,
+        peer_sync_ms: if args.no_peer_sync {
+            None
+        } else {
+            Some(args.peer_sync_ms.unwrap_or(inference_picker::peers::DEFAULT_INTERVAL_MS))
+        },
         peer_sync_load: args.peer_sync_load,
     };
     if args.bursts {

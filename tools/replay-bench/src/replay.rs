@@ -69,10 +69,11 @@ pub struct RunConfig {
     pub seed: u64,
     /// Replaces `ours`' scheduler section (see `strategy::config`).
     pub ours_overrides: Option<serde_json::Value>,
-    /// A study, not a shipped feature: every this many ms, each replica of ours replays on its
-    /// own cross-worker prefix table the writes the other replicas made to theirs since the last
-    /// exchange (`prefix_shared::delta`, then `upsert`), as a gateway-to-gateway exchange would.
-    /// `None` (the default, and what ships): replicas share nothing.
+    /// The module's `peers` exchange (`inference_picker::peers`): every this many ms, each
+    /// replica of ours sends the records its prefix table changed since its last send
+    /// (`Exporter::collect`'s `delta`), and every other replica applies them (`upsert`). As in
+    /// the module, records a replica received count as changed at its next send (sent on once).
+    /// `None`: replicas share nothing (no `peers` section).
     pub peer_sync_ms: Option<u64>,
     /// With `peer_sync_ms`: each exchange also copies every other replica's in-flight record
     /// (counts and queued prefill, `inference_picker::inflight`) into this replica's store, where
@@ -384,8 +385,9 @@ impl Sim<'_> {
     }
 
     /// `RunConfig::peer_sync_ms`: when an exchange is due (checked at each arrival, the only time
-    /// the tables are read), every replica's writes since the last exchange are replayed on every
-    /// other replica's table.
+    /// the tables are read), every replica's records changed since its last send are applied to
+    /// every other replica's table. Unlike the module, a batch is not capped at
+    /// `peers::MAX_RECORDS` (a replica writes far fewer in an interval) and arrives at once.
     fn exchange_prefixes(&mut self, t: f64) {
         use inference_picker::ports::SharedStore;
         use inference_picker::scheduler::prefix_shared::{delta, upsert};
@@ -395,8 +397,14 @@ impl Sim<'_> {
         }
         ps.next = t + ps.every_ms;
         let read = |r: &Replica, k: &str| r.store.get(k).ok().flatten().map(|(v, _)| v).unwrap_or_default();
+        // What each replica reads now is what its next send starts from (its exporter's last
+        // read): the records it applies below look changed to it then, and go out once more.
+        let mut read_now: Vec<Vec<Vec<u8>>> = vec![Vec::with_capacity(ps.keys.len()); self.replicas.len()];
         for (si, key) in ps.keys.iter().enumerate() {
             let now: Vec<Vec<u8>> = self.replicas.iter().map(|r| read(r, key)).collect();
+            for (slot, v) in read_now.iter_mut().zip(&now) {
+                slot.push(v.clone());
+            }
             let deltas: Vec<_> = now
                 .iter()
                 .zip(&ps.sent)
@@ -431,10 +439,7 @@ impl Sim<'_> {
                 }
             }
         }
-        // What each replica holds now has been passed on (its own writes) or came from a peer.
-        for (ri, rep) in self.replicas.iter().enumerate() {
-            ps.sent[ri] = ps.keys.iter().map(|k| read(rep, k)).collect();
-        }
+        ps.sent = read_now;
     }
 
     fn advance_server(&mut self, si: usize, t: f64) {

@@ -53,13 +53,22 @@ pub fn markdown(
         let _ =
             writeln!(s, "**`ours` and its variants ran with non-default configuration sections:** `{o}`.\n");
     }
-    if let Some(ms) = common.peer_sync_ms {
-        let _ = writeln!(
-            s,
-            "**Study, not what ships:** replicas of `ours` exchanged their prefix tables' new writes \
-             every {ms} ms (`--peer-sync-ms`){}.\n",
-            if common.peer_sync_load { ", and their in-flight records (`--peer-sync-load`)" } else { "" }
-        );
+    match common.peer_sync_ms {
+        Some(ms) => {
+            let _ = writeln!(
+                s,
+                "Replicas of `ours` (runs with more than one) exchange their prefix tables every {ms} ms, \
+                 as the module's `peers` section does when every replica is listed{}.\n",
+                if common.peer_sync_load {
+                    "; **study, not what ships:** their in-flight records too (`--peer-sync-load`)"
+                } else {
+                    ""
+                }
+            );
+        }
+        None => {
+            let _ = writeln!(s, "Replicas of `ours` share nothing (`--no-peer-sync`: no `peers` section).\n");
+        }
     }
     s.push_str(CALIBRATION);
     s.push_str(&targets(results));

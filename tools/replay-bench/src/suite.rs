@@ -51,7 +51,8 @@ pub struct Common {
     pub seeds: Vec<u64>,
     /// Replaces `ours`' configuration sections (a proposal under test).
     pub ours_overrides: Option<serde_json::Value>,
-    /// `RunConfig::peer_sync_ms` of every run (a study; `None` by default).
+    /// `RunConfig::peer_sync_ms` of every run: by default `peers.interval_ms`'s default, as
+    /// the README deploys several replicas; `None` with `--no-peer-sync`.
     pub peer_sync_ms: Option<u64>,
     /// `RunConfig::peer_sync_load` of every run.
     pub peer_sync_load: bool,
@@ -66,7 +67,7 @@ impl Default for Common {
             metrics_delay_ms: 20,
             seeds: (1..=DEFAULT_SEEDS).collect(),
             ours_overrides: None,
-            peer_sync_ms: None,
+            peer_sync_ms: Some(inference_picker::peers::DEFAULT_INTERVAL_MS),
             peer_sync_load: false,
         }
     }

@@ -1,0 +1,163 @@
+"""Gateway replicas that exchange their prefix tables (`peers`, crate::peers), in real Envoy.
+
+Two Envoys (two gateway replicas) in front of the same two pods, each listing the other as its
+peer. A long prompt routed by replica A must show, after one exchange, as a prefix match on the
+same pod in replica B's debug scores, although B never saw it. The exchange path itself must
+answer locally, only to a POST with the token, and nothing of it may reach a pod.
+"""
+
+import json
+import sys
+import time
+
+import requests
+
+from harness import REPO, Envoy, Sim, endpoint, free_port, picker_config, static_cluster, wait_until
+
+sys.path.insert(0, str(REPO / "tests"))
+from fake_k8s_api import FakeK8sApi  # noqa: E402
+
+TOKEN = "e2e-peer-token-0123456789"
+PATH = "/.inference-picker/v1/prefixes"
+SCORES = "x-inference-picker-scores"
+
+
+def _config(sims, peer_port, **peers):
+    return picker_config(
+        [endpoint(s) for s in sims],
+        scheduler={"debug_scores": True},
+        filter={"expose_served_endpoint": True},
+        peers={"addresses": [f"127.0.0.1:{peer_port}"], "token": TOKEN, "interval_ms": 200,
+               "timeout_ms": 200, **peers},
+    )
+
+
+def _prefix_scores(response) -> dict:
+    """address → prefix score, from the debug scores header."""
+    out = {}
+    for part in response.headers[SCORES].split(", "):
+        fields = part.split()
+        out[fields[0]] = float(next(f for f in fields if f.startswith("p=")).split("=")[1])
+    return out
+
+
+def _one_replica_placed_the_other_knows(a, b, sims):
+    """A long prompt through replica A; its next turn through B, which never saw the first."""
+    a.wait_routable()
+    b.wait_routable()
+    system = "You are a careful assistant. " + "Background: " + "the quick brown fox " * 300
+    first = a.chat(content=system + "\nQuestion one?")
+    assert first.status_code == 200, first.text
+    placed = first.headers["x-gateway-destination-endpoint-served"]
+    # B learns it from A's next send (every 200 ms).
+    wait_until(lambda: b.metric("inference_picker_peer_records_total", outcome="applied") > 0, 10,
+               "replica B to apply replica A's prefix records")
+    # The conversation's next turn reaches B, which never saw the first: it knows where the
+    # prefix lives only from A.
+    second = b.chat(content=system + "\nQuestion one?\nAnd a second question?")
+    assert second.status_code == 200, second.text
+    scores = _prefix_scores(second)
+    others = [addr for addr in scores if addr != placed]
+    assert scores[placed] > 0.5, scores
+    assert all(scores[o] == 0 for o in others), scores
+    assert second.headers["x-gateway-destination-endpoint-served"] == placed
+
+
+def test_a_prefix_one_replica_placed_is_known_to_the_other():
+    sims = [Sim("peer-a"), Sim("peer-b")]
+    port_a, port_b = free_port(), free_port()
+    a = b = None
+    try:
+        a = Envoy(_config(sims, port_b), port=port_a)
+        b = Envoy(_config(sims, port_a), port=port_b)
+        _one_replica_placed_the_other_knows(a, b, sims)
+    finally:
+        for e in (a, b):
+            if e:
+                e.stop()
+        for s in sims:
+            s.stop()
+
+
+def test_the_exchange_path_answers_locally_and_only_to_the_token():
+    sims = [Sim("peer-c")]
+    port_a = free_port()
+    envoy = None
+    try:
+        envoy = Envoy(_config(sims, free_port()), port=port_a)
+        envoy.wait_routable()
+        before = sims[0].requests_total()
+        url = envoy.url + PATH
+        good = {"x-inference-picker-peer-token": TOKEN}
+        # No token, a wrong token (same length), another method, a malformed body, too large.
+        assert requests.post(url, data=b"IPX1", timeout=5).status_code == 403
+        wrong = {"x-inference-picker-peer-token": TOKEN[:-1] + "x"}
+        assert requests.post(url, data=b"IPX1", headers=wrong, timeout=5).status_code == 403
+        assert requests.get(url, headers=good, timeout=5).status_code == 405
+        bad = requests.post(url, data=b"IPX1" + b"\x00" * 17, headers=good, timeout=5)
+        assert bad.status_code == 400 and bad.json()["error"]["code"] == "bad_peer_records", bad.text
+        big = requests.post(url, data=b"IPX1" + b"\x00" * (18 * 4097), headers=good, timeout=5)
+        assert big.status_code == 413, big.text
+        # A well-formed batch is applied and answered 204.
+        record = (7).to_bytes(8, "little") + (1).to_bytes(4, "little") + b"\x00" * 6
+        ok = requests.post(url, data=b"IPX1" + record, headers=good, timeout=5)
+        assert ok.status_code == 204, ok.text
+        assert envoy.metric("inference_picker_peer_records_total", outcome="applied") == 1
+        assert envoy.metric("inference_picker_peer_records_total", outcome="refused") == 1
+        # With a query string it is not the exchange path, and not an inference path either.
+        assert requests.post(url + "?x=1", data=b"IPX1", headers=good, timeout=5).status_code == 404
+        time.sleep(0.5)
+        assert sims[0].requests_total() == before, "an exchange request reached a pod"
+    finally:
+        if envoy:
+            envoy.stop()
+        for s in sims:
+            s.stop()
+
+
+def _gateway_pod(name: str) -> dict:
+    """A Ready gateway pod as the Kubernetes API lists it (both replicas on 127.0.0.1, told
+    apart by the port `peers.kubernetes.target_ports` names)."""
+    return {
+        "metadata": {"name": name, "namespace": "gw", "uid": f"uid-{name}",
+                     "labels": {"app": "inference-gateway"}},
+        "spec": {"containers": [{"name": "envoy"}]},
+        "status": {"phase": "Running", "podIP": "127.0.0.1", "podIPs": [{"ip": "127.0.0.1"}],
+                   "conditions": [{"type": "Ready", "status": "True"}]},
+    }
+
+
+def test_replicas_find_each_other_through_the_kubernetes_api(tmp_path):
+    # Each replica lists "its" gateway pods from a fake API server: the other replica's pod
+    # (the port tells them apart on one host). Nothing but the pod list names the peer.
+    sims = [Sim("peer-k0"), Sim("peer-k1")]
+    port_a, port_b = free_port(), free_port()
+    files = {}
+    for name in ("a", "b"):
+        f = tmp_path / f"pods-{name}.json"
+        f.write_text(json.dumps({"kind": "PodList", "apiVersion": "v1", "metadata": {"resourceVersion": "1"},
+                                 "items": [_gateway_pod(f"gw-{name}")]}))
+        files[name] = f
+    a = b = None
+    with FakeK8sApi(files["a"], token="k8s-token") as api_a, FakeK8sApi(files["b"], token="k8s-token") as api_b:
+        try:
+            def cfg(other_port):
+                c = _config(sims, 1)
+                c["peers"] = {"kubernetes": {
+                    "namespace": "gw", "selector": {"app": "inference-gateway"}, "target_ports": [other_port],
+                    "api_cluster": "kubernetes_api", "token": "k8s-token", "refresh_ms": 1000, "timeout_ms": 1000},
+                    "token": TOKEN, "interval_ms": 200, "timeout_ms": 200}
+                return c
+            a = Envoy(cfg(port_b), port=port_a,
+                      extra_clusters=[static_cluster("kubernetes_api", "127.0.0.1", api_a.port)])
+            b = Envoy(cfg(port_a), port=port_b,
+                      extra_clusters=[static_cluster("kubernetes_api", "127.0.0.1", api_b.port)])
+            _one_replica_placed_the_other_knows(a, b, sims)
+            stats = requests.get(f"http://127.0.0.1:{api_a.port}/fake/stats", timeout=5).json()
+            assert stats["requests"] >= 1
+        finally:
+            for e in (a, b):
+                if e:
+                    e.stop()
+            for s in sims:
+                s.stop()
