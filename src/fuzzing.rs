@@ -59,6 +59,7 @@ pub const TARGETS: &[(&str, Entry)] = &[
     ("flow", flow),
     ("lease", lease),
     ("prefix_shard", prefix_shard),
+    ("peer_batch", peer_batch),
 ];
 
 /// The entry of target `name`, if it exists.
@@ -402,5 +403,40 @@ pub fn prefix_shard(data: &[u8]) {
     if whole && stored.len() + 3 <= 8 {
         let after = table.lookup(&store, &hashes);
         assert_eq!(after.matched(9), 16, "a recorded chain is found in full");
+    }
+}
+
+/// A peer's batch of prefix records (`peers::decode`, `peers::receive`): refused whole or
+/// applied whole, and the table stays well-formed and bounded.
+pub fn peer_batch(data: &[u8]) {
+    let table = SharedPrefix::new(4, 8);
+    let store = MemStore::new();
+    match crate::peers::decode(data) {
+        Ok(records) => {
+            assert!(records.len() <= crate::peers::MAX_RECORDS);
+            assert_eq!(crate::peers::encode(&records), data, "decode then encode gives the body back");
+            assert_eq!(crate::peers::receive(&store, &table, data), Ok(records.len()));
+            let shards = table.read_all(&store);
+            for v in &shards {
+                assert_eq!(v.len() % RECORD_BYTES, 0);
+                assert!(v.len() / RECORD_BYTES <= 8);
+            }
+            // The last record of each hash is what the table names, unless the shard overflowed.
+            for &(h, e, _) in records.iter().rev().take(1) {
+                let shard = &shards[(h % 4) as usize];
+                let in_shard = records
+                    .iter()
+                    .filter(|r| r.0 % 4 == h % 4)
+                    .map(|r| r.0)
+                    .collect::<hashbrown::HashSet<_>>();
+                if in_shard.len() <= 8 {
+                    assert_eq!(prefix_shared::find(shard, h), Some(e));
+                }
+            }
+        }
+        Err(_) => {
+            assert!(crate::peers::receive(&store, &table, data).is_err());
+            assert!(table.read_all(&store).iter().all(Vec::is_empty), "a refused batch applied something");
+        }
     }
 }
