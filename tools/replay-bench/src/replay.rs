@@ -5,7 +5,8 @@
 //! own local state (its own `Scheduler`, round-robin counter, random source); each replica has
 //! one `MemStore` shared by its workers (proxy-wasm shared data is per Envoy process), holding the
 //! published snapshot, the in-flight counts (`inference_picker::inflight`) and our cross-worker
-//! prefix table; replicas share nothing. Each request goes to a worker chosen at random.
+//! prefix table; replicas share nothing but, for ours, the prefix-table exchange of the module's
+//! `peers` (`RunConfig::peer_sync_ms`). Each request goes to a worker chosen at random.
 //!
 //! **What the router sees.** Only what it would see in Envoy. Each replica's poller
 //! (`inference_picker::poller::Poller`, the real pure core) scrapes every server every
