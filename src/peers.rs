@@ -73,6 +73,10 @@ pub struct PeersConfig {
     /// `vm_config.environment_variables`, Istio `vmConfig.env`).
     #[serde(default)]
     pub token_env: Option<String>,
+    /// The `:authority` (Host) of the sends, so that they match the peer's virtual host (e.g.
+    /// `llm.example.com`). Default: none (the peer's `ip:port`, which a `*` domain matches).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub authority: Option<String>,
     /// How often the poller sends what changed, in ms: 100 to 60000. Default 1000.
     #[serde(default = "default_interval_ms")]
     #[cfg_attr(feature = "schema", schemars(range(min = MIN_INTERVAL_MS, max = MAX_INTERVAL_MS)))]
@@ -89,6 +93,7 @@ read::from_json_struct!(PeersConfig {
     path = default_path(),
     token = None,
     token_env = None,
+    authority = None,
     interval_ms = default_interval_ms(),
     timeout_ms = default_timeout_ms(),
 });
@@ -155,6 +160,15 @@ impl PeersConfig {
                 push("token_env", format!("{e:?} is not an environment variable name"))
             }
             _ => {}
+        }
+        if let Some(a) = &self.authority {
+            if a.is_empty()
+                || a.len() > 253
+                || !a.bytes().all(|b| b.is_ascii_graphic())
+                || a.contains(['/', '@'])
+            {
+                push("authority", format!("must be a host name (optionally with a port), got {a:?}"));
+            }
         }
         if !(MIN_INTERVAL_MS..=MAX_INTERVAL_MS).contains(&self.interval_ms) {
             push(

@@ -861,3 +861,14 @@ fn peers_found_through_kubernetes() {
         "find them with `kubernetes`",
     );
 }
+
+#[test]
+fn peers_authority() {
+    let ok =
+        json!({"addresses": ["10.1.0.2:8080"], "token": "0123456789abcdef", "authority": "llm.example.com"});
+    assert_eq!(parse(&with_peers(ok)).unwrap().peers.unwrap().authority.as_deref(), Some("llm.example.com"));
+    for bad in ["", "a b", "host/path", "user@host"] {
+        let v = json!({"addresses": ["10.1.0.2:8080"], "token": "0123456789abcdef", "authority": bad});
+        assert_only(&errors(&with_peers(v)), "peers.authority", "host name");
+    }
+}

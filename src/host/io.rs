@@ -645,11 +645,12 @@ pub fn dispatch_get(cluster: &str, path: &str, authority: &str, timeout_ms: u64)
     dispatch_http_call(cluster, headers, timeout_ms)
 }
 
-/// POSTs `body` to `authority` (`ip:port`) through an ORIGINAL_DST cluster, with `extra`
-/// headers; returns the callout's token.
+/// POSTs `body` to `address` (`ip:port`) through an ORIGINAL_DST cluster, with `:authority`
+/// `authority` and `extra` headers; returns the callout's token.
 pub fn dispatch_post(
     cluster: &str,
     path: &str,
+    address: &str,
     authority: &str,
     extra: &[(&str, &str)],
     body: &[u8],
@@ -661,7 +662,7 @@ pub fn dispatch_post(
         (":authority", authority),
         (":scheme", "http"),
         ("content-type", "application/octet-stream"),
-        ("x-envoy-original-dst-host", authority),
+        ("x-envoy-original-dst-host", address),
     ];
     headers.extend_from_slice(extra);
     #[allow(clippy::disallowed_methods)]

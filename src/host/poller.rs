@@ -323,10 +323,12 @@ impl PollerRole {
         let mut targets: Vec<&String> = pc.addresses.iter().collect();
         targets.extend(ps.found.iter().filter(|f| !pc.addresses.contains(f)));
         for address in targets {
+            let authority = pc.authority.as_deref().unwrap_or(address);
             match io::dispatch_post(
                 cluster,
                 &pc.path,
                 address,
+                authority,
                 &[(peers::TOKEN_HEADER, token)],
                 &body,
                 pc.timeout_ms,

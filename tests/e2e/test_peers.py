@@ -146,7 +146,9 @@ def test_replicas_find_each_other_through_the_kubernetes_api(tmp_path):
                 c["peers"] = {"kubernetes": {
                     "namespace": "gw", "selector": {"app": "inference-gateway"}, "target_ports": [other_port],
                     "api_cluster": "kubernetes_api", "token": "k8s-token", "refresh_ms": 1000, "timeout_ms": 1000},
-                    "token": TOKEN, "interval_ms": 200, "timeout_ms": 200}
+                    "token": TOKEN, "interval_ms": 200, "timeout_ms": 200,
+                    # Sent with this Host (the listener's virtual host takes any).
+                    "authority": "llm.example.com"}
                 return c
             a = Envoy(cfg(port_b), port=port_a,
                       extra_clusters=[static_cluster("kubernetes_api", "127.0.0.1", api_a.port)])
