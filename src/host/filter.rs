@@ -27,7 +27,6 @@ use crate::request::{
     self, BodyInputs, HeadDecision, Prepared, RequestHead, DEBUG_SCORES_HEADER, DESTINATION_HEADER,
     MAX_RETRIES_HEADER, ORIGINAL_DST_HEADER, QUEUE_MS_HEADER, SERVED_HEADER,
 };
-use crate::scheduler::prefix_shared::SharedPrefix;
 use crate::telemetry;
 
 /// What one request has learned and decided so far.
@@ -728,8 +727,8 @@ impl Filter {
     fn peer_headers(&mut self, end_of_stream: bool) -> Action {
         let cfg = self.worker.cfg.clone();
         let Some(pc) = cfg.peers.as_ref() else { return Action::Continue };
-        let token = self.worker.peer_token();
-        let endpoint = token.as_deref().map(|t| peers::Endpoint { path: &pc.path, token: t });
+        let endpoint =
+            self.worker.peer_token.as_deref().map(|t| peers::Endpoint { path: &pc.path, token: t });
         let method = io::request_header(":method").unwrap_or_default();
         let sent = io::request_header_bytes(peers::TOKEN_HEADER);
         let decision = match endpoint.as_ref() {
@@ -773,10 +772,9 @@ impl Filter {
             return Action::Pause;
         }
         let body = if body_size == 0 { Vec::new() } else { io::request_body(body_size).unwrap_or_default() };
-        let prefix = &self.worker.cfg.scheduler.prefix;
-        let table = SharedPrefix::new(prefix.shared_shards, prefix.shared_entries_per_shard);
+        let received = peers::receive(&io::HostStore, self.worker.scheduler.borrow().shared_prefix(), &body);
         let mut m = self.worker.metrics.borrow_mut();
-        match peers::receive(&io::HostStore, &table, &body) {
+        match received {
             Ok(n) => {
                 m.add(telemetry::name(telemetry::PEER_RECORDS, &[("outcome", "applied")]), n as u64);
                 drop(m);

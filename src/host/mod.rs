@@ -72,11 +72,6 @@ pub(crate) struct Worker {
 }
 
 impl Worker {
-    /// `peers`: the shared token (see the field).
-    pub fn peer_token(&self) -> Option<String> {
-        self.peer_token.clone()
-    }
-
     /// The latest snapshot (the cached one if shared data cannot be read).
     pub fn snapshot(&self) -> Rc<Snapshot> {
         let refreshed = self.snapshots.borrow_mut().refresh(&io::HostStore);

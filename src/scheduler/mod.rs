@@ -317,6 +317,11 @@ impl Scheduler {
     }
 
     /// The session-token keys in use.
+    /// The cross-worker prefix table's shape (`crate::peers` applies peers' records to it).
+    pub fn shared_prefix(&self) -> &SharedPrefix {
+        &self.shared
+    }
+
     pub fn session_keys(&self) -> &SessionKeys {
         &self.session_keys
     }

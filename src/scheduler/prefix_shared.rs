@@ -318,8 +318,13 @@ impl SharedPrefix {
             .filter_map(|b| hashes.get(b - 1).map(|&h| (self.shard(h), (h, key, step_tags(hashes, b)))))
             .collect();
         todo.sort_unstable_by_key(|(s, r)| (*s, r.0));
+        self.write_grouped(store, &todo, lookup)
+    }
+
+    /// One CAS write per shard of `todo` (sorted by shard). Returns the writes that landed.
+    fn write_grouped(&self, store: &dyn SharedStore, todo: &[(usize, Record)], lookup: &Lookup) -> usize {
         let mut writes = 0;
-        let mut rest = todo.as_slice();
+        let mut rest = todo;
         while let Some(&(shard, _)) = rest.first() {
             let n = rest.iter().take_while(|(s, _)| *s == shard).count();
             let (group, tail) = rest.split_at(n);
@@ -342,19 +347,7 @@ impl SharedPrefix {
         let mut todo: Vec<(usize, Record)> = records.iter().map(|&r| (self.shard(r.0), r)).collect();
         // Stable: a hash given twice keeps its order, so `upsert` keeps the later record.
         todo.sort_by_key(|(s, _)| *s);
-        let none = Lookup::default();
-        let mut writes = 0;
-        let mut rest = todo.as_slice();
-        while let Some(&(shard, _)) = rest.first() {
-            let n = rest.iter().take_while(|(s, _)| *s == shard).count();
-            let (group, tail) = rest.split_at(n);
-            rest = tail;
-            let updates: Vec<Record> = group.iter().map(|&(_, r)| r).collect();
-            if self.write_shard(store, shard, &updates, &none) {
-                writes += 1;
-            }
-        }
-        writes
+        self.write_grouped(store, &todo, &Lookup::default())
     }
 
     /// The current value of every shard, in key order (an absent or unreadable shard is empty).
