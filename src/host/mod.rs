@@ -12,7 +12,7 @@ mod io;
 mod poller;
 mod prof;
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::rc::Rc;
 
 use hashbrown::HashMap;
@@ -38,6 +38,12 @@ pub const POLLER_ROOT_ID: &str = "inference-picker-poller";
 /// `flow_control.worker_ttl_ms` (300), as the heartbeats need; a new snapshot (every
 /// `poller.interval_ms`) is seen within one tick.
 pub const FILTER_TICK_MS: u64 = 50;
+
+/// How often each worker re-sets the per-endpoint in-flight gauges from the shared counts
+/// (`filter.endpoint_metrics`). Sends and finishes set them at once, but two workers can
+/// interleave (one reads the count, another sends and sets, the first then sets its older
+/// value), so the gauge is re-set from the truth at this pace and never stays wrong.
+pub const INFLIGHT_GAUGE_REFRESH_MS: u64 = 250;
 
 proxy_wasm::main! {{
     proxy_wasm::set_log_level(LogLevel::Info);
@@ -69,6 +75,8 @@ pub(crate) struct Worker {
     /// `peers`: the shared token peers must send (resolved once; `None` when unset: the
     /// exchange path then takes nothing).
     pub peer_token: Option<String>,
+    /// When this worker last re-set the per-endpoint in-flight gauges (ms; 0 = never).
+    pub inflight_gauges_ms: Cell<u64>,
 }
 
 impl Worker {
@@ -112,6 +120,27 @@ impl Worker {
             self.run_flow(root_id, &self.flow_inputs());
         }
         self.flush_gate_metrics();
+        self.refresh_inflight_gauges();
+    }
+
+    /// Re-sets `inference_picker_endpoint_inflight` for every endpoint of the snapshot from the
+    /// shared counts, every [`INFLIGHT_GAUGE_REFRESH_MS`] (only with `filter.endpoint_metrics`).
+    fn refresh_inflight_gauges(&self) {
+        if !self.cfg.filter.endpoint_metrics {
+            return;
+        }
+        let now_ms = io::now_ms();
+        if now_ms.saturating_sub(self.inflight_gauges_ms.get()) < INFLIGHT_GAUGE_REFRESH_MS {
+            return;
+        }
+        self.inflight_gauges_ms.set(now_ms);
+        let snapshot = self.snapshot();
+        let counts = self.inflight_counts(now_ms);
+        let mut metrics = self.metrics.borrow_mut();
+        for e in &snapshot.endpoints {
+            let n = counts.get(&e.address);
+            metrics.gauge_tagged(telemetry::ENDPOINT_INFLIGHT, &[("endpoint", &e.address)], u64::from(n));
+        }
     }
 
     /// A request to `address` finished (its stream's `on_log`, after the in-flight -1): credit
@@ -406,6 +435,7 @@ impl RootContext for Root {
                     self.context_id,
                 ))),
                 peer_token: cfg.peers.as_ref().and_then(|p| p.resolve_token(|name| std::env::var(name).ok())),
+                inflight_gauges_ms: Cell::new(0),
                 cfg,
             }))
         };

@@ -7,7 +7,10 @@ answer locally, only to a POST with the token, and nothing of it may reach a pod
 """
 
 import json
+import os
+import socket
 import sys
+import threading
 import time
 
 import requests
@@ -75,6 +78,72 @@ def test_a_prefix_one_replica_placed_is_known_to_the_other():
         for e in (a, b):
             if e:
                 e.stop()
+        for s in sims:
+            s.stop()
+
+
+class BlackHole:
+    """A peer that accepts connections and never answers (a hung replica)."""
+
+    def __init__(self):
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.port = self.sock.getsockname()[1]
+        self.accepted = []
+        self.closed = threading.Event()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while not self.closed.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.accepted.append(conn)  # held open, never read, never answered
+
+    def stop(self):
+        self.closed.set()
+        for c in self.accepted:
+            c.close()
+        self.sock.close()
+
+
+def test_a_dead_and_a_hung_peer_cost_no_request_and_do_not_stop_the_exchange():
+    # Replica A lists three peers: a port nobody listens on, one that accepts and never
+    # answers, and replica B. Requests through A must all succeed, B must still learn A's
+    # placements, and A must count the failed sends.
+    sims = [Sim("peer-d0"), Sim("peer-d1")]
+    hole = BlackHole()
+    dead = free_port()
+    port_a, port_b = free_port(), free_port()
+    a = b = None
+    try:
+        cfg_a = _config(sims, port_b)
+        cfg_a["peers"]["addresses"] = [f"127.0.0.1:{dead}", f"127.0.0.1:{hole.port}", f"127.0.0.1:{port_b}"]
+        a = Envoy(cfg_a, port=port_a)
+        b = Envoy(_config(sims, port_a), port=port_b)
+        _one_replica_placed_the_other_knows(a, b, sims)
+        # Both bad peers failed the send of that batch (refused, and timed out after
+        # peers.timeout_ms).
+        wait_until(lambda: a.metric("inference_picker_peer_send_failures_total") >= 2, 10,
+                   "replica A to count its failed sends")
+        assert hole.accepted, "the hung peer was never tried"
+        # Requests keep flowing through A while its sends fail, and B keeps learning.
+        failures = a.metric("inference_picker_peer_send_failures_total")
+        applied = b.metric("inference_picker_peer_records_total", outcome="applied")
+        for i in range(10):
+            r = a.chat(content=f"independent prompt {i} " + "lorem ipsum " * 100)
+            assert r.status_code == 200, r.text
+        wait_until(lambda: b.metric("inference_picker_peer_records_total", outcome="applied") > applied, 10,
+                   "replica B to apply A's newer records while A's other peers fail")
+        wait_until(lambda: a.metric("inference_picker_peer_send_failures_total") >= failures + 2, 10,
+                   "replica A to count the failed sends of its newer records")
+    finally:
+        for e in (a, b):
+            if e:
+                e.stop()
+        hole.stop()
         for s in sims:
             s.stop()
 
@@ -157,6 +226,20 @@ def test_replicas_find_each_other_through_the_kubernetes_api(tmp_path):
             _one_replica_placed_the_other_knows(a, b, sims)
             stats = requests.get(f"http://127.0.0.1:{api_a.port}/fake/stats", timeout=5).json()
             assert stats["requests"] >= 1
+            # The API fails from now on: A keeps the peers it found, so B keeps learning.
+            broken = tmp_path / "status.json"
+            broken.write_text(json.dumps({"kind": "Status", "apiVersion": "v1", "status": "Failure",
+                                          "code": 503, "reason": "ServiceUnavailable", "message": "down"}))
+            os.replace(broken, files["a"])
+            failures = a.metric("inference_picker_peer_send_failures_total")
+            wait_until(lambda: a.metric("inference_picker_peer_send_failures_total") > failures, 10,
+                       "replica A to count the failed pod list")
+            applied = b.metric("inference_picker_peer_records_total", outcome="applied")
+            for i in range(5):
+                r = a.chat(content=f"after the API failed {i} " + "lorem ipsum " * 100)
+                assert r.status_code == 200, r.text
+            wait_until(lambda: b.metric("inference_picker_peer_records_total", outcome="applied") > applied, 10,
+                       "replica B to apply A's records after A's pod list failed")
         finally:
             for e in (a, b):
                 if e:

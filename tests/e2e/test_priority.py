@@ -118,8 +118,8 @@ def tiers_pool():
 def test_premium_first_sheddable_shed_and_a_forged_tier_gains_nothing(tiers_pool):
     envoy, sim = tiers_pool
     with cf.ThreadPoolExecutor(20) as pool:
-        # Blockers run ~1.6 s: the burst below is sent, and held, well inside that.
-        blockers = start_blockers(envoy, sim, pool, max_tokens=30)
+        # Blockers run ~2.6 s: the burst below is sent, and held, well inside that.
+        blockers = start_blockers(envoy, sim, pool, max_tokens=50)
         plan = (
             [("free", {"authorization": "Bearer key-free"})] * 4
             # No key, but the client claims the premium tier itself.
@@ -341,7 +341,7 @@ def test_flow_control_steps_aside_when_every_endpoint_is_stale():
         envoy.wait_routable(ready=0)
         wait_until(lambda: inflight(envoy, sim) == 0, 10, "warm-up request finished")
         with cf.ThreadPoolExecutor(4) as pool:
-            blockers = start_blockers(envoy, sim, pool, max_tokens=30)
+            blockers = start_blockers(envoy, sim, pool, max_tokens=50)
             # Two in flight = "full" by the in-flight limit, but stale is unjudgeable: not held.
             _, resp, start, end = post(envoy, "third", SHORT_TOKENS)
             assert resp.status_code == 200, resp.text

@@ -6,7 +6,7 @@ import time
 import pytest
 import requests
 
-from harness import LLAMA, QWEN, Envoy, Sim, endpoint, picker_config
+from harness import LLAMA, QWEN, Envoy, Sim, endpoint, picker_config, wait_until
 
 POLL_S = 0.2
 
@@ -219,3 +219,8 @@ def test_filter_metrics_show_in_envoy_prometheus_stats(pool):
     # Every request has finished, so the shared in-flight gauge is back to zero.
     inflight = [l for l in lines if l.startswith(f'inference_picker_endpoint_inflight{{endpoint="{c.address}"}}')]
     assert inflight and inflight[0].endswith(" 0"), lines
+    # The gauge is re-set from the shared counts for every pod of the pool (every 250 ms), so
+    # pods never routed to show 0 too, rather than nothing.
+    for sim in (a, b):
+        wait_until(lambda: f'inference_picker_endpoint_inflight{{endpoint="{sim.address}"}} 0'
+                   in envoy.stats_prometheus(), 5, f"the in-flight gauge of {sim.address}")
