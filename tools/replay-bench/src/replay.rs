@@ -337,7 +337,9 @@ impl Sim<'_> {
                 .filter(|w| w.flow.as_ref().is_some_and(|f| f.needs_tick()))
                 .map(|w| w.next_tick)
                 .min_by(f64::total_cmp);
-            let t = match [ta, ts, tt].into_iter().flatten().min_by(f64::total_cmp) {
+            // The exchange runs on its own timer, as the module's poller sends every interval.
+            let tx = if ta.is_some() { self.peer_sync.as_ref().map(|p| p.next) } else { None };
+            let t = match [ta, ts, tt, tx].into_iter().flatten().min_by(f64::total_cmp) {
                 Some(t) => t,
                 None => break,
             };
@@ -368,14 +370,15 @@ impl Sim<'_> {
                     self.tick(wi, t)?;
                 }
             }
-            // 4. Arrivals at t, each to a random worker.
+            // 4. The replicas' exchange, when due.
+            self.exchange_prefixes(t);
+            // 5. Arrivals at t, each to a random worker.
             while let Some(ta) = arrival(next_req).filter(|&a| a <= t) {
                 let idx = next_req;
                 next_req += 1;
                 // Each request to a random worker (one worker for a central picker; the draw is
                 // kept so that every strategy sees the same random sequence).
                 let wi = rng.below(rc.replicas * rc.workers) % self.workers.len();
-                self.exchange_prefixes(ta);
                 self.live[idx].arrival = ta;
                 self.live[idx].replica = self.workers[wi].replica;
                 self.live[idx].worker = wi;
@@ -385,8 +388,9 @@ impl Sim<'_> {
         Ok(())
     }
 
-    /// `RunConfig::peer_sync_ms`: when an exchange is due (checked at each arrival, the only time
-    /// the tables are read), every replica's records changed since its last send are applied to
+    /// `RunConfig::peer_sync_ms`: when an exchange is due (its own timer in the event loop, every
+    /// `peer_sync_ms` while requests remain, as the module's poller sends on its tick, whether or
+    /// not requests arrive), every replica's records changed since its last send are applied to
     /// every other replica's table. Unlike the module, a batch is not capped at
     /// `peers::MAX_RECORDS` (a replica writes far fewer in an interval) and arrives at once.
     fn exchange_prefixes(&mut self, t: f64) {

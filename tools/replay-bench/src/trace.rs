@@ -378,9 +378,59 @@ pub fn assign_tiers(trace: &mut Trace, premium: f64, standard: f64, seed: u64) {
     }
 }
 
+/// Moves each request's arrival later by a uniform `[0, window_ms)` draw, then re-sorts by
+/// arrival (stable). For a trace whose timestamps are on a coarse grid (Mooncake's
+/// conversation trace: every ~3 s, ~10 requests in the same millisecond), `window_ms` = the grid
+/// step spreads each group over its step instead of delivering it as one burst. A study option
+/// (`--spread-arrivals-ms`), off by default: the default set replays the trace as recorded.
+pub fn spread_arrivals(trace: &mut Trace, window_ms: f64, seed: u64) {
+    if window_ms <= 0.0 {
+        return;
+    }
+    let mut g = Gen::new(seed);
+    for r in &mut trace.requests {
+        r.arrival_ms += g.f64() * window_ms;
+    }
+    trace.requests.sort_by(|a, b| a.arrival_ms.total_cmp(&b.arrival_ms));
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn spread_arrivals_spreads_a_burst_within_its_window_and_keeps_order() {
+        let req = |t: f64, p: u32| Request {
+            arrival_ms: t,
+            prompt_tokens: p,
+            output_tokens: 1,
+            content: Content::Unique,
+            adapter: None,
+            tier: Tier::Standard,
+        };
+        let mut t = Trace {
+            name: "grid".into(),
+            requests: (0..40).map(|i| req(f64::from(i / 10) * 3000.0, i)).collect(),
+            tokens_per_hash: 16,
+            shared_shape: None,
+            adapters: 0,
+        };
+        spread_arrivals(&mut t, 3000.0, 7);
+        let times: Vec<f64> = t.requests.iter().map(|r| r.arrival_ms).collect();
+        assert!(times.windows(2).all(|w| w[0] <= w[1]), "sorted by arrival");
+        // Every request stays within its own 3 s step, and the bursts are gone.
+        for r in &t.requests {
+            let step = f64::from(r.prompt_tokens / 10) * 3000.0;
+            assert!(r.arrival_ms >= step && r.arrival_ms < step + 3000.0, "{} in step {step}", r.arrival_ms);
+        }
+        let mut distinct = times.clone();
+        distinct.dedup();
+        assert_eq!(distinct.len(), 40);
+        // A zero window changes nothing.
+        let before = t.clone();
+        spread_arrivals(&mut t, 0.0, 7);
+        assert_eq!(t, before);
+    }
 
     #[test]
     fn timestamps() {
