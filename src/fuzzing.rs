@@ -439,4 +439,13 @@ pub fn peer_batch(data: &[u8]) {
             assert!(table.read_all(&store).iter().all(Vec::is_empty), "a refused batch applied something");
         }
     }
+    // The same bytes as an in-flight report (`peers.load_interval_ms`): refused, or written as
+    // one foreign record that every reader adds and the gateway never reports on.
+    if let Ok((sender, counts)) = crate::peers::decode_load(data) {
+        assert_ne!(sender, 0);
+        crate::inflight::put_foreign(&store, sender, &counts, 1_000).unwrap();
+        let seen = crate::inflight::InflightTable::new(sender ^ 1).read(&store, 1_000).unwrap();
+        assert_eq!(seen.total(), counts.total());
+        assert_eq!(crate::inflight::gateway_counts(&store, 1_000).unwrap().total(), 0);
+    }
 }

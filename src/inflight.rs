@@ -34,6 +34,14 @@
 //! host read per written slot other than our own (our counts are local); records are decoded
 //! again only when their CAS token changed.
 //!
+//! # Other gateways' records (`peers.load_interval_ms`)
+//! A peer gateway's report is written as a *foreign* record (tag `f1` instead of `i1`, owner =
+//! the sending gateway's nonce, heartbeat = when this gateway received it; [`put_foreign`]) in a
+//! slot claimed like a VM's. Readers add it like any record, so every count here then includes
+//! the other replicas' requests; [`gateway_counts`], what this gateway reports to its peers,
+//! leaves foreign records out, so nothing is passed on. A peer that stops reporting ages out
+//! after [`TTL_MS`], like a dead VM.
+//!
 //! # Failure behaviour
 //! A garbled record reads as a free slot (its counts are ignored and its slot reusable). If the
 //! store fails, counts stay local and the next sync publishes them. If all slots are live, the
@@ -59,6 +67,10 @@ pub const MAX_CAS_ATTEMPTS: usize = 64;
 const MAX_SYNC_ATTEMPTS: usize = 8;
 /// Format tag in front of every slot record.
 const RECORD_TAG: &str = "i1";
+/// Format tag of a record another gateway replica sent (`peers.load_interval_ms`,
+/// [`put_foreign`]): readers add it like a VM's record; [`gateway_counts`] leaves it out, so a
+/// gateway never passes on what it received.
+const FOREIGN_TAG: &str = "f1";
 
 /// One endpoint's entry in a VM's record: its in-flight count, and of those the requests still in
 /// prefill (sent, no first response byte yet) with their uncached prompt tokens, as the VM's
@@ -242,41 +254,116 @@ pub struct SlotRecord {
     /// When the owner last wrote, in ms.
     pub heartbeat_ms: u64,
     pub counts: InflightCounts,
+    /// Sent by another gateway replica ([`put_foreign`]); `owner` is that gateway's nonce and
+    /// `heartbeat_ms` when this gateway received it.
+    pub foreign: bool,
 }
 
 /// Parses a slot record. `None` for an empty value (a free slot) or anything that is not a
 /// well-formed record (treated as free). Pure; never panics.
 pub fn decode(bytes: &[u8]) -> Option<SlotRecord> {
-    let (owner, heartbeat_ms, rest) = decode_head(bytes)?;
+    let (owner, heartbeat_ms, rest, foreign) = decode_head(bytes)?;
     let counts = InflightCounts::decode(rest);
-    Some(SlotRecord { owner, heartbeat_ms, counts })
+    Some(SlotRecord { owner, heartbeat_ms, counts, foreign })
 }
 
-/// A record's owner and heartbeat, and the bytes of its counts, without decoding the counts: the
-/// write path only checks who owns the slot.
-fn decode_head(bytes: &[u8]) -> Option<(u64, u64, &[u8])> {
+/// A record's owner, heartbeat, the bytes of its counts, and whether another gateway sent it,
+/// without decoding the counts: the write path only checks who owns the slot.
+fn decode_head(bytes: &[u8]) -> Option<(u64, u64, &[u8], bool)> {
     let text = std::str::from_utf8(bytes).ok()?;
     let mut parts = text.splitn(4, ' ');
     let (Some(tag), Some(owner), Some(hb)) = (parts.next(), parts.next(), parts.next()) else {
         return None;
     };
-    if tag != RECORD_TAG || owner.len() != 16 {
+    let foreign = match tag {
+        RECORD_TAG => false,
+        FOREIGN_TAG => true,
+        _ => return None,
+    };
+    if owner.len() != 16 {
         return None;
     }
     let owner = u64::from_str_radix(owner, 16).ok().filter(|&o| o != 0)?;
     let heartbeat_ms = hb.parse().ok()?;
-    Some((owner, heartbeat_ms, parts.next().unwrap_or("").as_bytes()))
+    Some((owner, heartbeat_ms, parts.next().unwrap_or("").as_bytes(), foreign))
 }
 
 /// Serialises a slot record (see [`decode`]).
 pub fn encode(rec: &SlotRecord) -> Vec<u8> {
-    encode_parts(rec.owner, rec.heartbeat_ms, &rec.counts)
+    encode_record(rec.owner, rec.heartbeat_ms, &rec.counts, rec.foreign)
 }
 
 fn encode_parts(owner: u64, heartbeat_ms: u64, counts: &InflightCounts) -> Vec<u8> {
-    let mut out = format!("{RECORD_TAG} {owner:016x} {heartbeat_ms} ").into_bytes();
+    encode_record(owner, heartbeat_ms, counts, false)
+}
+
+fn encode_record(owner: u64, heartbeat_ms: u64, counts: &InflightCounts, foreign: bool) -> Vec<u8> {
+    let tag = if foreign { FOREIGN_TAG } else { RECORD_TAG };
+    let mut out = format!("{tag} {owner:016x} {heartbeat_ms} ").into_bytes();
     out.extend_from_slice(&counts.encode());
     out
+}
+
+/// This gateway's own in-flight counts: every live VM record of this Envoy, summed, without the
+/// records other gateways sent ([`put_foreign`]). What the poller sends to its peers
+/// (`peers.load_interval_ms`). One host read per written slot.
+pub fn gateway_counts(store: &dyn SharedStore, now_ms: u64) -> Result<InflightCounts, StoreError> {
+    let mut total = InflightCounts::default();
+    for k in 0..MAX_SLOTS {
+        let Some((bytes, _)) = store.get(&slot_key(k))? else { break };
+        if let Some(r) = decode(&bytes) {
+            if !r.foreign && now_ms.saturating_sub(r.heartbeat_ms) <= TTL_MS {
+                total.add_all(&r.counts);
+            }
+        }
+    }
+    Ok(total)
+}
+
+/// Writes the counts another gateway replica sent (`owner`: that gateway's nonce) as a foreign
+/// record, stamped with this gateway's clock (`now_ms`), so every reader of this Envoy adds them
+/// to its own: in its slot if one carries `owner`, else in the lowest free, garbled or stale
+/// slot, with the same CAS rules as a VM's claim. A peer that stops sending ages out after
+/// [`TTL_MS`], like a dead VM. Two workers receiving the same peer at once may, rarely, leave a
+/// second copy in another slot; it is never rewritten and ages out within [`TTL_MS`].
+pub fn put_foreign(
+    store: &dyn SharedStore,
+    owner: u64,
+    counts: &InflightCounts,
+    now_ms: u64,
+) -> Result<(), StoreError> {
+    let owner = owner.max(1);
+    let mine = encode_record(owner, now_ms, counts, true);
+    let mut last = StoreError::CasMismatch;
+    for _ in 0..MAX_SYNC_ATTEMPTS {
+        let mut found = None;
+        let mut free = None;
+        for k in 0..MAX_SLOTS {
+            match store.get(&slot_key(k))? {
+                None => {
+                    free = free.or(Some((k, CREATE_CAS)));
+                    break;
+                }
+                Some((bytes, cas)) => match decode_head(&bytes) {
+                    Some((o, _, _, true)) if o == owner => {
+                        found = Some((k, cas));
+                        break;
+                    }
+                    Some((_, hb, _, _)) if now_ms.saturating_sub(hb) <= TTL_MS => {}
+                    _ => free = free.or(Some((k, cas))),
+                },
+            }
+        }
+        let Some((k, cas)) = found.or(free) else {
+            return Err(StoreError::Host(format!("all {MAX_SLOTS} in-flight slots are live")));
+        };
+        match store.set(&slot_key(k), &mine, cas) {
+            Ok(()) => return Ok(()),
+            Err(StoreError::CasMismatch) => last = StoreError::CasMismatch,
+            Err(e) => return Err(e),
+        }
+    }
+    Err(last)
 }
 
 /// This VM's in-flight counts and its slot in shared data. One per VM, kept for its lifetime.
@@ -439,7 +526,7 @@ impl InflightTable {
                 self.slot = None;
                 continue;
             };
-            if decode_head(&bytes).is_none_or(|(owner, _, _)| owner != self.owner) {
+            if decode_head(&bytes).is_none_or(|(owner, _, _, _)| owner != self.owner) {
                 // Another VM owns this slot now: move, with our full state.
                 self.slot = None;
                 continue;
@@ -664,7 +751,12 @@ mod tests {
         b.adjust(&s, "e", 1, T0).unwrap(); // slot 1
         s.set(
             &slot_key(0),
-            &encode(&SlotRecord { owner: 0xB, heartbeat_ms: T0, counts: InflightCounts::decode(b"e=1") }),
+            &encode(&SlotRecord {
+                owner: 0xB,
+                heartbeat_ms: T0,
+                counts: InflightCounts::decode(b"e=1"),
+                foreign: false,
+            }),
             0,
         )
         .unwrap();
@@ -695,8 +787,11 @@ mod tests {
             owner: 7,
             heartbeat_ms: 42,
             counts: InflightCounts::decode(b"[fd00::1]:8000=3;a=1"),
+            foreign: false,
         };
-        assert_eq!(decode(&encode(&rec)), Some(rec));
+        assert_eq!(decode(&encode(&rec)), Some(rec.clone()));
+        let foreign = SlotRecord { foreign: true, ..rec };
+        assert_eq!(decode(&encode(&foreign)), Some(foreign));
         for junk in [
             &b""[..],
             b"\xff\xfe",
@@ -759,6 +854,7 @@ mod tests {
                     owner: 1000 + k as u64,
                     heartbeat_ms: T0,
                     counts: InflightCounts::default(),
+                    foreign: false,
                 }),
                 0,
             )
@@ -768,5 +864,65 @@ mod tests {
         assert!(a.adjust(&s, "e", 1, T0).is_err());
         assert_eq!(a.local().get("e"), 1);
         assert_eq!(s.key_count(), MAX_SLOTS);
+    }
+
+    #[test]
+    fn a_peer_gateways_counts_are_read_by_every_vm_but_never_sent_on() {
+        let s = MemStore::new();
+        let mut a = InflightTable::new(0xA);
+        let mut b = InflightTable::new(0xB);
+        a.adjust(&s, "p", 1, T0).unwrap();
+        // Another gateway (nonce 0xF00) has 3 requests on p, 2 of them in prefill, and 1 on q.
+        let peer = InflightCounts::decode(b"p=3/2/9000;q=1");
+        put_foreign(&s, 0xF00, &peer, T0).unwrap();
+        // Every VM of this gateway reads them with its own and the other VMs' counts.
+        let seen = b.read(&s, T0).unwrap();
+        assert_eq!(seen.get("p"), 4);
+        assert_eq!(seen.get("q"), 1);
+        assert_eq!(seen.load_hashed(address_hash("p"), "p").prefill_tokens, 9000);
+        // What this gateway sends to its peers: its own VMs' counts only.
+        let own = gateway_counts(&s, T0).unwrap();
+        assert_eq!((own.get("p"), own.get("q")), (1, 0));
+        // The peer's next report replaces its record in place (same slot), even an empty one.
+        put_foreign(&s, 0xF00, &InflightCounts::decode(b"q=2"), T0 + 100).unwrap();
+        put_foreign(&s, 0xF00, &InflightCounts::default(), T0 + 200).unwrap();
+        let seen = b.read(&s, T0 + 200).unwrap();
+        assert_eq!((seen.get("p"), seen.get("q")), (1, 0));
+        let foreign_slots = (0..MAX_SLOTS)
+            .map_while(|k| s.get(&slot_key(k)).unwrap())
+            .filter(|(v, _)| decode(v).is_some_and(|r| r.foreign))
+            .count();
+        assert_eq!(foreign_slots, 1);
+        // A VM claiming a slot skips the live foreign record.
+        b.adjust(&s, "q", 1, T0 + 200).unwrap();
+        assert_ne!(b.slot(), a.slot());
+        let taken: Vec<_> = (0..MAX_SLOTS).map_while(|k| s.get(&slot_key(k)).unwrap()).collect();
+        assert_eq!(taken.iter().filter(|(v, _)| decode(v).is_some_and(|r| r.foreign)).count(), 1);
+        assert_eq!(a.read(&s, T0 + 200).unwrap().get("q"), 1);
+    }
+
+    #[test]
+    fn a_peer_that_stops_sending_ages_out_and_its_slot_is_reused() {
+        let s = MemStore::new();
+        put_foreign(&s, 0xF00, &InflightCounts::decode(b"p=5"), T0).unwrap();
+        let mut a = InflightTable::new(0xA);
+        assert_eq!(a.read(&s, T0 + TTL_MS).unwrap().get("p"), 5);
+        assert_eq!(a.read(&s, T0 + TTL_MS + 1).unwrap().get("p"), 0);
+        // Its stale slot is free for a VM, or for another peer.
+        put_foreign(&s, 0xF01, &InflightCounts::decode(b"p=1"), T0 + TTL_MS + 1).unwrap();
+        assert!(s.get(&slot_key(1)).unwrap().is_none(), "slot 0 was reused");
+        assert_eq!(a.read(&s, T0 + TTL_MS + 1).unwrap().get("p"), 1);
+    }
+
+    #[test]
+    fn foreign_records_fill_at_most_every_slot() {
+        let s = MemStore::new();
+        for k in 0..MAX_SLOTS as u64 {
+            put_foreign(&s, 1 + k, &InflightCounts::decode(b"p=1"), T0).unwrap();
+        }
+        assert!(matches!(put_foreign(&s, 9999, &InflightCounts::default(), T0), Err(StoreError::Host(_))));
+        // A known peer still updates its own slot.
+        put_foreign(&s, 1, &InflightCounts::decode(b"p=2"), T0).unwrap();
+        assert_eq!(InflightTable::new(0xABCD_0000).read(&s, T0).unwrap().get("p"), MAX_SLOTS as u32 + 1);
     }
 }

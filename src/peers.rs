@@ -25,6 +25,16 @@
 //! next turn's own write repairs it). A store error on read counts the shard as empty (its
 //! records are sent again later); on apply the shard is skipped.
 //!
+//! **Load reports (opt-in, `load_interval_ms`).** Every `load_interval_ms` the poller also
+//! POSTs this gateway's own in-flight counts and queued prefill ([`encode_load`]: `IPL1`, the
+//! gateway's sender nonce ([`gateway_sender`]), then `inflight::InflightCounts`' text form) on
+//! the same path and token. The peer's filter writes them as that sender's foreign record in its
+//! in-flight table (`inflight::put_foreign`), which every reader there adds to its own; its own
+//! report (a gateway that lists itself) is recognised by the nonce ([`is_own_report`]) and
+//! ignored. A report that stops coming ages out after `inflight::TTL_MS`; one that fails to
+//! decode is refused whole (400). Without it, other replicas' requests are seen at the next
+//! scrape only.
+//!
 //! **Where.** `peers` in the configuration ([`PeersConfig`]); the poller's side is
 //! `host::poller` (`PeerSender`), the filter's `host::filter` (the exchange path).
 
@@ -41,6 +51,8 @@ pub const MIN_TOKEN_BYTES: usize = 16;
 /// Bounds of `peers.interval_ms`.
 pub const MIN_INTERVAL_MS: u64 = 100;
 pub const MAX_INTERVAL_MS: u64 = 60_000;
+/// The shortest `load_interval_ms` (other than 0, off).
+pub const MIN_LOAD_INTERVAL_MS: u64 = 50;
 /// Most peers (a gateway's other replicas).
 pub const MAX_PEERS: usize = 64;
 
@@ -85,6 +97,12 @@ pub struct PeersConfig {
     #[serde(default = "default_timeout_ms")]
     #[cfg_attr(feature = "schema", schemars(range(min = 1)))]
     pub timeout_ms: u64,
+    /// How often the poller also sends this gateway's in-flight counts and queued prefill to
+    /// every peer, in ms: 0 (off) or 50 to 60000. Each peer adds them to its own (routing, the
+    /// live queue, saturation and flow control then count every replica's requests). Default 0.
+    #[serde(default)]
+    #[cfg_attr(feature = "schema", schemars(range(max = MAX_INTERVAL_MS)))]
+    pub load_interval_ms: u64,
 }
 
 read::from_json_struct!(PeersConfig {
@@ -96,6 +114,7 @@ read::from_json_struct!(PeersConfig {
     authority = None,
     interval_ms = default_interval_ms(),
     timeout_ms = default_timeout_ms(),
+    load_interval_ms = 0,
 });
 
 fn default_path() -> String {
@@ -176,6 +195,17 @@ impl PeersConfig {
                 format!("must be {MIN_INTERVAL_MS} to {MAX_INTERVAL_MS}, got {}", self.interval_ms),
             );
         }
+        if self.load_interval_ms != 0
+            && !(MIN_LOAD_INTERVAL_MS..=MAX_INTERVAL_MS).contains(&self.load_interval_ms)
+        {
+            push(
+                "load_interval_ms",
+                format!(
+                    "must be 0 (off) or {MIN_LOAD_INTERVAL_MS} to {MAX_INTERVAL_MS}, got {}",
+                    self.load_interval_ms
+                ),
+            );
+        }
         if self.timeout_ms == 0 || self.timeout_ms > self.interval_ms {
             push(
                 "timeout_ms",
@@ -207,8 +237,86 @@ pub const MAX_BODY_BYTES: usize = MAGIC.len() + MAX_RECORDS * RECORD_BYTES;
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum WireError {
     BadMagic,
-    Truncated { len: usize },
-    TooMany { records: usize },
+    Truncated {
+        len: usize,
+    },
+    TooMany {
+        records: usize,
+    },
+    /// A load body ([`LOAD_MAGIC`]) without a well-formed sender nonce.
+    BadSender,
+}
+
+/// The first bytes of a load body (`peers.load_interval_ms`; format version 1).
+pub const LOAD_MAGIC: &[u8; 4] = b"IPL1";
+/// Shared-data key of this gateway's sender nonce (16 hex digits): one per Envoy process,
+/// created by the first poller that sends ([`gateway_sender`]) and kept when the poller moves
+/// (lease mode) or restarts, so peers keep one record for this gateway. The filter reads it to
+/// ignore this gateway's own report: `addresses` may list this gateway itself, and adding its
+/// own counts to themselves would double them.
+pub const LOAD_SENDER_KEY: &str = "inference-picker/peers/load-sender";
+
+/// This gateway's sender nonce: the one in [`LOAD_SENDER_KEY`], or `candidate` (non-zero)
+/// written there when there is none (or it is garbled). Of two pollers racing, the first write
+/// wins and both return it.
+pub fn gateway_sender(store: &dyn SharedStore, candidate: u64) -> Result<u64, crate::ports::StoreError> {
+    let parse = |v: &[u8]| {
+        std::str::from_utf8(v).ok().and_then(|v| u64::from_str_radix(v, 16).ok()).filter(|&n| n != 0)
+    };
+    for _ in 0..4 {
+        let cas = match store.get(LOAD_SENDER_KEY)? {
+            Some((v, cas)) => match parse(&v) {
+                Some(n) => return Ok(n),
+                None => cas,
+            },
+            None => crate::ports::CREATE_CAS,
+        };
+        match store.set(LOAD_SENDER_KEY, format!("{:016x}", candidate.max(1)).as_bytes(), cas) {
+            Ok(()) | Err(crate::ports::StoreError::CasMismatch) => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Err(crate::ports::StoreError::CasMismatch)
+}
+
+/// Whether a report from `sender` is this gateway's own (`stored`: the value of
+/// [`LOAD_SENDER_KEY`], if any).
+pub fn is_own_report(stored: Option<&[u8]>, sender: u64) -> bool {
+    stored
+        .and_then(|v| std::str::from_utf8(v).ok())
+        .and_then(|v| u64::from_str_radix(v, 16).ok())
+        .is_some_and(|own| own == sender)
+}
+
+/// `LOAD_MAGIC ‖ sender nonce (16 hex digits) ‖ ' ' ‖ counts`: the sending gateway's own
+/// in-flight counts and queued prefill (`inflight::gateway_counts`), in the in-flight table's
+/// text form (`InflightCounts::encode`: `addr=n` or `addr=n/prefill_n/prefill_tokens`, `;`
+/// between entries). `sender` is a random nonce per sending poller, never 0.
+pub fn encode_load(sender: u64, counts: &crate::inflight::InflightCounts) -> Vec<u8> {
+    let mut out = LOAD_MAGIC.to_vec();
+    out.extend_from_slice(format!("{:016x} ", sender.max(1)).as_bytes());
+    out.extend_from_slice(&counts.encode());
+    out
+}
+
+/// The sender and counts of a load body, or why it is refused (nothing applied). Malformed
+/// entries inside the counts are skipped, as the in-flight table's reader skips them.
+pub fn decode_load(body: &[u8]) -> Result<(u64, crate::inflight::InflightCounts), WireError> {
+    let rest = body.strip_prefix(LOAD_MAGIC.as_slice()).ok_or(WireError::BadMagic)?;
+    if rest.len() > MAX_BODY_BYTES {
+        return Err(WireError::Truncated { len: body.len() });
+    }
+    let (head, counts) = match (rest.get(..16), rest.get(16), rest.get(17..)) {
+        (Some(h), Some(b' '), Some(c)) => (h, c),
+        _ => return Err(WireError::BadSender),
+    };
+    let sender = std::str::from_utf8(head)
+        .ok()
+        .filter(|h| h.bytes().all(|b| b.is_ascii_hexdigit()))
+        .and_then(|h| u64::from_str_radix(h, 16).ok())
+        .filter(|&n| n != 0)
+        .ok_or(WireError::BadSender)?;
+    Ok((sender, crate::inflight::InflightCounts::decode(counts)))
 }
 
 /// `MAGIC ‖ records`. Callers keep batches within [`MAX_RECORDS`] ([`Exporter::collect`] does).
@@ -348,6 +456,46 @@ mod tests {
 
     fn table() -> SharedPrefix {
         SharedPrefix::new(16, 8)
+    }
+
+    #[test]
+    fn a_load_body_round_trips_and_a_bad_sender_is_refused() {
+        use crate::inflight::InflightCounts;
+        let counts = InflightCounts::decode(b"10.0.0.1:8000=3/2/9000;[fd00::1]:8000=1");
+        let body = encode_load(0xF00, &counts);
+        assert!(body.starts_with(b"IPL10000000000000f00 "));
+        assert_eq!(decode_load(&body), Ok((0xF00, counts)));
+        // Nothing in flight is a valid report (it clears the peer's earlier counts).
+        assert_eq!(
+            decode_load(&encode_load(7, &InflightCounts::default())),
+            Ok((7, InflightCounts::default()))
+        );
+        assert_eq!(decode_load(b"IPX10000000000000f00 a=1"), Err(WireError::BadMagic));
+        for bad in [
+            &b"IPL1"[..],
+            b"IPL10000000000000000 a=1",
+            b"IPL10000000000000f00a=1",
+            b"IPL1000000000000zzzz a=1",
+            b"IPL1+000000000000f00 a=1",
+            b"IPL1f00 a=1",
+        ] {
+            assert_eq!(decode_load(bad), Err(WireError::BadSender), "{bad:?}");
+        }
+        // Garbled entries are skipped, as the in-flight reader skips them.
+        let (_, c) = decode_load(b"IPL10000000000000f00 a=x;b=2;=3;c").unwrap();
+        assert_eq!((c.get("a"), c.get("b"), c.total()), (0, 2, 2));
+        // One sender nonce per gateway: the first poller's, whoever sends later.
+        let store = MemStore::new();
+        assert_eq!(gateway_sender(&store, 0xAAA), Ok(0xAAA));
+        assert_eq!(gateway_sender(&store, 0xBBB), Ok(0xAAA));
+        store.set(LOAD_SENDER_KEY, b"garbage", 0).unwrap();
+        assert_eq!(gateway_sender(&store, 0xCCC), Ok(0xCCC));
+        assert!(is_own_report(Some(b"0000000000000f00"), 0xF00));
+        assert!(!is_own_report(Some(b"0000000000000f01"), 0xF00));
+        assert!(!is_own_report(None, 0xF00));
+        assert!(!is_own_report(Some(b"garbage"), 0xF00));
+        let huge = [&b"IPL10000000000000f00 "[..], &vec![b'a'; MAX_BODY_BYTES][..]].concat();
+        assert!(matches!(decode_load(&huge), Err(WireError::Truncated { .. })));
     }
 
     #[test]

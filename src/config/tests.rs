@@ -760,6 +760,7 @@ fn peers_defaults_and_token_resolution() {
     let p = cfg.peers.unwrap();
     assert_eq!(p.path, "/.inference-picker/v1/prefixes");
     assert_eq!((p.interval_ms, p.timeout_ms), (1000, 1000));
+    assert_eq!(p.load_interval_ms, 0, "the load exchange is off by default");
     assert_eq!(p.resolve_token(|n| (n == "PEER_TOKEN").then(|| "x".repeat(16))), Some("x".repeat(16)));
     // Unset or too short: no token, so nothing is sent or accepted.
     assert_eq!(p.resolve_token(|_| None), None);
@@ -825,6 +826,20 @@ fn peers_rules() {
         "peers.interval_ms",
         "100 to 60000",
     );
+    for bad in [1, 49, 60_001] {
+        assert_only(
+            &errors(&with_peers(
+                json!({"addresses": ["10.1.0.2:8080"], "token": ok_token, "load_interval_ms": bad}),
+            )),
+            "peers.load_interval_ms",
+            "0 (off) or 50 to 60000",
+        );
+    }
+    for good in [0, 50, 100, 60_000] {
+        let v =
+            with_peers(json!({"addresses": ["10.1.0.2:8080"], "token": ok_token, "load_interval_ms": good}));
+        assert_eq!(parse(&v).unwrap().peers.unwrap().load_interval_ms, good);
+    }
     assert_only(
         &errors(&with_peers(json!({"addresses": ["10.1.0.2:8080"], "token": ok_token, "timeout_ms": 2000}))),
         "peers.timeout_ms",

@@ -19,6 +19,7 @@ use super::{io, Worker};
 use crate::admission::{self, Decision};
 use crate::errors::Rejection;
 use crate::health::{self, HealthView};
+use crate::inflight;
 use crate::peers;
 use crate::pools::{self, Claim, HeadStep};
 use crate::ports::SharedStore;
@@ -772,6 +773,9 @@ impl Filter {
             return Action::Pause;
         }
         let body = if body_size == 0 { Vec::new() } else { io::request_body(body_size).unwrap_or_default() };
+        if body.starts_with(peers::LOAD_MAGIC) {
+            return self.peer_load(&body);
+        }
         let received = peers::receive(&io::HostStore, self.worker.scheduler.borrow().shared_prefix(), &body);
         let mut m = self.worker.metrics.borrow_mut();
         match received {
@@ -792,6 +796,44 @@ impl Filter {
                     format!("The prefix records were refused whole: {e:?}."),
                 ))
             }
+        }
+    }
+
+    /// `peers.load_interval_ms`: a peer's in-flight counts, written as its foreign record in the
+    /// in-flight table (`inflight::put_foreign`), which every worker here then adds to its own.
+    fn peer_load(&mut self, body: &[u8]) -> Action {
+        let store = io::HostStore;
+        let outcome = match peers::decode_load(body) {
+            // This gateway's own report (it lists itself among its peers): nothing to add.
+            Ok((sender, _))
+                if peers::is_own_report(
+                    store.get(peers::LOAD_SENDER_KEY).ok().flatten().as_ref().map(|(v, _)| v.as_slice()),
+                    sender,
+                ) =>
+            {
+                Ok(())
+            }
+            Ok((sender, counts)) => inflight::put_foreign(&store, sender, &counts, io::now_ms())
+                .map_err(|e| format!("the in-flight table refused them: {e:?}")),
+            Err(e) => Err(format!("{e:?}")),
+        };
+        let tag = if outcome.is_ok() { "applied" } else { "refused" };
+        self.worker
+            .metrics
+            .borrow_mut()
+            .count(telemetry::name(telemetry::PEER_LOAD_REPORTS, &[("outcome", tag)]));
+        match outcome {
+            Ok(()) => {
+                self.ex.borrow_mut().answered = true;
+                io::send_local_reply(204, &[], &[]);
+                Action::Pause
+            }
+            Err(why) => self.reject(&Rejection::new(
+                400,
+                "invalid_request_error",
+                "bad_peer_load",
+                format!("The in-flight report was refused: {why}."),
+            )),
         }
     }
 

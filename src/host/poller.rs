@@ -61,6 +61,12 @@ struct PeerSender {
     found: Vec<String>,
     list_call: Option<u32>,
     next_list_ms: u64,
+    /// `peers.load_interval_ms`: this poller's candidate for the gateway's sender nonce
+    /// (`peers::gateway_sender`: the first poller's wins), the next report, and the outstanding
+    /// report sends (token → peer address).
+    load_sender: u64,
+    next_load_ms: u64,
+    load_calls: HashMap<u32, String>,
 }
 
 impl PollerRole {
@@ -99,6 +105,9 @@ impl PollerRole {
                 found: Vec::new(),
                 list_call: None,
                 next_list_ms: 0,
+                load_sender: io::entropy().max(1),
+                next_load_ms: 0,
+                load_calls: HashMap::new(),
             }
         });
         p.models = ModelsLearner::from_config(&p.cfg);
@@ -205,12 +214,14 @@ impl PollerRole {
             }
             return;
         }
-        if let Some(address) = self.peers.as_mut().and_then(|p| p.calls.remove(&token)) {
+        if let Some(address) =
+            self.peers.as_mut().and_then(|p| p.calls.remove(&token).or_else(|| p.load_calls.remove(&token)))
+        {
             let status = if num_headers == 0 { None } else { io::call_response_status() };
             if status != Some(204) {
                 self.metrics.count(telemetry::name(telemetry::PEER_SEND_FAILURES, &[]));
                 if self.errors.allow("peer", now).is_some() {
-                    warn!("inference-picker-poller: peers: {address} answered {status:?} to the prefix records (204 expected); check its peers.path and token");
+                    warn!("inference-picker-poller: peers: {address} answered {status:?} to a send (204 expected); check its peers.path and token");
                 }
             }
             return;
@@ -307,11 +318,50 @@ impl PollerRole {
                 }
             }
         }
+        let Some(token) = ps.token.as_deref() else { return };
+        let cluster = &self.cfg.poller.cluster;
+        let mut targets: Vec<&String> = pc.addresses.iter().collect();
+        targets.extend(ps.found.iter().filter(|f| !pc.addresses.contains(f)));
+        if pc.load_interval_ms > 0 && now >= ps.next_load_ms {
+            // This gateway's own in-flight counts (never what peers sent it), to every peer,
+            // even when empty: an empty report clears what the peer counted for us.
+            ps.next_load_ms = now.saturating_add(pc.load_interval_ms);
+            ps.load_calls.clear();
+            let read = peers::gateway_sender(&io::HostStore, ps.load_sender)
+                .and_then(|sender| Ok((sender, crate::inflight::gateway_counts(&io::HostStore, now)?)));
+            match read {
+                Ok((sender, counts)) => {
+                    let body = peers::encode_load(sender, &counts);
+                    let timeout = pc.timeout_ms.min(pc.load_interval_ms);
+                    for &address in &targets {
+                        let authority = pc.authority.as_deref().unwrap_or(address);
+                        let headers = [(peers::TOKEN_HEADER, token)];
+                        match io::dispatch_post(
+                            cluster, &pc.path, address, authority, &headers, &body, timeout,
+                        ) {
+                            Ok(t) => {
+                                ps.load_calls.insert(t, address.clone());
+                            }
+                            Err(e) => {
+                                self.metrics.count(telemetry::name(telemetry::PEER_SEND_FAILURES, &[]));
+                                if self.errors.allow("peer", now).is_some() {
+                                    warn!("inference-picker-poller: peers: cannot send to {address} through cluster {cluster:?}: {e}");
+                                }
+                            }
+                        }
+                    }
+                }
+                Err(e) => {
+                    if self.errors.allow("peer_load", now).is_some() {
+                        warn!("inference-picker-poller: peers: reading this gateway's in-flight counts or sender nonce failed: {e:?}");
+                    }
+                }
+            }
+        }
         if now < ps.next_ms {
             return;
         }
         ps.next_ms = now.saturating_add(pc.interval_ms);
-        let Some(token) = ps.token.as_deref() else { return };
         // A send still unanswered after a whole interval is lost (Envoy's timeout is shorter).
         ps.calls.clear();
         let batch = ps.exporter.collect(&io::HostStore, &ps.table);
@@ -319,9 +369,6 @@ impl PollerRole {
             return;
         }
         let body = peers::encode(&batch);
-        let cluster = &self.cfg.poller.cluster;
-        let mut targets: Vec<&String> = pc.addresses.iter().collect();
-        targets.extend(ps.found.iter().filter(|f| !pc.addresses.contains(f)));
         for address in targets {
             let authority = pc.authority.as_deref().unwrap_or(address);
             match io::dispatch_post(

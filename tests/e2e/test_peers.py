@@ -6,6 +6,7 @@ same pod in replica B's debug scores, although B never saw it. The exchange path
 answer locally, only to a POST with the token, and nothing of it may reach a pod.
 """
 
+import concurrent.futures as cf
 import json
 import os
 import socket
@@ -146,6 +147,52 @@ def test_a_dead_and_a_hung_peer_cost_no_request_and_do_not_stop_the_exchange():
         hole.stop()
         for s in sims:
             s.stop()
+
+
+def _inflight(envoy, sim) -> float:
+    return envoy.metric("inference_picker_endpoint_inflight", endpoint=sim.address)
+
+
+def test_replicas_that_exchange_load_count_each_others_requests():
+    # `peers.load_interval_ms`: each replica reports its in-flight counts to the others every
+    # 100 ms. A long request through A must show in B's in-flight count for that pod (B sent
+    # nothing), and leave it when it ends. A lists itself too: its own report must not double
+    # its count.
+    sim = Sim("peer-load", extra=["--delay-per-token-ms", "50"])
+    port_a, port_b = free_port(), free_port()
+    a = b = None
+    try:
+        def cfg(peer_ports):
+            c = _config([sim], 1, load_interval_ms=100)
+            c["peers"]["addresses"] = [f"127.0.0.1:{p}" for p in peer_ports]
+            c["filter"]["endpoint_metrics"] = True
+            return c
+        a = Envoy(cfg([port_a, port_b]), port=port_a)
+        b = Envoy(cfg([port_a]), port=port_b)
+        a.wait_routable()
+        b.wait_routable()
+        wait_until(lambda: _inflight(a, sim) == 0 and _inflight(b, sim) == 0, 10, "both replicas idle")
+        with cf.ThreadPoolExecutor(1) as pool:
+            # ~60 decode steps of 50 ms: about 3 s in flight.
+            long = pool.submit(a.chat, content="a long answer please", max_tokens=60)
+            wait_until(lambda: _inflight(b, sim) == 1, 10, "replica B to count A's request")
+            assert _inflight(a, sim) == 1, "A's own report was added to its own count"
+            assert b.metric("inference_picker_peer_load_reports_total", outcome="applied") > 0
+            r = long.result(timeout=30)
+            assert r.status_code == 200, r.text
+        wait_until(lambda: _inflight(b, sim) == 0, 10, "replica B to see A's request end")
+        assert _inflight(a, sim) == 0
+        # A malformed report is refused whole, and counted.
+        url = b.url + PATH
+        bad = requests.post(url, data=b"IPL1not-a-sender a=1", timeout=5,
+                            headers={"x-inference-picker-peer-token": TOKEN})
+        assert bad.status_code == 400 and bad.json()["error"]["code"] == "bad_peer_load", bad.text
+        assert b.metric("inference_picker_peer_load_reports_total", outcome="refused") == 1
+    finally:
+        for e in (a, b):
+            if e:
+                e.stop()
+        sim.stop()
 
 
 def test_the_exchange_path_answers_locally_and_only_to_the_token():

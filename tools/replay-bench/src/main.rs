@@ -66,7 +66,8 @@ struct Args {
     #[arg(long, conflicts_with = "peer_sync_ms")]
     no_peer_sync: bool,
     /// A study, not what ships: the exchange also carries each replica's in-flight counts and
-    /// queued prefill (FINDINGS.md: a tie on Mooncake as recorded, whose bursts arrive in the
+    /// queued prefill, as the module's opt-in `peers.load_interval_ms` does (FINDINGS.md: a tie
+    /// on Mooncake as recorded, whose bursts arrive in the
     /// same millisecond; with arrivals spread, every 100 ms, 4 × 4 goes from 0.69 to 0.85 of 1 × 1).
     #[arg(long, conflicts_with = "no_peer_sync")]
     peer_sync_load: bool,
