@@ -66,9 +66,9 @@ struct Args {
     #[arg(long, conflicts_with = "peer_sync_ms")]
     no_peer_sync: bool,
     /// A study, not what ships: the exchange also carries each replica's in-flight counts and
-    /// queued prefill, as the module's opt-in `peers.load_interval_ms` does (FINDINGS.md: a tie
-    /// on Mooncake as recorded, whose bursts arrive in the
-    /// same millisecond; with arrivals spread, every 100 ms, 4 × 4 goes from 0.69 to 0.85 of 1 × 1).
+    /// queued prefill, as the module's opt-in `peers.load_interval_ms` does (FINDINGS.md,
+    /// "Replicas re-examined": a tie on Mooncake as recorded, 0.69 → 0.85 of 1 × 1 with its
+    /// arrivals spread, the LoRA mix slower).
     #[arg(long, conflicts_with = "no_peer_sync")]
     peer_sync_load: bool,
     /// A study, off by default: each request arrives up to this many ms after its recorded

@@ -131,7 +131,8 @@ A discrete-event replay in virtual time (`tools/replay-bench`):
   `inference_picker::metrics::parse_metrics` on delivery after the metrics delay, and published
   into the replica's `MemStore` with `inference_picker::snapshot::publish`; workers read it with
   `SnapshotCache`. In-flight counts are `inference_picker::inflight` on the replica's `MemStore`,
-  shared by its workers (shared data is per Envoy process); replicas share nothing. Requests are
+  shared by its workers (shared data is per Envoy process); replicas share only what ours'
+  `peers` exchange carries (its prefix table, on its own timer; below). Requests are
   spread at random over the R × W workers, each with its own Scheduler.
 - **Text.** Routers hash text, so each Mooncake `hash_id` becomes a fixed 2,048-character
   pseudo-text block (512 tokens at the simulator's 4 characters per token), the same block for
@@ -226,10 +227,14 @@ const NOTES: &str = "
   full (queue ≥ 5 or KV ≥ 0.8 in the last snapshot, which this server model reaches in normal
   heavy operation) and releases at most the snapshot's headroom per poll, even when every
   request has the same priority; its rejections count as infinitely late.
-- **Scale-out.** Replicas of ours share nothing (shared data is per Envoy process), so a
-  conversation's next turn lands on a replica that routed its previous turn only 1/R of the
-  time. GIE's EPP is one central process, so the topology does not split its state; SGLang and
-  Dynamo keep one router state per replica.
+- **Scale-out.** Shared data is per Envoy process: replicas of ours learn each other's prefix
+  placements through `peers` (every second) but not each other's load (the opt-in
+  `peers.load_interval_ms` is not what ships), and a conversation's next turn lands on the
+  replica that routed its previous turn only 1/R of the time. Mooncake's timestamps sit on a
+  ~3 s grid, so ~10 requests arrive in the same millisecond, replayed as such: one Envoy
+  serialises them, separate replicas cannot see each other's picks of that millisecond. GIE's
+  EPP is one central process, so the topology does not split its state; SGLang and Dynamo keep
+  one router state per replica.
 - **Dynamo with KV events and the oracle know what no in-proxy picker can:** the servers' exact
   cache contents (both) and queues (the oracle) at each decision.
 - **Not modelled:** network and tokenizer time, router CPU time, retries, the whole prompt's KV is
