@@ -280,21 +280,23 @@ fn decode_head(bytes: &[u8]) -> Option<(u64, u64, &[u8], bool)> {
         FOREIGN_TAG => true,
         _ => return None,
     };
-    if owner.len() != 16 {
-        return None;
-    }
-    let owner = u64::from_str_radix(owner, 16).ok().filter(|&o| o != 0)?;
+    let owner = parse_nonce(owner.as_bytes())?;
     let heartbeat_ms = hb.parse().ok()?;
     Some((owner, heartbeat_ms, parts.next().unwrap_or("").as_bytes(), foreign))
+}
+
+/// An owner nonce as records (and `peers`' load reports) write it: exactly 16 hex digits, not
+/// 0. `None` for anything else.
+pub fn parse_nonce(text: &[u8]) -> Option<u64> {
+    if text.len() != 16 || !text.iter().all(u8::is_ascii_hexdigit) {
+        return None;
+    }
+    std::str::from_utf8(text).ok().and_then(|t| u64::from_str_radix(t, 16).ok()).filter(|&n| n != 0)
 }
 
 /// Serialises a slot record (see [`decode`]).
 pub fn encode(rec: &SlotRecord) -> Vec<u8> {
     encode_record(rec.owner, rec.heartbeat_ms, &rec.counts, rec.foreign)
-}
-
-fn encode_parts(owner: u64, heartbeat_ms: u64, counts: &InflightCounts) -> Vec<u8> {
-    encode_record(owner, heartbeat_ms, counts, false)
 }
 
 fn encode_record(owner: u64, heartbeat_ms: u64, counts: &InflightCounts, foreign: bool) -> Vec<u8> {
@@ -531,7 +533,7 @@ impl InflightTable {
                 self.slot = None;
                 continue;
             }
-            match store.set(&key, &encode_parts(self.owner, now_ms, &self.local), cas) {
+            match store.set(&key, &encode_record(self.owner, now_ms, &self.local, false), cas) {
                 Ok(()) => {
                     self.last_beat_ms = now_ms;
                     return Ok(());
@@ -546,7 +548,7 @@ impl InflightTable {
     /// Takes the lowest slot that is never written, free, garbled or stale, and writes our record
     /// there.
     fn claim(&mut self, store: &dyn SharedStore, now_ms: u64) -> Result<(), StoreError> {
-        let mine = encode_parts(self.owner, now_ms, &self.local);
+        let mine = encode_record(self.owner, now_ms, &self.local, false);
         for k in 0..MAX_SLOTS {
             let key = slot_key(k);
             let written = match store.get(&key)? {

@@ -41,6 +41,7 @@
 use serde::Serialize;
 
 use crate::config::{read, ConfigError};
+use crate::inflight::parse_nonce;
 use crate::ports::SharedStore;
 use crate::scheduler::prefix_shared::{decode as decode_shard, delta, Record, SharedPrefix, RECORD_BYTES};
 
@@ -260,12 +261,9 @@ pub const LOAD_SENDER_KEY: &str = "inference-picker/peers/load-sender";
 /// written there when there is none (or it is garbled). Of two pollers racing, the first write
 /// wins and both return it.
 pub fn gateway_sender(store: &dyn SharedStore, candidate: u64) -> Result<u64, crate::ports::StoreError> {
-    let parse = |v: &[u8]| {
-        std::str::from_utf8(v).ok().and_then(|v| u64::from_str_radix(v, 16).ok()).filter(|&n| n != 0)
-    };
     for _ in 0..4 {
         let cas = match store.get(LOAD_SENDER_KEY)? {
-            Some((v, cas)) => match parse(&v) {
+            Some((v, cas)) => match parse_nonce(&v) {
                 Some(n) => return Ok(n),
                 None => cas,
             },
@@ -282,10 +280,7 @@ pub fn gateway_sender(store: &dyn SharedStore, candidate: u64) -> Result<u64, cr
 /// Whether a report from `sender` is this gateway's own (`stored`: the value of
 /// [`LOAD_SENDER_KEY`], if any).
 pub fn is_own_report(stored: Option<&[u8]>, sender: u64) -> bool {
-    stored
-        .and_then(|v| std::str::from_utf8(v).ok())
-        .and_then(|v| u64::from_str_radix(v, 16).ok())
-        .is_some_and(|own| own == sender)
+    stored.and_then(parse_nonce).is_some_and(|own| own == sender)
 }
 
 /// `LOAD_MAGIC ‖ sender nonce (16 hex digits) ‖ ' ' ‖ counts`: the sending gateway's own
@@ -310,12 +305,7 @@ pub fn decode_load(body: &[u8]) -> Result<(u64, crate::inflight::InflightCounts)
         (Some(h), Some(b' '), Some(c)) => (h, c),
         _ => return Err(WireError::BadSender),
     };
-    let sender = std::str::from_utf8(head)
-        .ok()
-        .filter(|h| h.bytes().all(|b| b.is_ascii_hexdigit()))
-        .and_then(|h| u64::from_str_radix(h, 16).ok())
-        .filter(|&n| n != 0)
-        .ok_or(WireError::BadSender)?;
+    let sender = parse_nonce(head).ok_or(WireError::BadSender)?;
     Ok((sender, crate::inflight::InflightCounts::decode(counts)))
 }
 

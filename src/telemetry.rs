@@ -64,7 +64,8 @@ pub const PEER_SEND_FAILURES: &str = "inference_picker_peer_send_failures_total"
 /// `peers`: prefix records received from other replicas and applied, by `outcome`: `applied`
 /// (records in accepted batches), `refused` (batches refused whole: bad body or over the cap).
 pub const PEER_RECORDS: &str = "inference_picker_peer_records_total";
-/// Peer in-flight reports received (`peers.load_interval_ms`), by `outcome` (`applied`, `refused`).
+/// Peer in-flight reports received (`peers.load_interval_ms`), by `outcome` (`applied`,
+/// `refused`, `own`: this gateway's own report, ignored).
 pub const PEER_LOAD_REPORTS: &str = "inference_picker_peer_load_reports_total";
 /// Gauge set by the poller at each publish: endpoints whose last scrape succeeded (GIE's
 /// `inference_pool_ready_pods` to its EPP). Below the pool's size, some pods are unreachable or lying.

@@ -811,19 +811,20 @@ impl Filter {
                     sender,
                 ) =>
             {
-                Ok(())
+                Ok("own")
             }
             Ok((sender, counts)) => inflight::put_foreign(&store, sender, &counts, io::now_ms())
+                .map(|()| "applied")
                 .map_err(|e| format!("the in-flight table refused them: {e:?}")),
             Err(e) => Err(format!("{e:?}")),
         };
-        let tag = if outcome.is_ok() { "applied" } else { "refused" };
+        let tag = outcome.as_ref().map_or("refused", |t| t);
         self.worker
             .metrics
             .borrow_mut()
             .count(telemetry::name(telemetry::PEER_LOAD_REPORTS, &[("outcome", tag)]));
         match outcome {
-            Ok(()) => {
+            Ok(_) => {
                 self.ex.borrow_mut().answered = true;
                 io::send_local_reply(204, &[], &[]);
                 Action::Pause

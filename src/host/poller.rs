@@ -318,11 +318,14 @@ impl PollerRole {
                 }
             }
         }
-        let Some(token) = ps.token.as_deref() else { return };
+        let load_due = pc.load_interval_ms > 0 && now >= ps.next_load_ms;
+        let prefix_due = now >= ps.next_ms;
+        let Some(token) = ps.token.as_deref().filter(|_| load_due || prefix_due) else { return };
         let cluster = &self.cfg.poller.cluster;
         let mut targets: Vec<&String> = pc.addresses.iter().collect();
         targets.extend(ps.found.iter().filter(|f| !pc.addresses.contains(f)));
-        if pc.load_interval_ms > 0 && now >= ps.next_load_ms {
+        let mut failed = Vec::new();
+        if load_due {
             // This gateway's own in-flight counts (never what peers sent it), to every peer,
             // even when empty: an empty report clears what the peer counted for us.
             ps.next_load_ms = now.saturating_add(pc.load_interval_ms);
@@ -333,23 +336,16 @@ impl PollerRole {
                 Ok((sender, counts)) => {
                     let body = peers::encode_load(sender, &counts);
                     let timeout = pc.timeout_ms.min(pc.load_interval_ms);
-                    for &address in &targets {
-                        let authority = pc.authority.as_deref().unwrap_or(address);
-                        let headers = [(peers::TOKEN_HEADER, token)];
-                        match io::dispatch_post(
-                            cluster, &pc.path, address, authority, &headers, &body, timeout,
-                        ) {
-                            Ok(t) => {
-                                ps.load_calls.insert(t, address.clone());
-                            }
-                            Err(e) => {
-                                self.metrics.count(telemetry::name(telemetry::PEER_SEND_FAILURES, &[]));
-                                if self.errors.allow("peer", now).is_some() {
-                                    warn!("inference-picker-poller: peers: cannot send to {address} through cluster {cluster:?}: {e}");
-                                }
-                            }
-                        }
-                    }
+                    post_to_peers(
+                        pc,
+                        cluster,
+                        token,
+                        &targets,
+                        &body,
+                        timeout,
+                        &mut ps.load_calls,
+                        &mut failed,
+                    );
                 }
                 Err(e) => {
                     if self.errors.allow("peer_load", now).is_some() {
@@ -358,37 +354,20 @@ impl PollerRole {
                 }
             }
         }
-        if now < ps.next_ms {
-            return;
+        if prefix_due {
+            ps.next_ms = now.saturating_add(pc.interval_ms);
+            // A send still unanswered after a whole interval is lost (Envoy's timeout is shorter).
+            ps.calls.clear();
+            let batch = ps.exporter.collect(&io::HostStore, &ps.table);
+            if !batch.is_empty() {
+                let body = peers::encode(&batch);
+                post_to_peers(pc, cluster, token, &targets, &body, pc.timeout_ms, &mut ps.calls, &mut failed);
+            }
         }
-        ps.next_ms = now.saturating_add(pc.interval_ms);
-        // A send still unanswered after a whole interval is lost (Envoy's timeout is shorter).
-        ps.calls.clear();
-        let batch = ps.exporter.collect(&io::HostStore, &ps.table);
-        if batch.is_empty() {
-            return;
-        }
-        let body = peers::encode(&batch);
-        for address in targets {
-            let authority = pc.authority.as_deref().unwrap_or(address);
-            match io::dispatch_post(
-                cluster,
-                &pc.path,
-                address,
-                authority,
-                &[(peers::TOKEN_HEADER, token)],
-                &body,
-                pc.timeout_ms,
-            ) {
-                Ok(t) => {
-                    ps.calls.insert(t, address.clone());
-                }
-                Err(e) => {
-                    self.metrics.count(telemetry::name(telemetry::PEER_SEND_FAILURES, &[]));
-                    if self.errors.allow("peer", now).is_some() {
-                        warn!("inference-picker-poller: peers: cannot send to {address} through cluster {cluster:?}: {e}");
-                    }
-                }
+        for (address, e) in failed {
+            self.metrics.count(telemetry::name(telemetry::PEER_SEND_FAILURES, &[]));
+            if self.errors.allow("peer", now).is_some() {
+                warn!("inference-picker-poller: peers: cannot send to {address} through cluster {cluster:?}: {e}");
             }
         }
     }
@@ -544,6 +523,38 @@ impl LeasedPoller {
         if self.held {
             let _ = self.lease.release(&io::HostStore);
             self.held = false;
+        }
+    }
+}
+
+/// POSTs `body` on `peers.path`, with the token, to every peer in `targets` through `cluster`;
+/// each call goes into `calls` (token → address), each refused dispatch into `failed`.
+#[allow(clippy::too_many_arguments)]
+fn post_to_peers(
+    pc: &peers::PeersConfig,
+    cluster: &str,
+    token: &str,
+    targets: &[&String],
+    body: &[u8],
+    timeout_ms: u64,
+    calls: &mut HashMap<u32, String>,
+    failed: &mut Vec<(String, String)>,
+) {
+    for &address in targets {
+        let authority = pc.authority.as_deref().unwrap_or(address);
+        match io::dispatch_post(
+            cluster,
+            &pc.path,
+            address,
+            authority,
+            &[(peers::TOKEN_HEADER, token)],
+            body,
+            timeout_ms,
+        ) {
+            Ok(t) => {
+                calls.insert(t, address.clone());
+            }
+            Err(e) => failed.push((address.clone(), e.to_string())),
         }
     }
 }

@@ -304,6 +304,18 @@ class Envoy:
         self.tmp.cleanup()
 
 
+def stop_each(*things) -> None:
+    """Stops every Envoy, Sim or other `.stop()`-able given, in order; None entries (never
+    started) are skipped and lists or tuples are walked."""
+    for t in things:
+        if t is None:
+            continue
+        if isinstance(t, (list, tuple)):
+            stop_each(*t)
+        else:
+            t.stop()
+
+
 def metric_value(text: str, name: str, **labels) -> float:
     """Finds `name{...}` in Prometheus text whose labels include `labels`; 0 when absent."""
     want = [f'{k}="{v}"' for k, v in labels.items()]

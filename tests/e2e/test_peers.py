@@ -16,7 +16,7 @@ import time
 
 import requests
 
-from harness import REPO, Envoy, Sim, endpoint, free_port, picker_config, static_cluster, wait_until
+from harness import REPO, Envoy, Sim, endpoint, free_port, picker_config, static_cluster, stop_each, wait_until
 
 sys.path.insert(0, str(REPO / "tests"))
 from fake_k8s_api import FakeK8sApi  # noqa: E402
@@ -76,11 +76,7 @@ def test_a_prefix_one_replica_placed_is_known_to_the_other():
         b = Envoy(_config(sims, port_a), port=port_b)
         _one_replica_placed_the_other_knows(a, b, sims)
     finally:
-        for e in (a, b):
-            if e:
-                e.stop()
-        for s in sims:
-            s.stop()
+        stop_each(a, b, sims)
 
 
 class BlackHole:
@@ -120,7 +116,7 @@ def test_a_dead_and_a_hung_peer_cost_no_request_and_do_not_stop_the_exchange():
     port_a, port_b = free_port(), free_port()
     a = b = None
     try:
-        cfg_a = _config(sims, port_b)
+        cfg_a = _config(sims, port_b, load_interval_ms=100)
         cfg_a["peers"]["addresses"] = [f"127.0.0.1:{dead}", f"127.0.0.1:{hole.port}", f"127.0.0.1:{port_b}"]
         a = Envoy(cfg_a, port=port_a)
         b = Envoy(_config(sims, port_a), port=port_b)
@@ -140,13 +136,17 @@ def test_a_dead_and_a_hung_peer_cost_no_request_and_do_not_stop_the_exchange():
                    "replica B to apply A's newer records while A's other peers fail")
         wait_until(lambda: a.metric("inference_picker_peer_send_failures_total") >= failures + 2, 10,
                    "replica A to count the failed sends of its newer records")
+        # With no traffic at all, A's in-flight reports (every 100 ms) keep failing to the two
+        # bad peers and keep reaching B.
+        failures = a.metric("inference_picker_peer_send_failures_total")
+        reports = b.metric("inference_picker_peer_load_reports_total", outcome="applied")
+        wait_until(lambda: a.metric("inference_picker_peer_send_failures_total") >= failures + 6, 10,
+                   "replica A to count its failed in-flight reports")
+        assert b.metric("inference_picker_peer_load_reports_total", outcome="applied") > reports
+        for i in range(3):
+            assert a.chat(content=f"still routed {i}").status_code == 200
     finally:
-        for e in (a, b):
-            if e:
-                e.stop()
-        hole.stop()
-        for s in sims:
-            s.stop()
+        stop_each(a, b, hole, sims)
 
 
 def _inflight(envoy, sim) -> float:
@@ -176,7 +176,10 @@ def test_replicas_that_exchange_load_count_each_others_requests():
             # ~60 decode steps of 50 ms: about 3 s in flight.
             long = pool.submit(a.chat, content="a long answer please", max_tokens=60)
             wait_until(lambda: _inflight(b, sim) == 1, 10, "replica B to count A's request")
-            assert _inflight(a, sim) == 1, "A's own report was added to its own count"
+            own = a.metric("inference_picker_peer_load_reports_total", outcome="own")
+            applied = a.metric("inference_picker_peer_load_reports_total", outcome="applied")
+            assert _inflight(a, sim) == 1, f"A's own report was added to its own count (own {own}, applied {applied})"
+            assert own > 0, "A never recognised its own report"
             assert b.metric("inference_picker_peer_load_reports_total", outcome="applied") > 0
             r = long.result(timeout=30)
             assert r.status_code == 200, r.text
@@ -189,10 +192,7 @@ def test_replicas_that_exchange_load_count_each_others_requests():
         assert bad.status_code == 400 and bad.json()["error"]["code"] == "bad_peer_load", bad.text
         assert b.metric("inference_picker_peer_load_reports_total", outcome="refused") == 1
     finally:
-        for e in (a, b):
-            if e:
-                e.stop()
-        sim.stop()
+        stop_each(a, b, sim)
 
 
 def test_the_exchange_path_answers_locally_and_only_to_the_token():
@@ -225,10 +225,7 @@ def test_the_exchange_path_answers_locally_and_only_to_the_token():
         time.sleep(0.5)
         assert sims[0].requests_total() == before, "an exchange request reached a pod"
     finally:
-        if envoy:
-            envoy.stop()
-        for s in sims:
-            s.stop()
+        stop_each(envoy, sims)
 
 
 def _gateway_pod(name: str) -> dict:
@@ -288,8 +285,4 @@ def test_replicas_find_each_other_through_the_kubernetes_api(tmp_path):
             wait_until(lambda: b.metric("inference_picker_peer_records_total", outcome="applied") > applied, 10,
                        "replica B to apply A's records after A's pod list failed")
         finally:
-            for e in (a, b):
-                if e:
-                    e.stop()
-            for s in sims:
-                s.stop()
+            stop_each(a, b, sims)
