@@ -440,13 +440,14 @@ pub fn peer_batch(data: &[u8]) {
         }
     }
     // The same bytes as an in-flight report (`peers.load_interval_ms`): refused, or written as
-    // one foreign record that every reader adds and the gateway never reports on.
+    // one peer record that every reader adds and the gateway never reports on.
     if let Ok((sender, counts)) = crate::peers::decode_load(data) {
         assert_ne!(sender, 0);
-        crate::inflight::put_foreign(&store, sender, &counts, 1_000).unwrap();
+        let put = crate::inflight::put_peer(&store, sender, &counts, 1_000, 1).unwrap();
+        assert_eq!(put, crate::inflight::PeerPut::Applied);
         // A reader whose own nonce is not the sender's (a reader skips its own record).
         let reader = if sender == 1 { 2 } else { 1 };
-        let seen = crate::inflight::InflightTable::new(reader).read(&store, 1_000).unwrap();
+        let seen = crate::inflight::InflightTable::new(reader).with_peers(true).read(&store, 1_000).unwrap();
         assert_eq!(seen.total(), counts.total());
         assert_eq!(crate::inflight::gateway_counts(&store, 1_000).unwrap().total(), 0);
     }

@@ -35,12 +35,18 @@
 //! again only when their CAS token changed.
 //!
 //! # Other gateways' records (`peers.load_interval_ms`)
-//! A peer gateway's report is written as a *foreign* record (tag `f1` instead of `i1`, owner =
-//! the sending gateway's nonce, heartbeat = when this gateway received it; [`put_foreign`]) in a
-//! slot claimed like a VM's. Readers add it like any record, so every count here then includes
-//! the other replicas' requests; [`gateway_counts`], what this gateway reports to its peers,
-//! leaves foreign records out, so nothing is passed on. A peer that stops reporting ages out
-//! after [`TTL_MS`], like a dead VM.
+//! A peer gateway's report is written as a *peer* record (tag `f1` instead of `i1`, owner = the
+//! sending gateway's nonce, heartbeat = when this gateway received it; [`put_peer`]) in a key
+//! space of its own, `inference-picker/inflight-peer/<k>` ([`peer_slot_key`]), never in a VM's
+//! slot: however many sender ids a peer invents, the workers' own records keep their slots.
+//! At most one live record per sender, and no more live senders than this gateway has peers
+//! (the `limit` of [`put_peer`]); a report beyond that is refused ([`PeerPut::Full`]). Readers
+//! of a gateway with `peers` add them like any record ([`InflightTable::with_peers`]), so every
+//! count there then includes the other replicas' requests; [`gateway_counts`], what this
+//! gateway reports to its peers, reads only the VM slots, so nothing is passed on. A peer that
+//! stops reporting ages out after [`TTL_MS`], like a dead VM. (A release before the peer slots
+//! wrote `f1` records into the VM slots; readers still add those and [`gateway_counts`] still
+//! leaves them out, so a rolling upgrade neither loses nor echoes them.)
 //!
 //! # Failure behaviour
 //! A garbled record reads as a free slot (its counts are ignored and its slot reusable). If the
@@ -68,7 +74,7 @@ const MAX_SYNC_ATTEMPTS: usize = 8;
 /// Format tag in front of every slot record.
 const RECORD_TAG: &str = "i1";
 /// Format tag of a record another gateway replica sent (`peers.load_interval_ms`,
-/// [`put_foreign`]): readers add it like a VM's record; [`gateway_counts`] leaves it out, so a
+/// [`put_peer`]): readers add it like a VM's record; [`gateway_counts`] leaves it out, so a
 /// gateway never passes on what it received.
 const FOREIGN_TAG: &str = "f1";
 
@@ -254,7 +260,7 @@ pub struct SlotRecord {
     /// When the owner last wrote, in ms.
     pub heartbeat_ms: u64,
     pub counts: InflightCounts,
-    /// Sent by another gateway replica ([`put_foreign`]); `owner` is that gateway's nonce and
+    /// Sent by another gateway replica ([`put_peer`]); `owner` is that gateway's nonce and
     /// `heartbeat_ms` when this gateway received it.
     pub foreign: bool,
 }
@@ -307,7 +313,8 @@ fn encode_record(owner: u64, heartbeat_ms: u64, counts: &InflightCounts, foreign
 }
 
 /// This gateway's own in-flight counts: every live VM record of this Envoy, summed, without the
-/// records other gateways sent ([`put_foreign`]). What the poller sends to its peers
+/// records other gateways sent ([`put_peer`], in their own slots; or in the VM slots by an older
+/// release). What the poller sends to its peers
 /// (`peers.load_interval_ms`). One host read per written slot.
 pub fn gateway_counts(store: &dyn SharedStore, now_ms: u64) -> Result<InflightCounts, StoreError> {
     let mut total = InflightCounts::default();
@@ -322,26 +329,55 @@ pub fn gateway_counts(store: &dyn SharedStore, now_ms: u64) -> Result<InflightCo
     Ok(total)
 }
 
-/// Writes the counts another gateway replica sent (`owner`: that gateway's nonce) as a foreign
-/// record, stamped with this gateway's clock (`now_ms`), so every reader of this Envoy adds them
-/// to its own: in its slot if one carries `owner`, else in the lowest free, garbled or stale
-/// slot, with the same CAS rules as a VM's claim. A peer that stops sending ages out after
-/// [`TTL_MS`], like a dead VM. Two workers receiving the same peer at once may, rarely, leave a
-/// second copy in another slot; it is never rewritten and ages out within [`TTL_MS`].
-pub fn put_foreign(
+/// Prefix of the peer slot keys: `inference-picker/inflight-peer/<k>`, `k` in
+/// `0..MAX_PEER_SLOTS`. Peers' records live here, apart from the VMs' slots, so no number of
+/// peer reports can take a slot a worker needs ([`put_peer`]).
+pub const PEER_SLOT_KEY_PREFIX: &str = "inference-picker/inflight-peer/";
+/// Most peer records ever written: one per peer gateway (`crate::peers::MAX_PEERS`).
+pub const MAX_PEER_SLOTS: usize = crate::peers::MAX_PEERS;
+
+/// The shared-data key of peer slot `k`.
+pub fn peer_slot_key(k: usize) -> String {
+    format!("{PEER_SLOT_KEY_PREFIX}{k}")
+}
+
+/// What [`put_peer`] did with a peer's report.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PeerPut {
+    /// Written: in the sender's record, or in a free one.
+    Applied,
+    /// Refused: `limit` other senders already have a live record (more senders than this
+    /// gateway has peers: a flood of sender ids, or a restarted peer whose old record has not
+    /// aged out yet). Nothing was written.
+    Full,
+}
+
+/// Writes the counts another gateway replica sent (`owner`: that gateway's sender nonce) as its
+/// record in the peer slots, stamped with this gateway's clock (`now_ms`), so every reader of
+/// this Envoy adds them to its own ([`InflightTable::read`]): in the record that carries
+/// `owner` if there is one, else in the lowest free, garbled or stale peer slot, as long as
+/// fewer than `limit` other senders have a live record (`limit`: how many peers this gateway
+/// has, at most [`MAX_PEER_SLOTS`]). So a peer holding the token can take at most `limit`
+/// peer slots and never a VM's slot. A peer that stops sending ages out after [`TTL_MS`]. Two
+/// workers receiving the same new sender at once may, rarely, leave a second copy in another
+/// slot; it is never rewritten and ages out within [`TTL_MS`].
+pub fn put_peer(
     store: &dyn SharedStore,
     owner: u64,
     counts: &InflightCounts,
     now_ms: u64,
-) -> Result<(), StoreError> {
+    limit: usize,
+) -> Result<PeerPut, StoreError> {
     let owner = owner.max(1);
+    let limit = limit.min(MAX_PEER_SLOTS);
     let mine = encode_record(owner, now_ms, counts, true);
     let mut last = StoreError::CasMismatch;
     for _ in 0..MAX_SYNC_ATTEMPTS {
         let mut found = None;
         let mut free = None;
-        for k in 0..MAX_SLOTS {
-            match store.get(&slot_key(k))? {
+        let mut live_others = 0usize;
+        for k in 0..MAX_PEER_SLOTS {
+            match store.get(&peer_slot_key(k))? {
                 None => {
                     free = free.or(Some((k, CREATE_CAS)));
                     break;
@@ -351,16 +387,21 @@ pub fn put_foreign(
                         found = Some((k, cas));
                         break;
                     }
-                    Some((_, hb, _, _)) if now_ms.saturating_sub(hb) <= TTL_MS => {}
+                    Some((_, hb, _, true)) if now_ms.saturating_sub(hb) <= TTL_MS => live_others += 1,
                     _ => free = free.or(Some((k, cas))),
                 },
             }
         }
-        let Some((k, cas)) = found.or(free) else {
-            return Err(StoreError::Host(format!("all {MAX_SLOTS} in-flight slots are live")));
+        let target = match found {
+            Some(f) => f,
+            None if live_others >= limit => return Ok(PeerPut::Full),
+            None => match free {
+                Some(f) => f,
+                None => return Ok(PeerPut::Full),
+            },
         };
-        match store.set(&slot_key(k), &mine, cas) {
-            Ok(()) => return Ok(()),
+        match store.set(&peer_slot_key(target.0), &mine, target.1) {
+            Ok(()) => return Ok(PeerPut::Applied),
             Err(StoreError::CasMismatch) => last = StoreError::CasMismatch,
             Err(e) => return Err(e),
         }
@@ -378,6 +419,53 @@ pub struct InflightTable {
     last_beat_ms: u64,
     /// Decoded records of the other slots, by CAS token, so unchanged ones are not re-parsed.
     cache: Vec<Option<(u32, Option<SlotRecord>)>>,
+    /// [`InflightTable::with_peers`]: also read the peer slots, cached the same way.
+    read_peers: bool,
+    peer_cache: Vec<Option<(u32, Option<SlotRecord>)>>,
+}
+
+/// A family of slot keys: the VMs' ([`slot_key`]) or the peers' ([`peer_slot_key`]).
+struct Space {
+    max: usize,
+    key: fn(usize) -> String,
+}
+
+const VM_SPACE: Space = Space { max: MAX_SLOTS, key: slot_key };
+const PEER_SPACE: Space = Space { max: MAX_PEER_SLOTS, key: peer_slot_key };
+
+/// Adds to `total` the live records (not `owner`'s, not older than [`TTL_MS`]) of the slots of
+/// `space`, skipping slot `skip`, until the first never-written one. `cache` keeps each slot's
+/// decoded record by CAS token, so an unchanged record is not parsed again.
+fn scan(
+    store: &dyn SharedStore,
+    now_ms: u64,
+    owner: u64,
+    skip: Option<usize>,
+    space: &Space,
+    cache: &mut Vec<Option<(u32, Option<SlotRecord>)>>,
+    total: &mut InflightCounts,
+) -> Result<(), StoreError> {
+    for k in 0..space.max {
+        if Some(k) == skip {
+            continue;
+        }
+        let Some((bytes, cas)) = store.get(&(space.key)(k))? else {
+            break;
+        };
+        if cache.len() <= k {
+            cache.resize(k + 1, None);
+        }
+        let Some(entry) = cache.get_mut(k) else { continue };
+        if !matches!(entry, Some((c, _)) if *c == cas) {
+            *entry = Some((cas, decode(&bytes)));
+        }
+        if let Some((_, Some(rec))) = entry {
+            if rec.owner != owner && now_ms.saturating_sub(rec.heartbeat_ms) <= TTL_MS {
+                total.add_all(&rec.counts);
+            }
+        }
+    }
+    Ok(())
 }
 
 impl InflightTable {
@@ -389,6 +477,8 @@ impl InflightTable {
             slot: None,
             last_beat_ms: 0,
             cache: Vec::new(),
+            read_peers: false,
+            peer_cache: Vec::new(),
         }
     }
 
@@ -406,32 +496,22 @@ impl InflightTable {
         &self.local
     }
 
+    /// Also read the peer slots ([`put_peer`]) in [`InflightTable::read`]: set when this
+    /// gateway has `peers` (it applies peers' reports whatever its own `load_interval_ms`).
+    /// Without it a read costs no host call for them.
+    pub fn with_peers(mut self, read_peers: bool) -> Self {
+        self.read_peers = read_peers;
+        self
+    }
+
     /// Every live VM's counts summed: ours from memory, the others' from their slots (records
-    /// older than [`TTL_MS`] ignored). Stops at the first never-written slot.
+    /// older than [`TTL_MS`] ignored), and, [`InflightTable::with_peers`], the peer gateways'
+    /// records. Each scan stops at its first never-written slot.
     pub fn read(&mut self, store: &dyn SharedStore, now_ms: u64) -> Result<InflightCounts, StoreError> {
         let mut total = self.local.clone();
-        for k in 0..MAX_SLOTS {
-            if Some(k) == self.slot {
-                continue;
-            }
-            let Some((bytes, cas)) = store.get(&slot_key(k))? else {
-                break;
-            };
-            if self.cache.len() <= k {
-                self.cache.resize(k + 1, None);
-            }
-            let entry = match self.cache.get_mut(k) {
-                Some(e) => e,
-                None => continue,
-            };
-            if !matches!(entry, Some((c, _)) if *c == cas) {
-                *entry = Some((cas, decode(&bytes)));
-            }
-            if let Some((_, Some(rec))) = entry {
-                if rec.owner != self.owner && now_ms.saturating_sub(rec.heartbeat_ms) <= TTL_MS {
-                    total.add_all(&rec.counts);
-                }
-            }
+        scan(store, now_ms, self.owner, self.slot, &VM_SPACE, &mut self.cache, &mut total)?;
+        if self.read_peers {
+            scan(store, now_ms, self.owner, None, &PEER_SPACE, &mut self.peer_cache, &mut total)?;
         }
         Ok(total)
     }
@@ -868,63 +948,103 @@ mod tests {
         assert_eq!(s.key_count(), MAX_SLOTS);
     }
 
+    fn peer_slots(s: &MemStore) -> usize {
+        (0..MAX_PEER_SLOTS).map_while(|k| s.get(&peer_slot_key(k)).unwrap()).count()
+    }
+
     #[test]
     fn a_peer_gateways_counts_are_read_by_every_vm_but_never_sent_on() {
         let s = MemStore::new();
-        let mut a = InflightTable::new(0xA);
-        let mut b = InflightTable::new(0xB);
+        let mut a = InflightTable::new(0xA).with_peers(true);
+        let mut b = InflightTable::new(0xB).with_peers(true);
         a.adjust(&s, "p", 1, T0).unwrap();
         // Another gateway (nonce 0xF00) has 3 requests on p, 2 of them in prefill, and 1 on q.
         let peer = InflightCounts::decode(b"p=3/2/9000;q=1");
-        put_foreign(&s, 0xF00, &peer, T0).unwrap();
+        assert_eq!(put_peer(&s, 0xF00, &peer, T0, 1).unwrap(), PeerPut::Applied);
         // Every VM of this gateway reads them with its own and the other VMs' counts.
         let seen = b.read(&s, T0).unwrap();
         assert_eq!(seen.get("p"), 4);
         assert_eq!(seen.get("q"), 1);
         assert_eq!(seen.load_hashed(address_hash("p"), "p").prefill_tokens, 9000);
+        // A reader of a gateway without `peers` reads the VM slots only.
+        assert_eq!(InflightTable::new(0xC).read(&s, T0).unwrap().get("p"), 1);
         // What this gateway sends to its peers: its own VMs' counts only.
         let own = gateway_counts(&s, T0).unwrap();
         assert_eq!((own.get("p"), own.get("q")), (1, 0));
         // The peer's next report replaces its record in place (same slot), even an empty one.
-        put_foreign(&s, 0xF00, &InflightCounts::decode(b"q=2"), T0 + 100).unwrap();
-        put_foreign(&s, 0xF00, &InflightCounts::default(), T0 + 200).unwrap();
+        put_peer(&s, 0xF00, &InflightCounts::decode(b"q=2"), T0 + 100, 1).unwrap();
+        put_peer(&s, 0xF00, &InflightCounts::default(), T0 + 200, 1).unwrap();
         let seen = b.read(&s, T0 + 200).unwrap();
         assert_eq!((seen.get("p"), seen.get("q")), (1, 0));
-        let foreign_slots = (0..MAX_SLOTS)
-            .map_while(|k| s.get(&slot_key(k)).unwrap())
-            .filter(|(v, _)| decode(v).is_some_and(|r| r.foreign))
-            .count();
-        assert_eq!(foreign_slots, 1);
-        // A VM claiming a slot skips the live foreign record.
+        assert_eq!(peer_slots(&s), 1);
+        // The peer record never sits in a VM slot: a VM claiming one takes the next VM slot.
         b.adjust(&s, "q", 1, T0 + 200).unwrap();
-        assert_ne!(b.slot(), a.slot());
-        let taken: Vec<_> = (0..MAX_SLOTS).map_while(|k| s.get(&slot_key(k)).unwrap()).collect();
-        assert_eq!(taken.iter().filter(|(v, _)| decode(v).is_some_and(|r| r.foreign)).count(), 1);
+        assert_eq!((a.slot(), b.slot()), (Some(0), Some(1)));
         assert_eq!(a.read(&s, T0 + 200).unwrap().get("q"), 1);
     }
 
     #[test]
     fn a_peer_that_stops_sending_ages_out_and_its_slot_is_reused() {
         let s = MemStore::new();
-        put_foreign(&s, 0xF00, &InflightCounts::decode(b"p=5"), T0).unwrap();
-        let mut a = InflightTable::new(0xA);
+        put_peer(&s, 0xF00, &InflightCounts::decode(b"p=5"), T0, 1).unwrap();
+        let mut a = InflightTable::new(0xA).with_peers(true);
         assert_eq!(a.read(&s, T0 + TTL_MS).unwrap().get("p"), 5);
         assert_eq!(a.read(&s, T0 + TTL_MS + 1).unwrap().get("p"), 0);
-        // Its stale slot is free for a VM, or for another peer.
-        put_foreign(&s, 0xF01, &InflightCounts::decode(b"p=1"), T0 + TTL_MS + 1).unwrap();
-        assert!(s.get(&slot_key(1)).unwrap().is_none(), "slot 0 was reused");
+        // While it is live, a second sender does not fit a gateway with one peer.
+        assert_eq!(put_peer(&s, 0xF01, &InflightCounts::decode(b"p=1"), T0 + 1, 1).unwrap(), PeerPut::Full);
+        // Once it is stale its slot is free for another sender (a restarted peer's new nonce).
+        let put = put_peer(&s, 0xF01, &InflightCounts::decode(b"p=1"), T0 + TTL_MS + 1, 1).unwrap();
+        assert_eq!(put, PeerPut::Applied);
+        assert_eq!(peer_slots(&s), 1, "slot 0 was reused");
         assert_eq!(a.read(&s, T0 + TTL_MS + 1).unwrap().get("p"), 1);
     }
 
     #[test]
-    fn foreign_records_fill_at_most_every_slot() {
+    fn a_flood_of_sender_ids_cannot_hide_the_workers_counts() {
+        // A peer holding the token invents 1,000 sender ids, each reporting load on "p".
         let s = MemStore::new();
-        for k in 0..MAX_SLOTS as u64 {
-            put_foreign(&s, 1 + k, &InflightCounts::decode(b"p=1"), T0).unwrap();
+        let mut applied = 0;
+        for id in 0..1_000u64 {
+            if put_peer(&s, 0x1_0000 + id, &InflightCounts::decode(b"p=1"), T0, 2).unwrap()
+                == PeerPut::Applied
+            {
+                applied += 1;
+            }
         }
-        assert!(matches!(put_foreign(&s, 9999, &InflightCounts::default(), T0), Err(StoreError::Host(_))));
-        // A known peer still updates its own slot.
-        put_foreign(&s, 1, &InflightCounts::decode(b"p=2"), T0).unwrap();
-        assert_eq!(InflightTable::new(0xABCD_0000).read(&s, T0).unwrap().get("p"), MAX_SLOTS as u32 + 1);
+        // Only as many as this gateway has peers are taken; the rest are refused.
+        assert_eq!((applied, peer_slots(&s)), (2, 2));
+        // Even with the largest limit, never more than the peer slots, and never a VM slot.
+        for id in 0..1_000u64 {
+            let _ = put_peer(&s, 0x2_0000 + id, &InflightCounts::decode(b"p=1"), T0, usize::MAX).unwrap();
+        }
+        assert_eq!(peer_slots(&s), MAX_PEER_SLOTS);
+        assert!(s.get(&slot_key(0)).unwrap().is_none(), "a peer record took a VM slot");
+        // The workers still claim their slots and see each other's counts.
+        let mut w1 = InflightTable::new(0xA).with_peers(true);
+        let mut w2 = InflightTable::new(0xB).with_peers(true);
+        w1.adjust(&s, "q", 1, T0).unwrap();
+        w2.adjust(&s, "q", 1, T0).unwrap();
+        assert_eq!((w1.slot(), w2.slot()), (Some(0), Some(1)));
+        assert_eq!(w1.read(&s, T0).unwrap().get("q"), 2);
+        assert_eq!(w2.read(&s, T0).unwrap().get("q"), 2);
+        // A known sender still updates its record while the table is full.
+        assert_eq!(put_peer(&s, 0x1_0000, &InflightCounts::decode(b"p=7"), T0, 2).unwrap(), PeerPut::Applied);
+    }
+
+    #[test]
+    fn records_an_older_release_wrote_as_foreign_in_the_vm_slots_are_read_but_not_reported() {
+        let s = MemStore::new();
+        let old = SlotRecord {
+            owner: 0xF00,
+            heartbeat_ms: T0,
+            counts: InflightCounts::decode(b"p=3"),
+            foreign: true,
+        };
+        s.set(&slot_key(0), &encode(&old), 0).unwrap();
+        let mut a = InflightTable::new(0xA);
+        a.adjust(&s, "p", 1, T0).unwrap();
+        assert_eq!(a.slot(), Some(1), "the live old record keeps its slot");
+        assert_eq!(a.read(&s, T0).unwrap().get("p"), 4);
+        assert_eq!(gateway_counts(&s, T0).unwrap().get("p"), 1);
     }
 }

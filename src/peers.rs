@@ -28,10 +28,12 @@
 //! **Load reports (opt-in, `load_interval_ms`).** Every `load_interval_ms` the poller also
 //! POSTs this gateway's own in-flight counts and queued prefill ([`encode_load`]: `IPL1`, the
 //! gateway's sender nonce ([`gateway_sender`]), then `inflight::InflightCounts`' text form) on
-//! the same path and token. The peer's filter writes them as that sender's foreign record in its
-//! in-flight table (`inflight::put_foreign`), which every reader there adds to its own; its own
-//! report (a gateway that lists itself) is recognised by the nonce ([`is_own_report`]) and
-//! ignored. A report that stops coming ages out after `inflight::TTL_MS`; one that fails to
+//! the same path and token. The peer's filter writes them as that sender's record in the peer
+//! slots of its in-flight table (`inflight::put_peer`: apart from the workers' slots, and no
+//! more live senders than it has peers, [`load_sender_limit`]), which every reader there adds
+//! to its own; its own report (a gateway that lists itself) is recognised by the nonce
+//! ([`is_own_report`]) and ignored, and when that nonce cannot be read the report is not
+//! applied. A report that stops coming ages out after `inflight::TTL_MS`; one that fails to
 //! decode is refused whole (400). Without it, other replicas' requests are seen at the next
 //! scrape only.
 //!
@@ -275,6 +277,22 @@ pub fn gateway_sender(store: &dyn SharedStore, candidate: u64) -> Result<u64, cr
         }
     }
     Err(crate::ports::StoreError::CasMismatch)
+}
+
+/// Shared-data key where the poller publishes how many peers it sends to (`addresses` and the
+/// pods found through `kubernetes`, without repeats), in decimal: the filter's cap on the peer
+/// records of the in-flight table ([`load_sender_limit`]).
+pub const PEER_COUNT_KEY: &str = "inference-picker/peers/count";
+
+/// How many senders may have a live load record here (`inflight::put_peer`'s `limit`): the peer
+/// count the poller published (`published`: the value of [`PEER_COUNT_KEY`]), or, before it
+/// has, the configured `addresses`; at most `inflight::MAX_PEER_SLOTS`.
+pub fn load_sender_limit(cfg: &PeersConfig, published: Option<&[u8]>) -> usize {
+    published
+        .and_then(|v| std::str::from_utf8(v).ok())
+        .and_then(|t| t.parse::<usize>().ok())
+        .unwrap_or(cfg.addresses.len())
+        .min(crate::inflight::MAX_PEER_SLOTS)
 }
 
 /// Whether a report from `sender` is this gateway's own (`stored`: the value of

@@ -887,3 +887,17 @@ fn peers_authority() {
         assert_only(&errors(&with_peers(v)), "peers.authority", "host name");
     }
 }
+
+#[test]
+fn the_peer_load_senders_are_capped_at_the_peer_count() {
+    let ok_token = "0123456789abcdef0123";
+    let v = with_peers(json!({"addresses": ["10.1.0.2:8080", "10.1.0.3:8080"], "token": ok_token}));
+    let pc = parse(&v).unwrap().peers.unwrap();
+    // Before the poller published its count: the configured addresses.
+    assert_eq!(crate::peers::load_sender_limit(&pc, None), 2);
+    assert_eq!(crate::peers::load_sender_limit(&pc, Some(b"garbled")), 2);
+    // The poller's count (addresses and pods found), never more than the peer slots.
+    assert_eq!(crate::peers::load_sender_limit(&pc, Some(b"5")), 5);
+    assert_eq!(crate::peers::load_sender_limit(&pc, Some(b"0")), 0);
+    assert_eq!(crate::peers::load_sender_limit(&pc, Some(b"100000")), crate::inflight::MAX_PEER_SLOTS);
+}

@@ -665,6 +665,12 @@ impl Filter {
         // client-chosen destination are removed, on every path.
         // One host call reads them all; only the headers present are removed.
         let headers = io::RequestHeaders::read();
+        // Test-only build (`crash-test`): the VM dies here, with other requests in flight.
+        #[cfg(feature = "crash-test")]
+        #[allow(clippy::panic)]
+        if headers.contains("x-inference-picker-test-panic") {
+            panic!("inference-picker: crash-test build, x-inference-picker-test-panic");
+        }
         let priority = PriorityHeaders::read(&cfg.priority, &|h: &str| headers.get(h));
         let test_selection = request::conformance_selection(
             cfg,
@@ -799,41 +805,65 @@ impl Filter {
         }
     }
 
-    /// `peers.load_interval_ms`: a peer's in-flight counts, written as its foreign record in the
-    /// in-flight table (`inflight::put_foreign`), which every worker here then adds to its own.
+    /// `peers.load_interval_ms`: a peer's in-flight counts, written as its record in the peer
+    /// slots of the in-flight table (`inflight::put_peer`), which every worker here then adds to
+    /// its own. Fails closed: when this gateway's own sender nonce cannot be read, the report
+    /// is not applied (it may be this gateway's own, which would double its counts).
     fn peer_load(&mut self, body: &[u8]) -> Action {
         let store = io::HostStore;
+        let Some(pc) = self.worker.cfg.peers.as_ref() else { return Action::Continue };
         let outcome = match peers::decode_load(body) {
-            // This gateway's own report (it lists itself among its peers): nothing to add.
-            Ok((sender, _))
-                if peers::is_own_report(
-                    store.get(peers::LOAD_SENDER_KEY).ok().flatten().as_ref().map(|(v, _)| v.as_slice()),
-                    sender,
-                ) =>
-            {
-                Ok("own")
-            }
-            Ok((sender, counts)) => inflight::put_foreign(&store, sender, &counts, io::now_ms())
-                .map(|()| "applied")
-                .map_err(|e| format!("the in-flight table refused them: {e:?}")),
-            Err(e) => Err(format!("{e:?}")),
+            Err(e) => LoadOutcome::Refused(format!("{e:?}")),
+            Ok((sender, counts)) => match store.get(peers::LOAD_SENDER_KEY) {
+                Err(e) => LoadOutcome::Error(format!("this gateway's sender nonce cannot be read: {e:?}")),
+                // This gateway's own report (it lists itself among its peers): nothing to add.
+                Ok(own) if peers::is_own_report(own.as_ref().map(|(v, _)| v.as_slice()), sender) => {
+                    LoadOutcome::Own
+                }
+                Ok(_) => {
+                    let published = store.get(peers::PEER_COUNT_KEY).ok().flatten();
+                    let limit = peers::load_sender_limit(pc, published.as_ref().map(|(v, _)| v.as_slice()));
+                    match inflight::put_peer(&store, sender, &counts, io::now_ms(), limit) {
+                        Ok(inflight::PeerPut::Applied) => LoadOutcome::Applied,
+                        Ok(inflight::PeerPut::Full) => LoadOutcome::Full(limit),
+                        Err(e) => LoadOutcome::Error(format!("the in-flight table refused them: {e:?}")),
+                    }
+                }
+            },
         };
-        let tag = outcome.as_ref().map_or("refused", |t| t);
         self.worker
             .metrics
             .borrow_mut()
-            .count(telemetry::name(telemetry::PEER_LOAD_REPORTS, &[("outcome", tag)]));
+            .count(telemetry::name(telemetry::PEER_LOAD_REPORTS, &[("outcome", outcome.tag())]));
         match outcome {
-            Ok(_) => {
+            LoadOutcome::Applied | LoadOutcome::Own => {
                 self.ex.borrow_mut().answered = true;
                 io::send_local_reply(204, &[], &[]);
                 Action::Pause
             }
-            Err(why) => self.reject(&Rejection::new(
+            LoadOutcome::Refused(why) => self.reject(&Rejection::new(
                 400,
                 "invalid_request_error",
                 "bad_peer_load",
                 format!("The in-flight report was refused: {why}."),
+            )),
+            LoadOutcome::Full(limit) => self.reject(
+                &Rejection::new(
+                    429,
+                    "rate_limit_error",
+                    "peer_load_full",
+                    format!(
+                        "The in-flight report was refused: {limit} other senders already report here, \
+                     as many as this gateway has peers."
+                    ),
+                )
+                .with_retry_after(1),
+            ),
+            LoadOutcome::Error(why) => self.reject(&Rejection::new(
+                503,
+                "server_error",
+                "peer_load_unavailable",
+                format!("The in-flight report was not applied: {why}."),
             )),
         }
     }
@@ -947,5 +977,30 @@ impl Filter {
             }
         }
         Action::Continue
+    }
+}
+
+/// What became of a peer's in-flight report (`Filter::peer_load`), as counted in
+/// `inference_picker_peer_load_reports_total{outcome}`.
+enum LoadOutcome {
+    Applied,
+    Own,
+    /// Malformed: refused whole (400).
+    Refused(String),
+    /// More senders than peers (`inflight::PeerPut::Full`, 429).
+    Full(usize),
+    /// The shared store failed: not applied (503).
+    Error(String),
+}
+
+impl LoadOutcome {
+    fn tag(&self) -> &'static str {
+        match self {
+            LoadOutcome::Applied => "applied",
+            LoadOutcome::Own => "own",
+            LoadOutcome::Refused(_) => "refused",
+            LoadOutcome::Full(_) => "refused_full",
+            LoadOutcome::Error(_) => "error",
+        }
     }
 }

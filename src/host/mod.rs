@@ -430,10 +430,10 @@ impl RootContext for Root {
                 gate: RefCell::new(Gate::new(&cfg, worker_id)),
                 pending: RefCell::new(HashMap::new()),
                 health: RefCell::new(Recorder::new()),
-                inflight: RefCell::new(inflight::InflightTable::new(crate::lease::holder_id(
-                    io::entropy(),
-                    self.context_id,
-                ))),
+                inflight: RefCell::new(
+                    inflight::InflightTable::new(crate::lease::holder_id(io::entropy(), self.context_id))
+                        .with_peers(cfg.peers.is_some()),
+                ),
                 peer_token: cfg.peers.as_ref().and_then(|p| p.resolve_token(|name| std::env::var(name).ok())),
                 inflight_gauges_ms: Cell::new(0),
                 cfg,

@@ -66,12 +66,15 @@ struct PeerSender {
     /// report sends (token → peer address).
     load_sender: u64,
     next_load_ms: u64,
+    /// The peer count last published in `peers::PEER_COUNT_KEY`.
+    published_count: Option<usize>,
     load_calls: HashMap<u32, String>,
 }
 
 impl PollerRole {
     pub fn new(cfg: Rc<Config>) -> Self {
         let core = Poller::with_seed(&cfg, io::entropy());
+        let read_peers = cfg.peers.is_some();
         let metrics = io::Metrics::with_suffix(crate::pools::metric_suffix(cfg.pool.as_ref()));
         let mut p = PollerRole {
             cfg,
@@ -80,7 +83,7 @@ impl PollerRole {
             discovery_call: None,
             metrics,
             errors: LogLimiter::new(telemetry::ERROR_LOG_EVERY_MS),
-            inflight: InflightTable::new(io::entropy()),
+            inflight: InflightTable::new(io::entropy()).with_peers(read_peers),
             models: None,
             model_calls: HashMap::new(),
             peers: None,
@@ -107,6 +110,7 @@ impl PollerRole {
                 next_list_ms: 0,
                 load_sender: io::entropy().max(1),
                 next_load_ms: 0,
+                published_count: None,
                 load_calls: HashMap::new(),
             }
         });
@@ -324,6 +328,17 @@ impl PollerRole {
         let cluster = &self.cfg.poller.cluster;
         let mut targets: Vec<&String> = pc.addresses.iter().collect();
         targets.extend(ps.found.iter().filter(|f| !pc.addresses.contains(f)));
+        // The filter caps the peers' load records at this count (`peers::load_sender_limit`).
+        if ps.published_count != Some(targets.len()) {
+            match io::HostStore.set(peers::PEER_COUNT_KEY, targets.len().to_string().as_bytes(), 0) {
+                Ok(()) => ps.published_count = Some(targets.len()),
+                Err(e) => {
+                    if self.errors.allow("peer_count", now).is_some() {
+                        warn!("inference-picker-poller: peers: publishing the peer count failed: {e:?}");
+                    }
+                }
+            }
+        }
         let mut failed = Vec::new();
         if load_due {
             // This gateway's own in-flight counts (never what peers sent it), to every peer,

@@ -129,6 +129,37 @@ class Sim:
     def chaos_total(self) -> int:
         return int(self.stats()["chaos_total"])
 
+    def hold(self, count: int | None = None) -> None:
+        """Parks inference requests at this pod as they arrive, before its engine sees them:
+        the next `count` ones, or (default) every one until `release()`. A parked request counts
+        in `held()` and as waiting in /metrics (see the simulator README, "Hold"). Lets a test
+        decide when a pod serves instead of guessing how long it takes."""
+        body = {} if count is None else {"count": count}
+        requests.post(self.url + "/sim/hold", json=body, timeout=5).raise_for_status()
+
+    def release(self, n: int | None = None) -> list[dict]:
+        """Lets the `n` oldest parked requests go, in arrival order (an error when fewer are
+        parked), or (default) every one of them, and stops holding. Returns their arrivals
+        (`{"seq", "content", "request_id", "held"}`). Requests released together reach the
+        engine in no set order: release one at a time when that order matters."""
+        body = {} if n is None else {"n": n}
+        r = requests.post(self.url + "/sim/release", json=body, timeout=5)
+        r.raise_for_status()
+        return r.json()["released"]
+
+    def held(self) -> int:
+        """Inference requests parked here now (`hold()`)."""
+        return int(self.stats()["held"])
+
+    def wait_held(self, n: int, timeout: float = 30) -> None:
+        """Waits (bounded) until exactly `n` requests are parked here."""
+        wait_until(lambda: self.held() == n, timeout, f"{self.name}: {n} request(s) held")
+
+    def arrivals(self) -> list:
+        """The prompt text (a chat request's last message) of the last inference requests that
+        reached this pod, oldest first (parked or not; since the last `reset_stats()`)."""
+        return [a["content"] for a in self.stats()["arrivals"]]
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.terminate()
@@ -184,16 +215,22 @@ class Envoy:
     def __init__(self, config: dict, concurrency: int = 2, base_yaml: Path = ENVOY_YAML,
                  singleton: bool = True, extra_clusters: list | None = None,
                  front_filters: list[dict] | None = None, pool_hosts: list[str] | None = None,
-                 retry_policy: dict | None = None, port: int | None = None):
+                 retry_policy: dict | None = None, port: int | None = None,
+                 wasm: Path | None = None, mutate=None):
         # `port`: a listener port chosen by the caller (free_port()), e.g. for gateways that
-        # must know each other's address before either starts.
+        # must know each other's address before either starts. `wasm`: another build of the
+        # module (e.g. the crash-test build). `mutate(doc)`: a last change to the rendered
+        # bootstrap (e.g. the listener's connection balancing).
         self.port = port or free_port()
         self.admin_port = free_port()
         self.config = config
         LIVE_ENVOYS.append(self)
         self.tmp = tempfile.TemporaryDirectory(prefix="picker-envoy-")
         doc = yaml.safe_load(base_yaml.read_text())
-        doc = render(doc, config, self.port, self.admin_port, front_filters or [], pool_hosts, retry_policy)
+        doc = render(doc, config, self.port, self.admin_port, front_filters or [], pool_hosts, retry_policy,
+                     wasm=wasm)
+        if mutate:
+            mutate(doc)
         if not singleton:
             # Lease mode: no bootstrap extension; the filter's roots elect the poller.
             doc.pop("bootstrap_extensions", None)
@@ -344,6 +381,15 @@ def wait_until(predicate, timeout: float, what: str, interval: float = 0.05):
         time.sleep(interval)
 
 
+def wait_until_shown(predicate, timeout: float, what: str, show, interval: float = 0.05):
+    """`wait_until`, and on timeout the message also gives `show()`: the state last seen (a
+    message built before the wait would only show the state at its start)."""
+    try:
+        return wait_until(predicate, timeout, what, interval)
+    except AssertionError as e:
+        raise AssertionError(f"{e}; last seen: {show()}") from None
+
+
 POOL_CLUSTER = "inference_pool"
 
 
@@ -354,7 +400,8 @@ def socket_address(address: str) -> dict:
 
 
 def render(doc: dict, config: dict, port: int, admin_port: int, front_filters: list[dict] = (),
-           pool_hosts: list[str] | None = None, retry_policy: dict | None = None) -> dict:
+           pool_hosts: list[str] | None = None, retry_policy: dict | None = None,
+           wasm: Path | None = None) -> dict:
     """Applies ports, the absolute .wasm path and the plugin configuration to a parsed
     envoy.yaml (the same structure `make run` uses). `front_filters` are HTTP filters inserted
     before the inference-picker filter (for example one that sets a trusted header).
@@ -384,7 +431,7 @@ def render(doc: dict, config: dict, port: int, admin_port: int, front_filters: l
     def visit(node):
         if isinstance(node, dict):
             if "vm_config" in node and "configuration" in node:
-                node["vm_config"]["code"]["local"]["filename"] = str(WASM)
+                node["vm_config"]["code"]["local"]["filename"] = str(wasm or WASM)
                 node["configuration"]["value"] = cfg_json
             for v in node.values():
                 visit(v)
