@@ -132,8 +132,10 @@ class Sim:
     def hold(self, count: int | None = None) -> None:
         """Parks inference requests at this pod as they arrive, before its engine sees them:
         the next `count` ones, or (default) every one until `release()`. A parked request counts
-        in `held()` and as waiting in /metrics (see the simulator README, "Hold"). Lets a test
-        decide when a pod serves instead of guessing how long it takes."""
+        in `held()`, and in /metrics as the engine would schedule it (running while its batch has
+        room, then waiting: a gateway fills the pod as it would a real one; see the simulator
+        README, "Hold"). Lets a test decide when a pod serves instead of guessing how long it
+        takes."""
         body = {} if count is None else {"count": count}
         requests.post(self.url + "/sim/hold", json=body, timeout=5).raise_for_status()
 

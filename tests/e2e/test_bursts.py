@@ -14,7 +14,12 @@ lets held requests go as soon as a request finishes is the release on completion
 fail: the whole burst passes to the engines' FIFO queues (nothing is held), so premium requests
 finish last and no held request is released at all.
 
-Every wait is bounded; assertions are on orders and counts, never on durations.
+Every wait is bounded; assertions are on orders and counts, never on durations. Where the order of
+arrivals is the point (the burst before the premium requests), the pods park what reaches them
+(`Sim.hold`; their /metrics show it as their engines would schedule it, so the filter fills them
+as it fills busy pods) until every request of the burst is accounted for (parked at a pod or
+held in the proxy), the pods are full and the later requests are held; then the pods run
+(`Sim.release`). The scenario no longer depends on how fast the machine sends and serves.
 """
 import concurrent.futures as cf
 import copy
@@ -76,15 +81,45 @@ def busy(sim: Sim) -> int:
     return m["requests_submitted"] - m["requests_finished"] - m["requests_aborted"] - m["requests_rejected"]
 
 
+def waiting(envoy: Envoy, priority: int) -> float:
+    return envoy.metric("inference_picker_flow_waiting", priority=str(priority))
+
+
+def at_pods(sims: list[Sim], prefix: str) -> int:
+    """Requests whose prompt starts with `prefix` that reached a pod (since its last reset)."""
+    return sum(1 for s in sims for a in s.arrivals() if a and a.startswith(prefix))
+
+
+# `--max-batch` of the pods that park requests (burst_pool here, two_worker_pool in
+# test_fairness_workers.py).
+BATCH = 2
+
+
+def parked_full(envoy: Envoy, sims: list[Sim], prefix: str, n: int) -> None:
+    """With the pods holding (`Sim.hold`): waits (bounded) until the `n` requests tagged
+    `prefix` have all arrived (each one parked at a pod, or held in the proxy) and every pod is
+    full: a batch of parked requests shown running and one more shown waiting (the example's
+    queue_threshold is 1). The filter fills the pods as scrapes show room (a batch fills over a
+    few polls, src/load.rs), as it would fill real pods; nothing finishes meanwhile."""
+    wait_until(lambda: at_pods(sims, prefix) + waiting(envoy, 0) >= n, 30, f"the {n} {prefix} requests arrived")
+    wait_until(lambda: all(s.held() >= BATCH + 1 for s in sims), 30, "every pod full")
+
+
+def wait_idle(envoy: Envoy, sims: list[Sim]) -> None:
+    """Waits (bounded) until no request is in flight or running and the workers have read a
+    snapshot that shows the engines idle again."""
+    for s in sims:
+        wait_until(lambda s=s: inflight(envoy, s) == 0, 30, "warm-up request finished")
+    wait_until(lambda: all(busy(s) == 0 for s in sims), 30, "idle engines")
+    for s in sims:
+        s.wait_scraped(timeout=30)
+
+
 def start_pool(sims: list[Sim], **kw) -> Envoy:
     envoy = Envoy(tiers_config(sims, **kw), concurrency=2)
     try:
         envoy.wait_routable()
-        for s in sims:
-            wait_until(lambda s=s: inflight(envoy, s) == 0, 10, "warm-up request finished")
-        # Two polls, so the snapshot shows idle engines again.
-        wait_until(lambda: all(busy(s) == 0 for s in sims), 10, "idle engines")
-        time.sleep(0.5)
+        wait_idle(envoy, sims)
     except BaseException:
         envoy.stop()
         raise
@@ -94,7 +129,7 @@ def start_pool(sims: list[Sim], **kw) -> Envoy:
 @pytest.fixture
 def burst_pool():
     """Issue 15's pods: 2 requests at a time, 25 ms per engine step (40 tokens ~ 1 s)."""
-    sims = [Sim(f"burst-{i}", extra=["--max-batch", "2", "--delay-per-token-ms", "25"]) for i in range(2)]
+    sims = [Sim(f"burst-{i}", extra=["--max-batch", str(BATCH), "--delay-per-token-ms", "25"]) for i in range(2)]
     try:
         envoy = start_pool(sims)
         try:
@@ -108,25 +143,40 @@ def burst_pool():
 
 def test_premium_overtakes_a_standard_burst_and_free_is_shed(burst_pool):
     envoy, sims = burst_pool
+    for s in sims:
+        s.reset_stats()
+    # Whatever reaches a pod waits there until released: the burst cannot drain before the
+    # premium requests come, however slow the machine.
+    for s in sims:
+        s.hold()
     with cf.ThreadPoolExecutor(20) as pool:
-        standard = [pool.submit(post, envoy, "standard", f"standard {i}", 40) for i in range(12)]
-        time.sleep(0.6)
-        premium = [pool.submit(post, envoy, "premium", f"premium {i}", 40) for i in range(3)]
-        free = pool.submit(post, envoy, "free", "free", 40)
+        try:
+            standard = [pool.submit(post, envoy, "standard", f"standard {i}", 40) for i in range(12)]
+            parked_full(envoy, sims, "standard", 12)
+            sent = at_pods(sims, "standard")
+            premium = [pool.submit(post, envoy, "premium", f"premium {i}", 40) for i in range(3)]
+            wait_until(lambda: waiting(envoy, 15) == 3, 30, "the premium requests held")
+            # The free request (sheddable, -5) arrives while every pod is full, and is answered
+            # while nothing can change (the pods parked).
+            fr = post(envoy, "free", "free", 40)
+            assert at_pods(sims, "premium") == 0 and not any(f.done() for f in standard + premium)
+        finally:
+            for s in sims:
+                s.release()
         std = [f.result() for f in standard]
         prem = [f.result() for f in premium]
-        fr = free.result()
 
     for _, tag, r, _ in std + prem:
         assert r.status_code == 200, (tag, r.status_code, r.text)
-    # The free request (sheddable, -5) arrives while every pod is full: 429 at once.
+    # The free request (sheddable, -5) while every pod is full: 429.
     _, _, r, _ = fr
     assert r.status_code == 429, r.text
     assert r.json()["error"]["code"] == "request_shed"
     assert "retry-after" in r.headers
 
     std_ends = sorted(end for *_, end in std)
-    print("premium requests finished ahead of", sorted(sum(1 for e in std_ends if e > end) for *_, end in prem),
+    print(f"{sent} standard requests reached the pods before the premium ones came; premium requests "
+          "finished ahead of", sorted(sum(1 for e in std_ends if e > end) for *_, end in prem),
           "of the 12 standard requests")
     for _, tag, r, end in prem:
         overtaken = sum(1 for e in std_ends if e > end)
@@ -135,7 +185,7 @@ def test_premium_overtakes_a_standard_burst_and_free_is_shed(burst_pool):
             f"(queue-ms {r.headers.get('x-inference-picker-queue-ms')})"
         )
     # The burst was held in the proxy, not in the engines: standard requests were held.
-    wait_until(lambda: flow(envoy, 0, "held") > 0, 5, "flow metrics flushed")
+    wait_until(lambda: flow(envoy, 0, "held") > 0, 30, "flow metrics flushed")
     assert flow(envoy, 0, "held") >= 4
 
 
@@ -165,17 +215,23 @@ def test_held_requests_drain_at_the_rate_the_pods_free_up(drain_pool):
     base_finished = finished(sims)
     base_scrapes = sims[0].stats()["metrics_scrapes_total"]
     samples = []  # (requests finished, held requests released, scrapes of pod 0)
+
+    def sample():
+        samples.append((
+            finished(sims) - base_finished,
+            flow(envoy, 0, "released"),
+            sims[0].stats()["metrics_scrapes_total"] - base_scrapes,
+        ))
     with cf.ThreadPoolExecutor(n) as pool:
         futs = [pool.submit(post, envoy, "standard", f"drain {i}", 40) for i in range(n)]
-        deadline = time.monotonic() + 60
+        # Sampled while the burst drains (bounded); the window below is delimited by counts of
+        # finished requests, not by time.
+        deadline = time.monotonic() + 120
         while time.monotonic() < deadline and not all(f.done() for f in futs):
-            samples.append((
-                finished(sims) - base_finished,
-                flow(envoy, 0, "released"),
-                sims[0].stats()["metrics_scrapes_total"] - base_scrapes,
-            ))
+            sample()
             time.sleep(0.05)
         results = [f.result() for f in futs]
+        sample()
     for _, tag, r, _ in results:
         assert r.status_code == 200, (tag, r.status_code, r.text)
 

@@ -15,7 +15,12 @@ connections one at a time and reads which worker's listener counter
 (`listener.<addr>.worker_N.downstream_cx_total`) went up, then sends each tenant's requests on
 connections of its own worker (HTTP/1.1 keep-alive keeps a connection on its worker).
 
-Every wait is bounded; assertions are on orders and counts, never on durations.
+The order of arrival is made certain: the pods park what reaches them (`Sim.hold`, shown on
+their /metrics as their engines would schedule it) until every heavy request is accounted for
+(parked at a pod or held in the proxy) and the pods are full, then the light requests are sent
+and held, and only then do the pods run (`Sim.release`). Every wait is bounded and on an event
+(the filter's gauges and counters, the simulators' parked and arrived requests); assertions are
+on orders and counts, never on durations.
 """
 import concurrent.futures as cf
 import http.client
@@ -27,7 +32,7 @@ import pytest
 import requests
 
 from harness import LLAMA, Envoy, Sim, wait_until
-from test_bursts import busy, flow, inflight, tiers_config
+from test_bursts import BATCH, at_pods, flow, parked_full, tiers_config, wait_idle, waiting
 
 HEAVY, LIGHT = 24, 4
 
@@ -46,14 +51,8 @@ def connections_by_worker(envoy: Envoy, want: int, attempts: int = 120) -> dict[
             before = worker_totals(envoy)
             conn = http.client.HTTPConnection("127.0.0.1", envoy.port, timeout=60)
             conn.connect()
-            deadline = time.monotonic() + 5
-            grew = []
-            while time.monotonic() < deadline:
-                after = worker_totals(envoy)
-                grew = [w for w in after if after[w] > before.get(w, 0)]
-                if grew:
-                    break
-                time.sleep(0.02)
+            grew = wait_until(lambda: [w for w, n in worker_totals(envoy).items() if n > before.get(w, 0)],
+                              30, "the new connection counted on a worker", interval=0.02)
             assert len(grew) == 1, f"cannot tell the worker of a connection: {grew}"
             lst = out.setdefault(grew[0], [])
             (lst if len(lst) < want else spare).append(conn)
@@ -81,17 +80,14 @@ def post_on(conn: http.client.HTTPConnection, tenant: str, tag: str):
 def two_worker_pool():
     """Issue 15's pods (2 requests at a time, 40 tokens ~ 1 s) behind the tier example, with the
     fairness header trusted (the test client sets it, as it sets the tier)."""
-    sims = [Sim(f"fair-{i}", extra=["--max-batch", "2", "--delay-per-token-ms", "25"]) for i in range(2)]
+    sims = [Sim(f"fair-{i}", extra=["--max-batch", str(BATCH), "--delay-per-token-ms", "25"]) for i in range(2)]
     try:
         cfg = tiers_config(sims)
         cfg["priority"]["trust_fairness_header"] = True
         envoy = Envoy(cfg, concurrency=2)
         try:
             envoy.wait_routable()
-            for s in sims:
-                wait_until(lambda s=s: inflight(envoy, s) == 0, 10, "warm-up request finished")
-            wait_until(lambda: all(busy(s) == 0 for s in sims), 10, "idle engines")
-            time.sleep(0.5)
+            wait_idle(envoy, sims)
             yield envoy, sims
         finally:
             envoy.stop()
@@ -101,15 +97,29 @@ def two_worker_pool():
 
 
 def test_a_heavy_tenant_on_one_worker_cannot_starve_a_light_one_on_the_other(two_worker_pool):
-    envoy, _ = two_worker_pool
+    envoy, sims = two_worker_pool
     conns = connections_by_worker(envoy, HEAVY)
     (wa, heavy_conns), (wb, light_conns) = sorted(conns.items())
     light_conns = light_conns[:LIGHT]
+    for s in sims:
+        s.reset_stats()
+    # Whatever reaches a pod waits there until released: the heavy tenant's burst cannot drain
+    # before the light tenant's requests come, however slow the machine.
+    for s in sims:
+        s.hold()
     try:
         with cf.ThreadPoolExecutor(HEAVY + LIGHT) as pool:
-            heavy = [pool.submit(post_on, c, "heavy", f"heavy {i}") for i, c in enumerate(heavy_conns)]
-            time.sleep(0.6)
-            light = [pool.submit(post_on, c, "light", f"light {i}") for i, c in enumerate(light_conns)]
+            try:
+                heavy = [pool.submit(post_on, c, "heavy", f"heavy {i}") for i, c in enumerate(heavy_conns)]
+                parked_full(envoy, sims, "heavy", HEAVY)
+                light = [pool.submit(post_on, c, "light", f"light {i}") for i, c in enumerate(light_conns)]
+                wait_until(lambda: at_pods(sims, "heavy") + at_pods(sims, "light") + waiting(envoy, 0) >= HEAVY + LIGHT,
+                           30, "every light request arrived")
+                # The light tenant queued behind the heavy one: none of its requests is at a pod.
+                assert at_pods(sims, "light") == 0, [s.arrivals() for s in sims]
+            finally:
+                for s in sims:
+                    s.release()
             hv = [f.result() for f in heavy]
             lt = [f.result() for f in light]
     finally:
@@ -126,5 +136,5 @@ def test_a_heavy_tenant_on_one_worker_cannot_starve_a_light_one_on_the_other(two
     # each of its requests finished ahead of at least a quarter of the heavy tenant's. Without
     # fairness across workers they wait for the heavy tenant to drain (ahead of at most the
     # heavy requests of the last batch, 4 on these pods).
-    wait_until(lambda: flow(envoy, 0, "held") >= HEAVY / 2, 5, "flow metrics flushed")
+    wait_until(lambda: flow(envoy, 0, "held") >= HEAVY / 2, 30, "flow metrics flushed")
     assert min(overtaken) >= HEAVY // 4, overtaken

@@ -12,8 +12,15 @@
 //! look healthy on `/metrics` while it fails, resets, hangs or cuts its streams. `reset` needs the
 //! request's TCP connection: serve the router with
 //! `into_make_service_with_connect_info::<ConnHandle>()` (the binary does).
+//!
+//! Ordering control (`POST /sim/hold`, `POST /sim/release`, [`HoldSetting`]): inference requests
+//! can be parked at arrival, before the engine sees them, and let go later, one at a time or all
+//! at once, in arrival order, so that an end-to-end test decides when a pod serves instead of
+//! guessing how long it takes. /metrics shows parked requests as the engine would schedule them
+//! (running while its batch has room, then waiting). `/sim/stats` lists the parked requests and
+//! the last arrivals (their prompt text and `x-request-id`).
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
@@ -30,7 +37,7 @@ use axum::Router;
 use futures_util::stream::{self, Stream};
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Map, Value};
-use tokio::sync::{mpsc, Notify};
+use tokio::sync::{mpsc, oneshot, Notify};
 use tokio::time::Instant;
 
 use crate::model::{Event, MetricsSnapshot, Server, ServerConfig, SimRequest, SubmitError};
@@ -134,6 +141,106 @@ pub struct FakeLoad {
     /// Added to the running gauge.
     #[serde(default)]
     pub running: u64,
+    /// The load moves at every scrape: every other /metrics answer adds one more waiting
+    /// request (`queue + 1`, `queue`, `queue + 1`, ..., starting with the first answer after the
+    /// change), so a poller never sees two equal scrapes in a row (a pod whose load keeps
+    /// changing).
+    #[serde(default)]
+    pub vary: bool,
+}
+
+/// Which inference requests are parked at arrival (POST /sim/hold), until POST /sim/release.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct HoldSetting {
+    /// New inference requests are parked.
+    pub active: bool,
+    /// Requests still to be parked before holding stops by itself; `None` = until released.
+    pub remaining: Option<u64>,
+}
+
+/// The JSON body of POST /sim/hold.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct HoldRequest {
+    #[serde(default)]
+    count: Option<u64>,
+}
+
+/// The JSON body of POST /sim/release.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ReleaseRequest {
+    #[serde(default)]
+    n: Option<u64>,
+}
+
+impl HoldSetting {
+    /// Validates a POST /sim/hold body. Errors are messages for a 400.
+    fn parse(body: &[u8]) -> Result<HoldSetting, String> {
+        if body.iter().all(u8::is_ascii_whitespace) {
+            return Ok(HoldSetting { active: true, remaining: None });
+        }
+        let r: HoldRequest = serde_json::from_slice(body).map_err(|e| format!("invalid hold JSON: {e}"))?;
+        if r.count == Some(0) {
+            return Err("count must be >= 1 (omit it to hold every request until released)".into());
+        }
+        Ok(HoldSetting { active: true, remaining: r.count })
+    }
+
+    /// Whether the request arriving now is parked; counts the setting down.
+    fn take(&mut self) -> bool {
+        if !self.active {
+            return false;
+        }
+        match self.remaining {
+            Some(n) if n <= 1 => *self = HoldSetting::default(),
+            Some(n) => self.remaining = Some(n - 1),
+            None => {}
+        }
+        true
+    }
+}
+
+/// One inference request as it arrived, for /sim/stats (`arrivals`, `held_requests`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Arrival {
+    /// Arrival number, from 1, never reset (not even by /sim/reset-stats).
+    pub seq: u64,
+    /// The prompt text: a chat request's last message content (text parts joined), or a
+    /// completion's string prompt; `None` when the body has neither.
+    pub content: Option<String>,
+    /// The `x-request-id` header (Envoy sets one on every request it forwards).
+    pub request_id: Option<String>,
+    /// The request was parked by /sim/hold on arrival.
+    pub held: bool,
+}
+
+/// Most arrivals kept in /sim/stats `arrivals`.
+const ARRIVALS_KEPT: usize = 256;
+
+/// A parked request: its arrival and the channel that lets it go.
+struct Parked {
+    arrival: Arrival,
+    go: oneshot::Sender<()>,
+}
+
+/// The hold setting and the requests parked now, oldest first.
+#[derive(Default)]
+struct Hold {
+    setting: HoldSetting,
+    parked: VecDeque<Parked>,
+}
+
+/// Removes a parked request whose handler was dropped (the client went away) before release.
+struct ParkGuard {
+    state: Arc<AppState>,
+    seq: u64,
+}
+
+impl Drop for ParkGuard {
+    fn drop(&mut self) {
+        lock(&self.state.hold).parked.retain(|p| p.arrival.seq != self.seq);
+    }
 }
 
 /// What the simulator does with the next inference requests (POST /sim/chaos).
@@ -291,6 +398,10 @@ struct Stats {
     remote_prefills_total: u64,
     remote_prefill_failures_total: u64,
     last_prefiller: Option<String>,
+    /// Inference requests parked by /sim/hold.
+    held_total: u64,
+    /// The last [`ARRIVALS_KEPT`] inference requests, oldest first.
+    arrivals: VecDeque<Arrival>,
 }
 
 /// The model plus the channels of the requests it is serving.
@@ -311,6 +422,11 @@ pub struct AppState {
     stats: Mutex<Stats>,
     fake: Mutex<FakeLoad>,
     chaos: Mutex<Chaos>,
+    hold: Mutex<Hold>,
+    /// Arrival numbers of inference requests ([`Arrival::seq`]).
+    next_arrival: AtomicU64,
+    /// Scrapes answered while `fake.vary` is on (its parity picks the extra waiting request).
+    vary_scrapes: AtomicU64,
     /// Served LoRA adapter names: `--lora` at start, then `POST /v1/load_lora_adapter` and
     /// `/v1/unload_lora_adapter` (vLLM's runtime LoRA API).
     loras: Mutex<Vec<String>>,
@@ -352,6 +468,9 @@ impl AppState {
             stats: Mutex::new(Stats::default()),
             fake: Mutex::new(FakeLoad::default()),
             chaos: Mutex::new(Chaos::default()),
+            hold: Mutex::new(Hold::default()),
+            next_arrival: AtomicU64::new(1),
+            vary_scrapes: AtomicU64::new(0),
             loras: Mutex::new(cfg_loras),
         }))
     }
@@ -416,6 +535,8 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/sim/fake-load", post(sim_fake_load))
         .route("/sim/reset-stats", post(sim_reset_stats))
         .route("/sim/chaos", post(sim_chaos))
+        .route("/sim/hold", post(sim_hold))
+        .route("/sim/release", post(sim_release))
         .fallback(not_found)
         .layer(axum::middleware::map_response_with_state(state.clone(), add_server_header))
         .layer(DefaultBodyLimit::max(BODY_LIMIT))
@@ -530,7 +651,17 @@ async fn unload_lora_adapter(State(st): State<Arc<AppState>>, body: Bytes) -> Re
 async fn metrics(State(st): State<Arc<AppState>>) -> Response {
     let mut snap = st.snapshot();
     let fake = *lock(&st.fake);
+    // Parked requests are shown as the engine would schedule them: running while its batch has
+    // room, then waiting (a gateway in front fills the pod as it would fill a real one).
+    let parked = lock(&st.hold).parked.len() as u64;
+    let max_batch = u64::from(lock(&st.core).server.config().max_batch);
+    let run = parked.min(max_batch.saturating_sub(snap.running + snap.waiting));
+    snap.running += run;
+    snap.waiting += parked - run;
     snap.waiting += fake.queue;
+    if fake.vary && st.vary_scrapes.fetch_add(1, Ordering::Relaxed) % 2 == 0 {
+        snap.waiting += 1;
+    }
     snap.running += fake.running;
     snap.kv_usage = (snap.kv_usage + fake.kv).min(1.0);
     lock(&st.stats).metrics_scrapes_total += 1;
@@ -563,6 +694,13 @@ async fn sim_stats(State(st): State<Arc<AppState>>) -> Response {
     body.insert("role".into(), json!(st.cfg.role));
     body.insert("fake_load".into(), json!(fake));
     body.insert("chaos".into(), json!(*lock(&st.chaos)));
+    {
+        let hold = lock(&st.hold);
+        body.insert("hold".into(), json!(hold.setting));
+        body.insert("held".into(), json!(hold.parked.len()));
+        let parked: Vec<&Arrival> = hold.parked.iter().map(|p| &p.arrival).collect();
+        body.insert("held_requests".into(), json!(parked));
+    }
     body.insert("model".into(), serde_json::to_value(&snap).unwrap_or(Value::Null));
     axum::Json(Value::Object(body)).into_response()
 }
@@ -580,7 +718,63 @@ async fn sim_fake_load(State(st): State<Arc<AppState>>, body: Bytes) -> Response
         return bad_request(format!("kv must be in [0, 1], got {}", load.kv));
     }
     *lock(&st.fake) = load;
+    st.vary_scrapes.store(0, Ordering::Relaxed);
     axum::Json(json!({ "fake_load": load })).into_response()
+}
+
+async fn sim_hold(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
+    match HoldSetting::parse(&body) {
+        Ok(setting) => {
+            let mut hold = lock(&st.hold);
+            hold.setting = setting;
+            axum::Json(json!({ "hold": setting, "held": hold.parked.len() })).into_response()
+        }
+        Err(m) => bad_request(m),
+    }
+}
+
+/// POST /sim/release: `{"n": k}` lets the k oldest parked requests go (409 when fewer are
+/// parked; the hold setting stays); an empty body or `{}` stops holding and lets every parked
+/// request go.
+async fn sim_release(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
+    let n = if body.iter().all(u8::is_ascii_whitespace) {
+        None
+    } else {
+        match serde_json::from_slice::<ReleaseRequest>(&body) {
+            Ok(ReleaseRequest { n: Some(0) }) => {
+                return bad_request("n must be >= 1 (omit it to release every request)")
+            }
+            Ok(r) => r.n,
+            Err(e) => return bad_request(format!("invalid release JSON: {e}")),
+        }
+    };
+    let mut hold = lock(&st.hold);
+    let parked = hold.parked.len() as u64;
+    let k = match n {
+        Some(k) if k > parked => {
+            return error_response(
+                StatusCode::CONFLICT,
+                "ConflictError",
+                format!("cannot release {k}: {parked} request(s) held"),
+            );
+        }
+        Some(k) => k,
+        None => {
+            hold.setting = HoldSetting::default();
+            parked
+        }
+    };
+    let mut released = Vec::new();
+    for _ in 0..k {
+        if let Some(p) = hold.parked.pop_front() {
+            // A handler that is gone (its client left) removes its own entry; a send that fails
+            // here only means it is being dropped right now.
+            let _ = p.go.send(());
+            released.push(p.arrival);
+        }
+    }
+    axum::Json(json!({ "released": released, "held": hold.parked.len(), "hold": hold.setting }))
+        .into_response()
 }
 
 async fn sim_chaos(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
@@ -716,6 +910,28 @@ fn parse_request(st: &AppState, api: Api, v: &Value) -> Result<Parsed, String> {
     Ok(Parsed { model, prompt_tokens, hashes, max_tokens, stream, include_usage })
 }
 
+/// The prompt text an arrival is recorded with (`Arrival::content`): a chat request's last
+/// message content (its text parts joined), or a completion's string prompt.
+fn request_content(api: Api, v: &Value) -> Option<String> {
+    match api {
+        Api::Chat => {
+            let content = v.get("messages")?.as_array()?.last()?.get("content")?;
+            match content {
+                Value::String(s) => Some(s.clone()),
+                Value::Array(parts) => {
+                    Some(parts.iter().filter_map(|p| p.get("text").and_then(Value::as_str)).collect())
+                }
+                _ => None,
+            }
+        }
+        Api::Completion => match v.get("prompt")? {
+            Value::String(s) => Some(s.clone()),
+            Value::Array(items) if items.len() == 1 => items.first()?.as_str().map(str::to_string),
+            _ => None,
+        },
+    }
+}
+
 /// The text a chat template would produce, roughly: "role: content" per message.
 fn chat_prompt_text(messages: Option<&Value>) -> Result<String, String> {
     let Some(Value::Array(msgs)) = messages else {
@@ -777,15 +993,41 @@ async fn inference(
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
-    let chaos = lock(&st.chaos).take();
-    {
+    let parsed_body = serde_json::from_slice::<Value>(&body);
+    let content = parsed_body.as_ref().ok().and_then(|v| request_content(api, v));
+    let request_id = headers.get("x-request-id").and_then(|v| v.to_str().ok()).map(str::to_string);
+    // Under the hold lock, so that arrival numbers, `arrivals` and the parked queue all have one
+    // order. (No code takes these two locks the other way round.)
+    let (seq, parked) = {
+        let mut hold = lock(&st.hold);
+        let seq = st.next_arrival.fetch_add(1, Ordering::Relaxed);
+        let held = hold.setting.take();
+        let arrival = Arrival { seq, content, request_id, held };
         let mut s = lock(&st.stats);
         s.requests_total += 1;
         s.last_request_headers = headers_map(&headers);
         s.last_request_model = None;
-        if chaos != ChaosMode::Ok {
-            s.chaos_total += 1;
+        if s.arrivals.len() >= ARRIVALS_KEPT {
+            s.arrivals.pop_front();
         }
+        s.arrivals.push_back(arrival.clone());
+        let parked = held.then(|| {
+            s.held_total += 1;
+            let (go, wait) = oneshot::channel();
+            hold.parked.push_back(Parked { arrival, go });
+            wait
+        });
+        (seq, parked)
+    };
+    if let Some(wait) = parked {
+        let _guard = ParkGuard { state: st.clone(), seq };
+        // Err only when the sender was dropped without a release, which does not happen while
+        // the entry is parked; either way the request goes on.
+        let _ = wait.await;
+    }
+    let chaos = lock(&st.chaos).take();
+    if chaos != ChaosMode::Ok {
+        lock(&st.stats).chaos_total += 1;
     }
     let mut cut_after = None;
     match chaos {
@@ -804,7 +1046,7 @@ async fn inference(
         ChaosMode::Hang => return std::future::pending::<Response>().await,
         ChaosMode::StreamCut { after_chunks } => cut_after = Some(after_chunks),
     }
-    let value: Value = match serde_json::from_slice(&body) {
+    let value: Value = match parsed_body {
         Ok(v) => v,
         Err(e) => return bad_request(format!("invalid JSON body: {e}")),
     };

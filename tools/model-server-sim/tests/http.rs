@@ -13,6 +13,10 @@ use serde_json::{json, Value};
 use tower::ServiceExt;
 
 fn app(engine: Engine) -> Router {
+    app_with_batch(engine, ServerConfig::default().max_batch)
+}
+
+fn app_with_batch(engine: Engine, max_batch: u32) -> Router {
     let shell = ShellConfig {
         name: "sim-test".into(),
         models: vec!["base".into(), "alias".into()],
@@ -27,6 +31,7 @@ fn app(engine: Engine) -> Router {
         cost: StepCost::fixed(1.0),
         speed: 1000.0,
         num_gpu_blocks: 1000,
+        max_batch,
         ..Default::default()
     };
     let state: Arc<AppState> = AppState::new(shell, cfg).unwrap();
@@ -483,4 +488,178 @@ async fn a_decode_pod_prefills_remotely_and_decodes_with_the_prompt_cached() {
     // A prefill pod ignores the header.
     let (status, by, _) = post_with(&prefill, &body, &[(http::PREFILLER_HEADER, &closed)]).await;
     assert_eq!((status, by), (StatusCode::OK, None));
+}
+
+/// Polls /sim/stats until `pred` holds (bounded: a failure, not a hang, if it never does).
+async fn wait_stats(app: &Router, what: &str, pred: impl Fn(&Value) -> bool) -> Value {
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        let v = parse(&call(app, "GET", "/sim/stats", "").await.2);
+        if pred(&v) {
+            return v;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "timed out waiting for {what}: {v}");
+        tokio::time::sleep(std::time::Duration::from_millis(2)).await;
+    }
+}
+
+fn contents(list: &Value) -> Vec<String> {
+    list.as_array().unwrap().iter().map(|a| a["content"].as_str().unwrap_or("").to_string()).collect()
+}
+
+fn chat_body(content: &str) -> String {
+    json!({"model": "base", "messages": [{"role": "user", "content": content}]}).to_string()
+}
+
+#[tokio::test]
+async fn hold_parks_requests_until_released_one_by_one_in_arrival_order() {
+    let app = app_with_batch(Engine::Vllm, 2);
+    let (status, _, text) = call(&app, "POST", "/sim/hold", "").await;
+    assert_eq!(status, StatusCode::OK, "{text}");
+    assert_eq!(parse(&text)["hold"], json!({"active": true, "remaining": null}));
+    let mut tasks = Vec::new();
+    for (i, word) in ["one", "two", "three"].into_iter().enumerate() {
+        let (a, body) = (app.clone(), chat_body(word));
+        tasks.push(tokio::spawn(async move { call(&a, "POST", "/v1/chat/completions", &body).await }));
+        // Each one parked before the next is sent: the arrival order is certain.
+        wait_stats(&app, "parked", |v| v["held"] == i + 1).await;
+    }
+    let stats = parse(&call(&app, "GET", "/sim/stats", "").await.2);
+    assert_eq!(contents(&stats["held_requests"]), ["one", "two", "three"]);
+    assert_eq!((stats["requests_total"].as_u64(), stats["held_total"].as_u64()), (Some(3), Some(3)));
+    assert_eq!(stats["model"]["requests_submitted"], 0, "a parked request has not reached the engine");
+    // /metrics shows them as the engine would schedule them: running while the batch has room
+    // (max_batch 2 here), then waiting.
+    let (_, _, m) = call(&app, "GET", "/metrics", "").await;
+    assert!(m.contains("vllm:num_requests_running{engine=\"0\",model_name=\"base\"} 2.0\n"), "{m}");
+    assert!(m.contains("vllm:num_requests_waiting{engine=\"0\",model_name=\"base\"} 1.0\n"), "{m}");
+
+    let (status, _, text) = call(&app, "POST", "/sim/release", r#"{"n": 1}"#).await;
+    assert_eq!(status, StatusCode::OK, "{text}");
+    let released = parse(&text);
+    assert_eq!(contents(&released["released"]), ["one"]);
+    assert_eq!(released["held"], 2);
+    let (status, _, text) = tasks.remove(0).await.unwrap();
+    assert_eq!(status, StatusCode::OK, "{text}");
+    // The others are still parked: nothing but a release lets them go.
+    assert!(tasks.iter().all(|t| !t.is_finished()));
+    let stats = parse(&call(&app, "GET", "/sim/stats", "").await.2);
+    assert_eq!(contents(&stats["held_requests"]), ["two", "three"]);
+    assert_eq!(stats["hold"]["active"], true, "releasing some keeps holding new arrivals");
+
+    // An empty release lets every parked request go and stops holding.
+    let released = parse(&call(&app, "POST", "/sim/release", "").await.2);
+    assert_eq!(contents(&released["released"]), ["two", "three"]);
+    for t in tasks {
+        assert_eq!(t.await.unwrap().0, StatusCode::OK);
+    }
+    let (status, _, _) = call(&app, "POST", "/v1/chat/completions", &chat_body("four")).await;
+    assert_eq!(status, StatusCode::OK, "not held any more");
+    let stats = parse(&call(&app, "GET", "/sim/stats", "").await.2);
+    assert_eq!(stats["held"], 0);
+    assert_eq!(stats["hold"], json!({"active": false, "remaining": null}));
+    assert_eq!(contents(&stats["arrivals"]), ["one", "two", "three", "four"]);
+    let held: Vec<bool> = stats["arrivals"].as_array().unwrap().iter().map(|a| a["held"] == true).collect();
+    assert_eq!(held, [true, true, true, false]);
+    assert_eq!(stats["model"]["requests_finished"], 4);
+}
+
+#[tokio::test]
+async fn hold_with_a_count_parks_only_the_next_n_requests() {
+    let app = app(Engine::Vllm);
+    call(&app, "POST", "/sim/hold", r#"{"count": 1}"#).await;
+    let a = app.clone();
+    let parked = tokio::spawn(async move {
+        call(&a, "POST", "/v1/completions", r#"{"model": "base", "prompt": "first"}"#).await
+    });
+    let stats = wait_stats(&app, "first parked", |v| v["held"] == 1).await;
+    assert_eq!(stats["hold"], json!({"active": false, "remaining": null}), "the count is spent");
+    // The next request is served while the first is still parked.
+    let (status, _, _) =
+        call(&app, "POST", "/v1/completions", r#"{"model": "base", "prompt": "second"}"#).await;
+    assert_eq!(status, StatusCode::OK);
+    assert!(!parked.is_finished());
+    let stats = parse(&call(&app, "GET", "/sim/stats", "").await.2);
+    assert_eq!(contents(&stats["arrivals"]), ["first", "second"]);
+    assert_eq!(contents(&stats["held_requests"]), ["first"]);
+    call(&app, "POST", "/sim/release", "").await;
+    assert_eq!(parked.await.unwrap().0, StatusCode::OK);
+}
+
+#[tokio::test]
+async fn a_client_that_leaves_while_held_leaves_the_queue() {
+    let app = app(Engine::Vllm);
+    call(&app, "POST", "/sim/hold", "").await;
+    let mut tasks = Vec::new();
+    for (i, word) in ["leaver", "stayer"].into_iter().enumerate() {
+        let (a, body) = (app.clone(), chat_body(word));
+        tasks.push(tokio::spawn(async move { call(&a, "POST", "/v1/chat/completions", &body).await }));
+        wait_stats(&app, "parked", |v| v["held"] == i + 1).await;
+    }
+    let stayer = tasks.pop().unwrap();
+    tasks.pop().unwrap().abort();
+    let stats = wait_stats(&app, "the leaver gone", |v| v["held"] == 1).await;
+    assert_eq!(contents(&stats["held_requests"]), ["stayer"]);
+    // Releasing one now lets the stayer go, not the request that left.
+    let released = parse(&call(&app, "POST", "/sim/release", r#"{"n": 1}"#).await.2);
+    assert_eq!(contents(&released["released"]), ["stayer"]);
+    assert_eq!(stayer.await.unwrap().0, StatusCode::OK);
+    call(&app, "POST", "/sim/release", "").await;
+}
+
+#[tokio::test]
+async fn hold_and_release_reject_bad_bodies() {
+    let app = app(Engine::Vllm);
+    for bad in [r#"{"count": 0}"#, r#"{"cnt": 1}"#, "nope"] {
+        let (status, _, text) = call(&app, "POST", "/sim/hold", bad).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{bad}: {text}");
+    }
+    for bad in [r#"{"n": 0}"#, r#"{"count": 1}"#] {
+        let (status, _, text) = call(&app, "POST", "/sim/release", bad).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{bad}: {text}");
+    }
+    // Releasing more than is parked is refused (a test that lost count), and releases nothing.
+    call(&app, "POST", "/sim/hold", "").await;
+    let a = app.clone();
+    let parked = tokio::spawn(async move { call(&a, "POST", "/v1/chat/completions", &chat_body("x")).await });
+    wait_stats(&app, "parked", |v| v["held"] == 1).await;
+    let (status, _, text) = call(&app, "POST", "/sim/release", r#"{"n": 2}"#).await;
+    assert_eq!(status, StatusCode::CONFLICT, "{text}");
+    assert_eq!(parse(&call(&app, "GET", "/sim/stats", "").await.2)["held"], 1);
+    assert!(!parked.is_finished());
+    // An empty release with nothing parked is fine.
+    call(&app, "POST", "/sim/release", "").await;
+    assert_eq!(parked.await.unwrap().0, StatusCode::OK);
+    assert_eq!(call(&app, "POST", "/sim/release", "").await.0, StatusCode::OK);
+}
+
+#[tokio::test]
+async fn a_held_request_meets_chaos_when_released() {
+    let app = app(Engine::Vllm);
+    call(&app, "POST", "/sim/hold", r#"{"count": 1}"#).await;
+    let a = app.clone();
+    let parked = tokio::spawn(async move { call(&a, "POST", "/v1/chat/completions", &chat_body("x")).await });
+    wait_stats(&app, "parked", |v| v["held"] == 1).await;
+    call(&app, "POST", "/sim/chaos", r#"{"mode": "status", "status": 503, "count": 1}"#).await;
+    call(&app, "POST", "/sim/release", "").await;
+    assert_eq!(parked.await.unwrap().0, StatusCode::SERVICE_UNAVAILABLE);
+    let stats = parse(&call(&app, "GET", "/sim/stats", "").await.2);
+    assert_eq!((stats["requests_total"].as_u64(), stats["chaos_total"].as_u64()), (Some(1), Some(1)));
+}
+
+#[tokio::test]
+async fn fake_load_vary_moves_the_queue_at_every_scrape() {
+    let app = app(Engine::Vllm);
+    let (status, _, text) = call(&app, "POST", "/sim/fake-load", r#"{"queue": 2, "vary": true}"#).await;
+    assert_eq!(status, StatusCode::OK, "{text}");
+    let mut seen = Vec::new();
+    for _ in 0..4 {
+        let (_, _, m) = call(&app, "GET", "/metrics", "").await;
+        let line = m.lines().find(|l| l.starts_with("vllm:num_requests_waiting{")).unwrap().to_string();
+        seen.push(line.rsplit(' ').next().unwrap().to_string());
+    }
+    assert_eq!(seen, ["3.0", "2.0", "3.0", "2.0"]);
+    call(&app, "POST", "/sim/fake-load", "{}").await;
+    let (_, _, m) = call(&app, "GET", "/metrics", "").await;
+    assert!(m.contains("vllm:num_requests_waiting{engine=\"0\",model_name=\"base\"} 0.0\n"));
 }
