@@ -251,16 +251,15 @@ def test_a_flood_of_sender_ids_cannot_hide_the_workers_counts():
         assert _counted(envoy, "applied") == 1
         assert _counted(envoy, "refused_full") == 999
         # Two requests held at the pod, on two connections, so on the two workers.
-        sim.chaos("hang", count=2)
+        sim.hold()
         with cf.ThreadPoolExecutor(2) as pool:
             held = [pool.submit(envoy.chat, content=f"held {i}", timeout=60) for i in range(2)]
-            wait_until(lambda: sim.stats()["requests_total"] >= 2, 15, "both requests at the pod")
+            sim.wait_held(2)
             wait_until(lambda: _inflight(envoy, sim) == 2, 15,
                        "the workers to count each other's request despite the flood")
-            sim.chaos("ok")
-            sim.crash()  # ends the held requests
+            sim.release()
             for h in held:
-                h.result(timeout=30)
+                assert h.result(timeout=30).status_code == 200
     finally:
         stop_each(envoy, sim)
 
