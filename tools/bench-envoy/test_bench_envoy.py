@@ -155,15 +155,14 @@ def test_poll_floor_front_scrapes_the_pods_through_the_shipped_metrics_cluster(w
 
 def test_quick_run_writes_the_report_and_the_lines(tmp_path):
     """BENCH_QUICK smoke run against real Envoys and wrk. Needs what `make bench-envoy-check`
-    builds; fails without it, so a missing piece is seen. Skipped (visibly) only without wrk,
-    which the Makefile installs when it runs as root."""
+    builds and installs (wrk: `make wrk`, which installs it as root or says what to run); fails
+    without it, so a missing piece is seen, never skipped."""
     envoy = Path(os.environ.get("PICKER_ENVOY", REPO / ".venv/bin/envoy"))
     wasm = REPO / "target/wasm32-wasip1/release/inference_picker.wasm"
     passthrough = REPO / "target/wasm32-wasip1/release/passthrough_wasm.wasm"
     for p in (envoy, wasm, passthrough):
         assert p.is_file(), f"{p} missing: run `make bench-envoy-check`"
-    if not shutil.which("wrk"):
-        pytest.skip("wrk missing: `sudo apt-get install wrk` (make wrk installs it as root)")
+    assert shutil.which("wrk"), "wrk missing: run `make wrk` as root, or `sudo apt-get install wrk`"
     out = subprocess.run(
         [sys.executable, str(Path(be.__file__)), "--envoy", str(envoy), "--wasm", str(wasm),
          "--passthrough", str(passthrough), "--out", str(tmp_path)],
