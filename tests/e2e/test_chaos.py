@@ -41,13 +41,16 @@ def by_name(sims):
 
 def test_pod_killed_under_concurrent_burst_costs_no_request():
     """SIGKILL one of three pods while 240 requests (24 at a time) are in flight: requests on the
-    dead pod (in flight, or picked before the next poll noticed) are retried on a fallback."""
+    dead pod (in flight, or picked before the next poll noticed) are retried on a fallback. The
+    first request the doomed pod receives stays parked there (hold), so that at least one is
+    certainly in flight on it when it dies."""
     sims = [Sim(f"burst-{i}", extra=["--delay-per-token-ms", "10"]) for i in range(3)]
     envoy = Envoy(picker_config([endpoint(s) for s in sims], filter={"expose_served_endpoint": True}), concurrency=2)
     total, killed_after = 240, 60
     done = []
     lock = threading.Lock()
     killed = threading.Event()
+    parked_at_kill = []
 
     def one(i):
         try:
@@ -58,6 +61,7 @@ def test_pod_killed_under_concurrent_burst_costs_no_request():
         with lock:
             done.append(result)
             if len(done) == killed_after and not killed.is_set():
+                parked_at_kill.append(sims[0].held())
                 sims[0].crash()
                 killed.set()
         return result
@@ -66,6 +70,7 @@ def test_pod_killed_under_concurrent_burst_costs_no_request():
         envoy.wait_routable()
         for s in sims:
             s.reset_stats()
+        sims[0].hold(count=1)
         with cf.ThreadPoolExecutor(24) as pool:
             results = list(pool.map(one, range(total)))
         assert killed.is_set()
@@ -73,6 +78,7 @@ def test_pod_killed_under_concurrent_burst_costs_no_request():
         retries = envoy.metric("envoy_cluster_upstream_rq_retry", envoy_cluster_name="inference_pool")
         after_kill = [r for r in results[killed_after:] if r[0] == 200]
         print(f"\nkilled pod under burst: {len(failed)} of {total} failed, {retries:.0f} retries")
+        assert parked_at_kill == [1], f"no request in flight on the pod when it died: {parked_at_kill}"
         assert failed == [], failed[:5]
         # The test exercised the fallback path: the dead pod was picked and retried away.
         assert retries > 0
@@ -252,7 +258,7 @@ def test_a_started_stream_is_never_retried():
         envoy.wait_routable()
         # Make the other pod look busy so the cutting pod is the primary.
         other.fake_load(queue=50, kv=0.9, running=50)
-        wait_until(lambda: chat(envoy, "probe").json()["served_by"] == cutter.name, 5, "the cutter to be picked")
+        wait_until(lambda: chat(envoy, "probe").json()["served_by"] == cutter.name, 30, "the cutter to be picked")
         cutter.chaos("stream_cut", after_chunks=2)
         before = other.requests_total()
         body = {"model": LLAMA, "messages": [{"role": "user", "content": "s"}], "max_tokens": 8, "stream": True}

@@ -31,16 +31,20 @@ SECRET_ENV = "PICKER_E2E_SESSION_SECRET"
 
 def raw_http1(port: int, request: bytes, timeout: float = 30) -> tuple[int, dict, bytes]:
     """Sends one raw HTTP/1.1 request (it must say `connection: close`) and reads the whole
-    response: (status, lower-cased headers, body). Bounded by `timeout`."""
+    response, until Envoy closes the connection: (status, lower-cased headers, body). Bounded by
+    `timeout` (a wait for that event, not a speed requirement)."""
     deadline = time.time() + timeout
+    closed = False
     with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
         s.sendall(request)
         data = b""
         while time.time() < deadline:
             chunk = s.recv(65536)
             if not chunk:
+                closed = True
                 break
             data += chunk
+    assert closed, f"the HTTP/1.1 response did not end within {timeout} s: {data[:200]!r}"
     head, _, body = data.partition(b"\r\n\r\n")
     lines = head.decode("latin-1").split("\r\n")
     if not lines or not lines[0].startswith("HTTP/1.1 "):
@@ -61,7 +65,8 @@ def chat_request(extra_header: bytes, body: dict = BODY) -> bytes:
 
 def h2_post_with_trailers(port: int, path: str, body: bytes, timeout: float = 30) -> tuple[int, dict, bytes]:
     """An HTTP/2 (h2c, prior knowledge) POST whose stream ends with trailers, not with the last
-    DATA frame: (status, headers, body). Bounded by `timeout`."""
+    DATA frame: (status, headers, body). Bounded by `timeout` (a wait for the stream's end, not a
+    speed requirement)."""
     deadline = time.time() + timeout
     conn = h2.connection.H2Connection(config=h2.config.H2Configuration(client_side=True, header_encoding="utf-8"))
     status, headers, data, ended = 0, {}, b"", False

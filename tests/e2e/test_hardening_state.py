@@ -3,7 +3,6 @@ that never outlive their VM, bounded memory with large bodies, and loud run-time
 misconfiguration. Every wait is bounded; every process started is stopped."""
 import concurrent.futures as cf
 import re
-import time
 
 import requests
 
@@ -57,10 +56,13 @@ def test_inflight_counts_return_to_zero_after_a_vm_reload_mid_request():
     pool = cf.ThreadPoolExecutor(max_workers=2)
     try:
         envoy.wait_routable()
-        wait_until(lambda: inflight(envoy, sim) == 0, 10, "warm-up request finished")
-        # A long request: 200 tokens at 50 ms, about 10 s, far beyond the drain.
+        wait_until(lambda: inflight(envoy, sim) == 0, 30, "warm-up request finished")
+        # A long request, parked at the pod (hold) until its connection is closed: it outlives
+        # the drain whatever the machine's speed.
+        sim.hold(count=1)
         long_req = pool.submit(post, envoy.url, LLAMA, "long", 200)
-        wait_until(lambda: inflight(envoy, sim) == 1, 10, "the long request in flight")
+        sim.wait_held(1)
+        wait_until(lambda: inflight(envoy, sim) == 1, 30, "the long request in flight")
         updates = envoy.lds_updates()
 
         def new_vm(listener):
@@ -69,14 +71,14 @@ def test_inflight_counts_return_to_zero_after_a_vm_reload_mid_request():
             # Any change of vm_config makes a new VM; vm_id stays, so shared data is the same.
             vm["environment_variables"] = {"key_values": {"PICKER_TEST_RELOAD": "1"}}
         envoy.replace_listener(new_vm)
-        wait_until(lambda: envoy.lds_updates() > updates, 10, "the new listener")
+        wait_until(lambda: envoy.lds_updates() > updates, 30, "the new listener")
         # The old listener drains (1 s) and its connection, with the long request, is closed.
         assert long_req.result(timeout=30) in (0, 503), "the long request outlived its listener"
 
         def count_seen_by_new_vm():
             assert post(envoy.url, LLAMA, "probe", 1) == 200
             return inflight(envoy, sim) == 0
-        wait_until(count_seen_by_new_vm, 15, "the new VM to see the endpoint's count at 0", interval=0.5)
+        wait_until(count_seen_by_new_vm, 30, "the new VM to see the endpoint's count at 0", interval=0.5)
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
         envoy.stop()
@@ -110,16 +112,28 @@ def test_rss_stays_bounded_across_rounds_of_large_held_bodies():
     big = "x" * BIG
 
     def round_of_held_bodies() -> None:
-        # 200 tokens at 50 ms: the blockers hold both slots for about 10 s, long enough for every
-        # large request to arrive and be held (uploading them takes a few seconds here).
-        blockers = [pool.submit(post, envoy.url, LLAMA, f"blocker {i}", 200) for i in range(2)]
-        wait_until(lambda: inflight(envoy, sim) == 2, 10, "both blockers in flight")
+        # The blockers are parked at the pod (hold) and fill both slots until every large request
+        # has arrived and been held by flow control (uploading them takes a few seconds here).
+        sim.hold(count=2)
+        blockers = [pool.submit(post, envoy.url, LLAMA, f"blocker {i}", 20) for i in range(2)]
+        sim.wait_held(2)
+        wait_until(lambda: inflight(envoy, sim) == 2, 30, "both blockers in flight")
         held = [pool.submit(post, envoy.url, ALIAS, big, 1) for _ in range(HELD)]
-        wait_until(lambda: envoy.metric("inference_picker_flow_waiting", priority="0") >= HELD, 30,
+        wait_until(lambda: envoy.metric("inference_picker_flow_waiting", priority="0") >= HELD, 120,
                    "every large request held")
+        sim.release()
         statuses = [f.result(timeout=120) for f in blockers + held]
         assert statuses == [200] * (HELD + 2), statuses
-        wait_until(lambda: inflight(envoy, sim) == 0, 10, "round finished")
+        wait_until(lambda: inflight(envoy, sim) == 0, 30, "round finished")
+
+    def memory_flushed() -> None:
+        # The memory gauge is flushed on the root's tick, with flow control's counters: once a
+        # request admitted now shows in `passed`, a flush after everything before it happened.
+        passed = lambda: envoy.metric("inference_picker_flow_requests_total", priority="0",  # noqa: E731
+                                      outcome="passed")
+        before = passed()
+        assert post(envoy.url, LLAMA, "after the round", 1) == 200
+        wait_until(lambda: passed() > before, 30, "a metrics flush after the last request")
 
     try:
         envoy.wait_routable()
@@ -128,13 +142,14 @@ def test_rss_stays_bounded_across_rounds_of_large_held_bodies():
         # The module's own memory, apart from Envoy's buffers: every filter VM's linear memory
         # (a high-water mark, wasm memory never shrinks), flushed on the root's 50 ms tick.
         vm_mem = lambda: envoy.metric("inference_picker_vm_memory_bytes")  # noqa: E731
-        wait_until(vm_mem, 5, "the VM memory gauge")
+        wait_until(vm_mem, 30, "the VM memory gauge")
+        memory_flushed()
         base, m0 = rss_kib(envoy.proc.pid), vm_mem()
         round_of_held_bodies()
-        time.sleep(0.2)
+        memory_flushed()
         r1, m1 = rss_kib(envoy.proc.pid), vm_mem()
         round_of_held_bodies()
-        time.sleep(0.2)
+        memory_flushed()
         r2, m2 = rss_kib(envoy.proc.pid), vm_mem()
         print(f"VM linear memory bytes: baseline {m0:.0f}, after round 1 {m1:.0f}, after round 2 {m2:.0f}")
         # The module keeps 64 KiB per held request: a round may grow the VMs by a few transient

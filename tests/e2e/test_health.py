@@ -17,14 +17,17 @@ import time
 
 import requests
 
-from harness import LLAMA, Envoy, Sim, endpoint, picker_config, wait_until
+from harness import LLAMA, Envoy, Sim, endpoint, picker_config, static_cluster, wait_until, wait_until_shown
 
 EJECTIONS = "inference_picker_health_ejections_total"
 STARTUP = "inference_picker_startup_requests_total"
-# Requests are sent one after another with this gap ("sequential-ish"): a pod that just failed
-# counts as loaded for health.failure_load_ms (2 s), so back-to-back requests would avoid it
-# rather than try it again, and it would take longer than 60 of them to eject it.
+# Requests are sent one after another with this gap ("sequential-ish"): pacing only, so that a
+# test sends tens of requests rather than thousands while it waits (bounded) for an event. A pod
+# that just failed counts as loaded for health.failure_load_ms, so back-to-back requests would
+# avoid it rather than try it again until that time has passed. Nothing is asserted about time.
 GAP_S = 0.15
+# health.failure_load_ms, the default.
+FAILURE_LOAD_S = 2.0
 
 
 def chat(envoy, content, timeout=30):
@@ -52,24 +55,47 @@ def stop_all(envoy, sims):
 def run_black_hole(mode):
     sims = [Sim(f"hole-{i}") for i in range(3)]
     bad = sims[0]
-    # Ejections by endpoint: the endpoint tag is opt-in (bounded metric names by default).
-    envoy = Envoy(picker_config([endpoint(s) for s in sims], filter={"endpoint_metrics": True}), concurrency=2)
+    # Ejections by endpoint: the endpoint tag is opt-in (bounded metric names by default). The
+    # ejection lasts 300 s (the default is 30 s), longer than any run of this test however slow.
+    cfg = picker_config([endpoint(s) for s in sims], filter={"endpoint_metrics": True},
+                        health={"base_ejection_ms": 300_000, "max_ejection_ms": 300_000})
+    envoy = Envoy(cfg, concurrency=2)
     try:
         envoy.wait_routable()
         bad.chaos(**mode)
-        statuses, ejected_at, tries_at_ejection = [], None, None
-        for i in range(60):
-            statuses.append(chat(envoy, f"hole {i}").status_code)
-            if ejected_at is None and ejections(envoy, bad) > 0:
-                ejected_at, tries_at_ejection = i, bad.chaos_total()
-            time.sleep(GAP_S)
+        statuses = []
+
+        def one() -> None:
+            statuses.append(chat(envoy, f"hole {len(statuses)}").status_code)
+
+        # Sequential requests (paced by GAP_S) until the black hole is ejected (the metric).
+        def ejected() -> bool:
+            one()
+            return ejections(envoy, bad) > 0
+
+        wait_until_shown(ejected, 120, "the black hole ejected", lambda: (len(statuses), bad.chaos_total()),
+                         interval=GAP_S)
+        ejected_at, tries_at_ejection = len(statuses) - 1, bad.chaos_total()
+        # Then on, paced the same way, until 30 requests have been sent more than failure_load_ms
+        # after the ejection (and 60 in all): by then a failure's phantom load has worn off, so a
+        # black hole still picked (an ejection not applied) would be tried again, by one of them
+        # at least ((2/3)^30 ≈ 5e-6 that none picks it).
+        seen = time.monotonic()
+        late = []
+
+        def enough_after() -> bool:
+            one()
+            if time.monotonic() - seen > FAILURE_LOAD_S:
+                late.append(len(statuses))
+            return len(late) >= 30 and len(statuses) >= 60
+
+        wait_until(enough_after, 120, "requests after the ejection", interval=GAP_S)
         failed = sum(1 for s in statuses if s != 200)
         tries = bad.chaos_total()
-        print(f"\n{mode}: {failed} of 60 failed; black hole tried {tries} times, "
+        print(f"\n{mode}: {failed} of {len(statuses)} failed; black hole tried {tries} times, "
               f"ejected after request {ejected_at}")
         assert failed <= 3, statuses
-        assert ejected_at is not None, "never ejected"
-        # The black hole's own count stops growing once it is ejected (30 s, the default).
+        # The black hole's own count stops growing once it is ejected.
         assert tries == tries_at_ejection, (tries, tries_at_ejection)
         assert 1 <= tries <= 3
     finally:
@@ -96,24 +122,28 @@ def test_an_ejected_pod_that_heals_gets_traffic_again():
         envoy.wait_routable()
         bad.chaos("reset")
         n = 0
-        deadline = time.time() + 20
-        while ejections(envoy, bad) == 0:
-            assert time.time() < deadline, "never ejected"
+
+        # Sequential requests (paced by GAP_S) until the pod is ejected (the metric).
+        def ejected() -> bool:
+            nonlocal n
             chat(envoy, f"fail {n}")
             n += 1
-            time.sleep(GAP_S)
-        ejected = time.monotonic()
+            return ejections(envoy, bad) > 0
+
+        wait_until(ejected, 60, "the failing pod ejected", interval=GAP_S)
+        ejected_at = time.monotonic()
         bad.chaos("ok")
-        served = None
-        deadline = time.time() + 20
-        while served != bad.name:
-            assert time.time() < deadline, "the healed pod never got traffic again"
+
+        # Then until the healed pod serves a request (every request succeeding meanwhile).
+        def healed_pod_served() -> bool:
+            nonlocal n
             r = chat(envoy, f"heal {n}")
-            assert r.status_code == 200, r.text
-            served = r.json()["served_by"]
             n += 1
-            time.sleep(GAP_S)
-        print(f"\nhealed pod served again {time.monotonic() - ejected:.1f} s after its ejection "
+            assert r.status_code == 200, r.text
+            return r.json()["served_by"] == bad.name
+
+        wait_until(healed_pod_served, 60, "the healed pod to get traffic again", interval=GAP_S)
+        print(f"\nhealed pod served again {time.monotonic() - ejected_at:.1f} s after its ejection "
               f"(base_ejection_ms 1000, failure_load_ms 2000)")
         # Probation ended with that success: no re-ejection.
         assert ejections(envoy, bad) == 1
@@ -121,27 +151,88 @@ def test_an_ejected_pod_that_heals_gets_traffic_again():
         stop_all(envoy, sims)
 
 
+class GatedMetrics:
+    """The cluster the poller scrapes through (`poller.cluster`, a STATIC cluster to this
+    server), which keeps every scrape waiting until `open()`, then passes each to the pod it
+    names (`x-envoy-original-dst-host`, which the poller sets for its ORIGINAL_DST cluster): the
+    test decides when the first metrics arrive."""
+
+    CLUSTER = "gated_metrics"
+
+    def __init__(self):
+        gate = self.gate = threading.Event()
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):
+                pass
+
+            def do_GET(self):
+                if gate.wait(60):
+                    pod = self.headers["x-envoy-original-dst-host"]
+                    r = requests.get(f"http://{pod}{self.path}", timeout=10)
+                    status, body = r.status_code, r.content
+                else:
+                    status, body = 503, b"gate never opened"
+                self.send_response(status)
+                self.send_header("content-type", "text/plain; version=0.0.4")
+                self.send_header("content-length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.port = self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def cluster(self) -> dict:
+        return static_cluster(self.CLUSTER, "127.0.0.1", self.port)
+
+    def open(self):
+        self.gate.set()
+
+    def stop(self):
+        self.gate.set()
+        self.server.shutdown()
+        self.server.server_close()
+
+
 def test_startup_burst_gets_no_503():
     """100 requests, 25 at a time, sent the moment Envoy's /ready says 200 (the harness returns
-    then): before the first snapshot they are held, then routed. The poller's first round comes
-    one interval after start; 500 ms (within the default startup_wait_ms of 1000) makes sure the
-    burst arrives before it, so the test exercises the hold."""
+    then): before the first snapshot they are held, then routed. The poller's scrapes wait at a
+    gate until all 25 first requests are held (the metric), so the burst certainly comes before
+    the first metrics; startup_wait_ms is raised (the default is 1000) so that the hold outlasts
+    that wait on a slow machine, and the held requests are released by the metrics, not by
+    their expiry."""
     sims = [Sim(f"start-{i}") for i in range(3)]
+    gate = GatedMetrics()
     cfg = picker_config([endpoint(s) for s in sims],
-                        poller={"interval_ms": 500, "timeout_ms": 400, "stale_after_ms": 2000})
-    envoy = Envoy(cfg, concurrency=2)
+                        poller={"interval_ms": 500, "timeout_ms": 50_000, "stale_after_ms": 2000,
+                                "cluster": GatedMetrics.CLUSTER},
+                        health={"startup_wait_ms": 60_000})
+    envoy = Envoy(cfg, concurrency=2, extra_clusters=[gate.cluster()])
     try:
         with cf.ThreadPoolExecutor(25) as pool:
-            results = list(pool.map(lambda i: chat(envoy, f"start {i}"), range(100)))
+            futures = [pool.submit(chat, envoy, f"start {i}") for i in range(100)]
+            wait_until_shown(lambda: envoy.metric(STARTUP, outcome="held") >= 25, 60,
+                             "the burst's first 25 requests held", lambda: envoy.metric(STARTUP, outcome="held"))
+            assert envoy.metric("inference_picker_ready_endpoints") == 0, "metrics came through the gate"
+            gate.open()
+            results = [f.result() for f in futures]
         codes = [r.status_code for r in results]
         held = envoy.metric(STARTUP, outcome="held")
+        released = envoy.metric(STARTUP, outcome="released")
         print(f"\nstartup burst: {codes.count(503)} of 100 got 503, {codes.count(200)} got 200; "
               f"{held:.0f} were held for the first metrics")
         assert codes.count(503) == 0, [r.text for r in results if r.status_code == 503][:3]
         assert codes == [200] * 100, [r.text for r in results if r.status_code != 200][:3]
-        assert held > 0, "the burst came after the first metrics: the hold was not exercised"
+        # Every held request was released by the first metrics, none by its expiry.
+        assert held >= 25 and released == held, (held, released)
+        assert envoy.metric(STARTUP, outcome="expired") == 0
     finally:
         stop_all(envoy, sims)
+        gate.stop()
 
 
 class SilentMetrics:

@@ -11,18 +11,16 @@ The filter is configured with `pd.pd_threshold_tokens: 256`.
 - a short prompt, and the same long prompt sent again (its decode pod now holds it): no header;
 - a client-sent `x-prefiller-host-port` never reaches a pod;
 - a dead prefill pod is never named; with none left, the decode pod prefills itself."""
-import time
 import uuid
 
 import requests
 
-from harness import LLAMA, Envoy, Sim, picker_config
+from harness import LLAMA, Envoy, Sim, picker_config, wait_until_shown
 
 THRESHOLD = 256
 PD_DECISIONS = "inference_picker_pd_decisions_total"
 PREFILLER = "x-prefiller-host-port"
-# Stale after 1 s (harness poller settings), polled every 200 ms.
-STALE_WAIT_S = 2.5
+READY = "inference_picker_ready_endpoints"
 
 
 def role_endpoint(sim: Sim, role: str) -> dict:
@@ -61,6 +59,14 @@ def chat(envoy, content, headers=None, session=None):
 
 def by_name(sims):
     return {s.name: s for s in sims}
+
+
+def wait_ready(envoy, n):
+    """Waits (bounded) until the poller has published a snapshot in which exactly `n` endpoints
+    answered their last scrape: a pod whose scrape failed is not fresh (a failure is stale at
+    once), so from then on no pick names it. The workers read the snapshot at every pick."""
+    wait_until_shown(lambda: envoy.metric(READY) == n, 30, f"{n} endpoints ready",
+                     lambda: envoy.metric(READY))
 
 
 def test_long_prompt_is_split_short_and_cached_are_not_and_forged_headers_are_stripped():
@@ -137,8 +143,8 @@ def test_a_dead_prefill_pod_is_never_named_and_with_none_left_the_decode_pod_pre
         assert named == {dead.address, live.address}, named
 
         dead.crash()
-        # Bounded wait for the poller to find it stale (its scrapes fail).
-        time.sleep(STALE_WAIT_S)
+        # The poller's next scrape of it fails: 3 of the 4 pods ready.
+        wait_ready(envoy, 3)
         for i in range(12):
             r = chat(envoy, long_prompt(f"after{i}-{uuid.uuid4().hex[:6]}"))
             assert r.status_code == 200, r.text
@@ -147,7 +153,7 @@ def test_a_dead_prefill_pod_is_never_named_and_with_none_left_the_decode_pod_pre
             assert got["last_request_headers"].get(PREFILLER) == live.address
 
         live.crash()
-        time.sleep(STALE_WAIT_S)
+        wait_ready(envoy, 2)
         failures_before = sum(d.stats()["remote_prefill_failures_total"] for d in decode)
         for i in range(6):
             r = chat(envoy, long_prompt(f"none{i}-{uuid.uuid4().hex[:6]}"))

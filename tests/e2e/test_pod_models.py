@@ -23,6 +23,24 @@ def served_by(r) -> str:
     return r.json()["served_by"]
 
 
+def answered_by(r) -> str:
+    """The simulator that answered, errors included (its `x-sim-server` header)."""
+    return r.headers.get("x-sim-server", "")
+
+
+def learned_line(sim: Sim, bases: list[str]) -> str:
+    """The poller's info line for a pod's model list (one per change of the list)."""
+    names = ", ".join(f'"{b}"' for b in bases)
+    return f"{sim.address} serves base models [{names}]"
+
+
+def wait_learned(envoy: Envoy, sim: Sim, bases: list[str]) -> None:
+    """Waits (bounded) until the poller has logged what `sim`'s /v1/models says (Envoy flushes
+    its log file every few seconds)."""
+    line = learned_line(sim, bases)
+    wait_until(lambda: line in envoy.log_path.read_text(), 30, f"the log line {line!r}", interval=0.5)
+
+
 def model_ids(envoy: Envoy) -> list[str]:
     r = requests.get(envoy.url + "/v1/models", timeout=5)
     assert r.status_code == 200, r.text
@@ -49,7 +67,7 @@ def config(a: Sim, b: Sim, **pod_models) -> dict:
     return cfg
 
 
-def wait_model_routes(envoy: Envoy, model: str, timeout: float = 10) -> None:
+def wait_model_routes(envoy: Envoy, model: str, timeout: float = 30) -> None:
     wait_until(lambda: envoy.chat(model).status_code == 200, timeout, f"{model} routed\n{envoy.log()}",
                interval=0.2)
 
@@ -68,9 +86,10 @@ def test_unlisted_models_and_runtime_adapters_route_to_the_pods_that_serve_them(
             assert r.status_code == 200, r.text
             assert served_by(r) == "sim-b"
         # The configuration said sim-b serves Llama; sim-b says it does not: Llama goes to sim-a
-        # only (with the assumption, about half would reach sim-b and get its 404).
-        for _ in range(20):
-            r = envoy.chat(LLAMA)
+        # only (with the assumption, about half would reach sim-b and get its 404). Distinct
+        # prompts, so that prefix affinity does not keep them all on one pod anyway.
+        for i in range(20):
+            r = envoy.chat(LLAMA, content=f"llama {i}")
             assert r.status_code == 200, r.text
             assert served_by(r) == "sim-a"
         # An adapter nobody has loaded is unknown to the gateway.
@@ -95,11 +114,10 @@ def test_unlisted_models_and_runtime_adapters_route_to_the_pods_that_serve_them(
         # Unloaded: the gateway stops routing it after the next refresh.
         requests.post(a.url + "/v1/unload_lora_adapter", json={"lora_name": "runtime-lora"},
                       timeout=5).raise_for_status()
-        wait_until(lambda: envoy.chat("runtime-lora").status_code == 404, 10, "runtime-lora forgotten",
+        wait_until(lambda: envoy.chat("runtime-lora").status_code == 404, 30, "runtime-lora forgotten",
                    interval=0.2)
-        # One info line per change of a pod's list (Envoy flushes its log file every few seconds).
-        line = f"{b.address} serves base models [\"{QWEN}\"]"
-        wait_until(lambda: line in envoy.log_path.read_text(), 20, "the learned-models log line", interval=0.5)
+        # One info line per change of a pod's list.
+        wait_learned(envoy, b, [QWEN])
     finally:
         envoy.stop()
 
@@ -109,19 +127,27 @@ def test_allow_list_routes_only_configured_names_to_the_pods_that_serve_them(sim
     envoy = Envoy(config(a, b, allow_list=True))
     try:
         wait_model_routes(envoy, LLAMA)
-        # Learned: sim-b does not serve Llama. Wait until that is applied (every Llama request
-        # then reaches sim-a), then check a run of them.
-        wait_until(lambda: all(served_by(envoy.chat(LLAMA)) == "sim-a" for _ in range(6)), 10,
-                   "Llama only on sim-a", interval=0.2)
-        for _ in range(20):
-            r = envoy.chat(LLAMA)
+        # Learned (the poller logs it): sim-b serves Qwen, not Llama. Wait until that is applied
+        # (every Llama request then reaches sim-a: a run of distinct prompts, which would spread
+        # over both pods under the configuration's assumption), then check a run of them.
+        wait_learned(envoy, b, [QWEN])
+        n = 0
+
+        def llama_only_on_sim_a() -> bool:
+            nonlocal n
+            n += 10
+            return all(answered_by(envoy.chat(LLAMA, content=f"wait {n + i}")) == "sim-a" for i in range(10))
+
+        wait_until(llama_only_on_sim_a, 30, "Llama only on sim-a", interval=0.2)
+        for i in range(20):
+            r = envoy.chat(LLAMA, content=f"llama {i}")
             assert r.status_code == 200 and served_by(r) == "sim-a", r.text
-        # Qwen is served by sim-b but not in the configuration: refused, and not listed.
+        # Qwen is served by sim-b (learned above) but not in the configuration: refused, and
+        # not listed.
         for _ in range(3):
             r = envoy.chat(QWEN)
             assert r.status_code == 404, r.text
             assert r.json()["error"]["code"] == "model_not_found"
-            time.sleep(0.5)
         assert QWEN not in model_ids(envoy)
     finally:
         envoy.stop()
@@ -134,8 +160,10 @@ def test_without_pod_models_the_configuration_alone_decides(sims):
     envoy = Envoy(cfg)
     try:
         envoy.wait_routable(LLAMA)
-        # Poll-interval long enough for a learner to have read both pods, had there been one.
-        time.sleep(1.5)
+        # The poller, which would learn the pods' models had pod_models been set, has run for
+        # longer than a learner's refresh (POD_MODELS: 1000 ms): 8 scrapes of each pod at 200 ms.
+        for s in (a, b):
+            s.wait_scraped(n=8)
         r = envoy.chat(QWEN)
         assert r.status_code == 404, r.text
         assert model_ids(envoy) == [LLAMA, "sql-lora"]
@@ -154,7 +182,7 @@ def test_a_pod_without_a_model_list_keeps_the_configured_models_and_is_counted(s
     try:
         # Every fetch gets the simulator's 404: counted, and the assumption stays (Qwen unknown).
         wait_until(lambda: envoy.metric("inference_picker_model_list_failures_total", reason="status") >= 2,
-                   15, "model-list failures counted with reason=status")
+                   30, "model-list failures counted with reason=status")
         r = envoy.chat(QWEN)
         assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found", r.text
         assert model_ids(envoy) == [LLAMA, "sql-lora"]
@@ -175,14 +203,14 @@ def test_a_weighted_split_can_target_an_adapter_loaded_at_run_time():
     cfg["pod_models"] = POD_MODELS
     envoy = Envoy(cfg)
     try:
-        wait_until(lambda: envoy.chat(LLAMA).status_code == 200, 10, "the base share routed", interval=0.2)
+        wait_until(lambda: envoy.chat(LLAMA).status_code == 200, 30, "the base share routed", interval=0.2)
         # Not loaded: the canary share is refused by the gateway (the pod never sees it).
         codes = [envoy.chat(LLAMA, content=f"before {i}").status_code for i in range(30)]
         assert set(codes) == {200, 404}, codes
         assert "canary-lora" not in sim.stats()["requests_by_model"]
         requests.post(sim.url + "/v1/load_lora_adapter", json={"lora_name": "canary-lora", "lora_path": "/a"},
                       timeout=5).raise_for_status()
-        wait_until(lambda: envoy.chat("canary-lora").status_code == 200, 10, "canary learned", interval=0.2)
+        wait_until(lambda: envoy.chat("canary-lora").status_code == 200, 30, "canary learned", interval=0.2)
         sim.reset_stats()
         for i in range(40):
             r = envoy.chat(LLAMA, content=f"after {i}")
@@ -244,7 +272,7 @@ def test_discovered_pods_serve_what_they_report_not_every_configured_model(tmp_p
                 # A third pod appears: asked at once, and Qwen spreads over both Qwen pods.
                 write_pod_list(pods_file, [k8s_pod("p0", ips[0]), k8s_pod("p1", ips[1]), k8s_pod("p2", ips[2])])
                 wait_until(lambda: "k8s-qwen-2" in {served_by(envoy.chat(QWEN, content=f"n{i}")) for i in range(8)},
-                           15, "the new Qwen pod routed", interval=0.2)
+                           30, "the new Qwen pod routed", interval=0.2)
                 for i in range(20):
                     assert served_by(envoy.chat(LLAMA, content=f"m{i}")) == "k8s-llama"
             finally:

@@ -3,15 +3,15 @@
 import concurrent.futures as cf
 import copy
 import json
-import time
 from pathlib import Path
 
 import requests
 
-from harness import LLAMA, REPO, Envoy, Sim, endpoint, picker_config
+from harness import LLAMA, REPO, Envoy, Sim, endpoint, picker_config, wait_until_shown
 
-POLL_S = 0.2
 FIXTURES = REPO / "tests" / "fixtures" / "requests"
+READY = "inference_picker_ready_endpoints"
+INFLIGHT = "inference_picker_endpoint_inflight"
 
 
 def post(envoy, body, headers=None, path="/v1/chat/completions", timeout=60):
@@ -72,7 +72,10 @@ def test_session_id_sticks_then_moves_when_overloaded_or_killed():
         assert back == {home}, back
         # Killed: it moves, and every request still succeeds.
         by_name[home].kill()
-        time.sleep(3 * POLL_S)
+        # Until the poller has published its failed scrape (2 of 3 ready), a pick may still
+        # choose it (and Envoy retry elsewhere); from then on it is no candidate.
+        wait_until_shown(lambda: envoy.metric(READY) == 2, 30, "the killed pod's failed scrape published",
+                         lambda: envoy.metric(READY))
         after = {served(post(envoy, {"model": LLAMA, "max_tokens": 2, "messages": [{"role": "user", "content": f"dead {i}"}]}, hdr)) for i in range(8)}
         assert home not in after and len(after) == 1, after
     finally:
@@ -112,41 +115,45 @@ def test_session_token_round_trip_and_forged_tokens():
 def test_lora_request_prefers_the_endpoint_running_the_adapter():
     slow = ["--delay-per-token-ms", "20", "--max-lora", "1"]
     sims = [Sim(f"lora-{i}", loras=("sql-lora", "chat-lora"), extra=slow) for i in range(3)]
+    by_name = {s.name: s for s in sims}
     cfg = picker_config([endpoint(s) for s in sims],
-                        models=[{"name": LLAMA, "adapters": ["sql-lora", "chat-lora"]}])
+                        models=[{"name": LLAMA, "adapters": ["sql-lora", "chat-lora"]}],
+                        filter={"endpoint_metrics": True})  # the in-flight gauge, read below
     envoy = Envoy(cfg, concurrency=4)
     background = cf.ThreadPoolExecutor(2)
     try:
         envoy.wait_routable()
         # Sent to the simulators directly (not through the gateway): sim 1 runs sql-lora, sim 0
-        # runs chat-lora (its only slot is taken), sim 2 has a free slot.
-        long = {"max_tokens": 600, "messages": [{"role": "user", "content": "long job"}]}
-        background.submit(requests.post, sims[1].url + "/v1/chat/completions", json={**long, "model": "sql-lora"}, timeout=60)
-        background.submit(requests.post, sims[0].url + "/v1/chat/completions", json={**long, "model": "chat-lora"}, timeout=60)
-        deadline = time.time() + 5
-        while time.time() < deadline:
-            if "sql-lora" in sims[1].stats()["model"]["running_lora_adapters"] and \
-               "chat-lora" in sims[0].stats()["model"]["running_lora_adapters"]:
-                break
-            time.sleep(0.05)
+        # runs chat-lora (its only slot is taken), sim 2 has a free slot. 100,000 tokens at 20 ms
+        # (over half an hour): the jobs outlast the test, however slow the machine; the pods are
+        # killed at the end.
+        long = {"max_tokens": 100_000, "messages": [{"role": "user", "content": "long job"}]}
+        background.submit(requests.post, sims[1].url + "/v1/chat/completions", json={**long, "model": "sql-lora"}, timeout=3600)
+        background.submit(requests.post, sims[0].url + "/v1/chat/completions", json={**long, "model": "chat-lora"}, timeout=3600)
+        running = lambda: (sims[1].stats()["model"]["running_lora_adapters"],  # noqa: E731
+                           sims[0].stats()["model"]["running_lora_adapters"])
+        wait_until_shown(lambda: "sql-lora" in running()[0] and "chat-lora" in running()[1], 30,
+                         "both long jobs running", running)
         for s in sims:
             s.wait_scraped()  # the poller sees vllm:lora_requests_info
         for s in sims:
             s.reset_stats()
         # Scores: sim 1 = 1.0 (running), sim 2 = 0.8 (free slot), sim 0 = 0 (slot taken).
-        # Probes are paced by more than a poll interval, so that each one sees the previous one
-        # finished (its in-flight count released, the queue empty) and only LoRA state differs.
+        # Each probe waits until the previous one is gone (its in-flight count released, and a
+        # scrape after it finished published), so that only LoRA state differs.
+        inflight = lambda: [envoy.metric(INFLIGHT, endpoint=s.address) for s in sims]  # noqa: E731
         got = []
         for i in range(8):
             got.append(served(post(envoy, {"model": "sql-lora", "max_tokens": 1,
                                             "messages": [{"role": "user", "content": f"q{i}"}]})))
-            time.sleep(1.5 * POLL_S)
+            wait_until_shown(lambda: inflight() == [0, 0, 0], 30, f"probe {i} released", inflight)
+            by_name[got[-1]].wait_scraped()
         assert got == ["lora-1"] * 8, got
     finally:
         background.shutdown(wait=False, cancel_futures=True)
         envoy.stop()
         for s in sims:
-            s.stop()
+            s.crash()  # the long jobs would hold a graceful stop for its full grace period
 
 
 def test_weighted_split_80_20_and_the_server_sees_the_rewritten_model():
@@ -278,13 +285,38 @@ def test_predicted_ttft_learns_each_pods_rate_from_streamed_responses():
                 for _ in r.iter_content(chunk_size=None):
                     pass
         assert (fast.requests_total(), slow.requests_total()) == (20, 20)
-        time.sleep(0.5)  # the workers re-read the shared rates every 250 ms
-        for n in range(4):  # whichever worker answers, it reads the same learnt rates
-            r = probe(f"after {n}")
+
+        def check(r):
             after, rates, work = _predicted(r), _predicted(r, "rate"), _predicted(r, "work")
             assert work[slow.address] == work[fast.address], work
             assert rates[slow.address] > 2 * rates[fast.address], (before, after, rates)
             assert after[slow.address] > 2 * after[fast.address], (before, after, rates)
+
+        # Each worker re-reads the shared rates at a pick at most every 250 ms, so one may first
+        # answer with what it read before the learning ended. Probe (each on a new connection,
+        # which the kernel gives to any worker; Envoy's per-worker connection counters say which)
+        # until every worker has answered with the learnt rates. No streamed request follows, so
+        # the rates no longer change: from then on any worker must answer so.
+        learnt = set()
+        n = 0
+
+        def every_worker_learnt():
+            nonlocal n
+            before_cx = worker_connections(envoy)
+            r = probe(f"settle {n}")
+            n += 1
+            (worker,) = [w for w, c in worker_connections(envoy).items() if c > before_cx.get(w, 0)]
+            try:
+                check(r)
+                learnt.add(worker)
+            except AssertionError:
+                pass
+            return len(learnt) == 2  # concurrency=2
+
+        wait_until_shown(every_worker_learnt, 60, "every worker predicting with the learnt rates",
+                         lambda: f"workers {sorted(learnt)} after {n} probes")
+        for n in range(4):  # whichever worker answers, it reads the same learnt rates
+            check(probe(f"after {n}"))
     finally:
         envoy.stop()
         fast.stop()
@@ -292,46 +324,65 @@ def test_predicted_ttft_learns_each_pods_rate_from_streamed_responses():
 
 
 def test_the_prefill_one_worker_queued_counts_on_every_worker():
-    # One slow pod, four workers. A long streamed request holds the pod in prefill for seconds.
-    # Every later pick, whichever worker makes it, must count that prefill in the pod's predicted
-    # work (debug scores). A worker that did not send it sees it only through the prefill each
-    # worker publishes with its in-flight count: with per-worker ledgers, the ~3 in 4 picks made
-    # on the other workers would show a few hundred tokens of work instead of ~10,000.
-    sim = Sim("prefill-0", extra=["--speed", "0.05"])
+    # One pod, four workers. A long streamed request is parked at the pod (hold): to the gateway
+    # it is a request in prefill, no first byte yet, for as long as the test needs. Every later
+    # pick, whichever worker makes it, must count that prefill in the pod's predicted work (debug
+    # scores). A worker that did not send it sees it only through the prefill each worker
+    # publishes with its in-flight count: with per-worker ledgers, the ~3 in 4 picks made on the
+    # other workers would show a few hundred tokens of work instead of ~10,000.
+    sim = Sim("prefill-0")
     envoy = Envoy(picker_config([endpoint(sim)], scheduler={"debug_scores": True}), concurrency=4)
     long_tokens = 10_000
+    background = cf.ThreadPoolExecutor(1)
     try:
         envoy.wait_routable()
-        time.sleep(3 * POLL_S)
+        sim.wait_scraped()  # the warm-up request, finished, is out of the published load
         body = {"model": LLAMA, "max_tokens": 2, "stream": True,
                 "messages": [{"role": "user", "content": "long " + "lorem ipsum " * (long_tokens * 4 // 12)}]}
-        with requests.Session() as s:
-            held = s.post(envoy.url + "/v1/chat/completions", json=body, stream=True, timeout=120)
-            try:
-                assert held.status_code == 200, held.text
-                # Let a few scrapes show it running, so the live queue estimate no longer counts
-                # it as waiting: only the published prefill can.
-                time.sleep(4 * POLL_S)
-                def short(i):
-                    with requests.Session() as t:
-                        # Streamed, so the headers (and the scores) come with the first byte.
-                        r = t.post(envoy.url + "/v1/chat/completions", stream=True, timeout=120,
-                                   json={"model": LLAMA, "max_tokens": 1, "stream": True,
-                                         "messages": [{"role": "user", "content": f"short {i}"}]})
-                        try:
-                            assert r.status_code == 200, r.text
-                            scores = r.headers["x-inference-picker-scores"]
-                            return int(scores.split(" work=")[1].split()[0])
-                        finally:
-                            r.close()
+        sim.hold(count=1)
+        # Parked, it gets no response head: the client waits in the background (until the end,
+        # when Envoy stops and closes its connection).
+        background.submit(requests.post, envoy.url + "/v1/chat/completions", json=body, stream=True, timeout=600)
+        sim.wait_held(1)
+        # Let a few scrapes show it running (a parked request shows as running while the batch
+        # has room), so the live queue estimate does not count it as waiting: only the published
+        # prefill can.
+        sim.wait_scraped()
+        text = requests.get(sim.url + "/metrics", timeout=5).text
+        assert f'vllm:num_requests_waiting{{engine="0",model_name="{LLAMA}"}} 0.0' in text, text
 
-                # Sent together, each on a new connection (spread over the workers), while the
-                # long prompt is still in prefill: each pick happens as its request arrives.
-                with cf.ThreadPoolExecutor(8) as ex:
-                    works = list(ex.map(short, range(8)))
-                assert all(w >= long_tokens for w in works), works
-            finally:
-                held.close()
+        def short(i):
+            with requests.Session() as t:
+                # Streamed, so the headers (and the scores) come with the first byte.
+                r = t.post(envoy.url + "/v1/chat/completions", stream=True, timeout=120,
+                           json={"model": LLAMA, "max_tokens": 1, "stream": True,
+                                 "messages": [{"role": "user", "content": f"short {i}"}]})
+                try:
+                    assert r.status_code == 200, r.text
+                    scores = r.headers["x-inference-picker-scores"]
+                    return int(scores.split(" work=")[1].split()[0])
+                finally:
+                    r.close()
+
+        # Sent together, each on a new connection (spread over the workers), while the long
+        # prompt is still parked: each pick happens as its request arrives.
+        with cf.ThreadPoolExecutor(8) as ex:
+            works = list(ex.map(short, range(8)))
+        assert all(w >= long_tokens for w in works), works
+        assert sim.held() == 1, "the long request was no longer parked"
     finally:
+        background.shutdown(wait=False, cancel_futures=True)
         envoy.stop()
         sim.stop()
+
+
+def worker_connections(envoy) -> dict[int, int]:
+    """Downstream connections each Envoy worker has accepted on the listener (Envoy's per-worker
+    listener counters), by worker id."""
+    out = {}
+    for line in envoy.stats_prometheus().splitlines():
+        if line.startswith("envoy_listener_worker_downstream_cx_total{") and \
+                f'envoy_listener_address="127.0.0.1_{envoy.port}"' in line:
+            worker = int(line.split('envoy_worker_id="')[1].split('"')[0])
+            out[worker] = int(float(line.rsplit(" ", 1)[1]))
+    return out

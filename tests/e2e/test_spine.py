@@ -1,14 +1,14 @@
 """Issue 2 end-to-end checks in a real Envoy 1.40 running the built .wasm."""
 import concurrent.futures as cf
 import json
-import time
 
 import pytest
 import requests
 
-from harness import LLAMA, QWEN, Envoy, Sim, endpoint, picker_config, wait_until
+from harness import LLAMA, QWEN, Envoy, Sim, endpoint, picker_config, wait_until, wait_until_shown
 
-POLL_S = 0.2
+READY = "inference_picker_ready_endpoints"
+INFLIGHT = "inference_picker_endpoint_inflight"
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +101,7 @@ def test_d_chunked_body_over_the_limit_gets_413(pool):
 
 
 def test_g_openai_client(pool):
-    openai = pytest.importorskip("openai")
+    import openai  # in tests/requirements.txt: a missing client is a broken venv, not a skip
     envoy, _ = pool
     client = openai.OpenAI(base_url=envoy.url + "/v1", api_key="unused", max_retries=0, timeout=30)
     chat = client.chat.completions.create(model=LLAMA, messages=[{"role": "user", "content": "Say hi"}], max_tokens=5)
@@ -141,8 +141,10 @@ def test_e_a_killed_simulator_stops_getting_traffic():
     try:
         envoy.wait_routable()
         sims[1].kill()
-        # Within three poll intervals the endpoint must be out of rotation.
-        time.sleep(3 * POLL_S)
+        # Out of rotation once the poller has published its failed scrape (2 of 3 ready: a
+        # failed scrape is stale at once, and every pick reads the latest snapshot).
+        wait_until_shown(lambda: envoy.metric(READY) == 2, 30, "the killed pod's failed scrape published",
+                         lambda: envoy.metric(READY))
         served = []
         for _ in range(40):
             r = envoy.chat()
@@ -157,21 +159,27 @@ def test_e_a_killed_simulator_stops_getting_traffic():
 
 
 def test_f_inflight_count_is_shared_across_workers():
-    # Slow simulators: each request holds its endpoint for seconds, far longer than the burst.
-    sims = [Sim(f"flight-{i}", extra=["--speed", "0.05"]) for i in range(3)]
-    # Only the in-flight scorer counts here: slowed simulators also report real (and changing)
-    # queues, which would be a second, legitimate signal and blur what this test isolates.
+    # Every request of the burst is parked at its simulator (hold) until all of them have been
+    # routed: each holds its endpoint for as long as the test needs, whatever the machine's speed.
+    sims = [Sim(f"flight-{i}") for i in range(3)]
+    # Only the in-flight scorer counts here: parked requests show in the pods' /metrics (as
+    # running), which would be a second, legitimate signal and blur what this test isolates.
     # The `weighted` objective isolates that scorer; the default `predicted_ttft` objective also
     # reads the in-flight counts (through the live queue estimate) but lets a rendezvous among
-    # near-equal pods decide, so it would not balance a burst exactly.
+    # near-equal pods decide, so it would not balance a burst exactly. The per-endpoint in-flight
+    # gauge (opt-in) shows when the warm-up request has been released.
     weights = {"queue": 0, "kv_cache": 0, "inflight": 1}
-    envoy = Envoy(picker_config([endpoint(s) for s in sims], scheduler={"objective": "weighted", "weights": weights}),
+    envoy = Envoy(picker_config([endpoint(s) for s in sims], scheduler={"objective": "weighted", "weights": weights},
+                                filter={"endpoint_metrics": True}),
                   concurrency=4)
     try:
         envoy.wait_routable()
-        time.sleep(2.5)  # let the warm-up request finish everywhere
+        # The warm-up request is released from the in-flight counts everywhere.
+        inflight = lambda: [envoy.metric(INFLIGHT, endpoint=s.address) for s in sims]  # noqa: E731
+        wait_until_shown(lambda: inflight() == [0, 0, 0], 30, "no request in flight", inflight)
         for s in sims:
             s.reset_stats()
+            s.hold()
         n = 12
 
         def one(i):
@@ -188,10 +196,11 @@ def test_f_inflight_count_is_shared_across_workers():
                 futs.append(ex.submit(one, i))
                 # Wait (bounded) until a simulator has received it: its routing decision, and its
                 # in-flight increment, happened before the next request is sent, whichever
-                # worker gets that one. All requests are still running together.
-                deadline = time.time() + 10
-                while sum(s.requests_total() for s in sims) < i + 1 and time.time() < deadline:
-                    time.sleep(0.005)
+                # worker gets that one. Every one stays parked there, so all are in flight together.
+                wait_until(lambda: sum(s.held() for s in sims) == i + 1, 30, f"request {i} parked at a pod",
+                           interval=0.005)
+            for s in sims:
+                s.release()
             results = [f.result() for f in futs]
         assert all(code == 200 for code, _ in results), results
         counts = {s.name: sum(1 for _, by in results if by == s.name) for s in sims}
@@ -216,11 +225,13 @@ def test_filter_metrics_show_in_envoy_prometheus_stats(pool):
     assert routed and int(routed[0].rsplit(" ", 1)[1]) >= 3, lines
     assert any(l.startswith('inference_picker_rejections_total{reason="model_not_found"}') for l in lines), lines
     assert any(l.startswith("inference_picker_snapshot_age_ms") for l in lines), lines
-    # Every request has finished, so the shared in-flight gauge is back to zero.
-    inflight = [l for l in lines if l.startswith(f'inference_picker_endpoint_inflight{{endpoint="{c.address}"}}')]
-    assert inflight and inflight[0].endswith(" 0"), lines
+    # Every request has finished, so the shared in-flight gauge comes back to zero (set by each
+    # request's end, which Envoy runs once the response is sent: wait for it).
+    assert any(l.startswith(f'inference_picker_endpoint_inflight{{endpoint="{c.address}"}}') for l in lines), lines
+    wait_until(lambda: f'inference_picker_endpoint_inflight{{endpoint="{c.address}"}} 0'
+               in envoy.stats_prometheus(), 30, f"the in-flight gauge of {c.address} back to 0")
     # The gauge is re-set from the shared counts for every pod of the pool (every 250 ms), so
     # pods never routed to show 0 too, rather than nothing.
     for sim in (a, b):
         wait_until(lambda: f'inference_picker_endpoint_inflight{{endpoint="{sim.address}"}} 0'
-                   in envoy.stats_prometheus(), 5, f"the in-flight gauge of {sim.address}")
+                   in envoy.stats_prometheus(), 30, f"the in-flight gauge of {sim.address}")
