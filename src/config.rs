@@ -98,7 +98,7 @@ pub struct Config {
     #[serde(default = "SaturationConfig::default")]
     pub saturation: SaturationConfig,
     /// Holding requests inside the proxy while their endpoints are saturated (see `crate::flow`).
-    /// Default: every field at its default (on).
+    /// Default: every field at its default (off: `enabled` is false).
     #[serde(default = "FlowControlConfig::default")]
     pub flow_control: FlowControlConfig,
     /// Passive health from upstream results (ejection with back-off) and the startup hold (see

@@ -901,3 +901,171 @@ fn the_peer_load_senders_are_capped_at_the_peer_count() {
     assert_eq!(crate::peers::load_sender_limit(&pc, Some(b"0")), 0);
     assert_eq!(crate::peers::load_sender_limit(&pc, Some(b"100000")), crate::inflight::MAX_PEER_SLOTS);
 }
+
+/// What [`check_defaults`] found: the defaults it compared (`definition.property`) and those
+/// that differ from the code.
+#[derive(Default)]
+struct Found {
+    seen: Vec<String>,
+    bad: Vec<String>,
+}
+
+/// Walks `schema` (resolving `$ref` and `anyOf` against `defs`) beside the value the code
+/// applied (`applied`, the parsed document serialised back) and the document as written
+/// (`given`): every property the document left out must hold the schema's `default`. `def` is
+/// the name of the definition being walked ("root" at the top).
+fn check_defaults(
+    schema: &Value,
+    def: &str,
+    defs: &Value,
+    given: Option<&Value>,
+    applied: &Value,
+    path: &str,
+    found: &mut Found,
+) {
+    let (schema, def) = match schema.get("$ref").and_then(Value::as_str) {
+        Some(r) => {
+            let name = r.trim_start_matches("#/$defs/");
+            (&defs[name], name)
+        }
+        None => (schema, def),
+    };
+    // A section the serialiser leaves out when it is its default (`skip_serializing_if`).
+    let skipped_default = match def {
+        "RoleSelectors" if applied.is_null() => {
+            Some(serde_json::to_value(crate::pd::RoleSelectors::default()).unwrap())
+        }
+        _ => None,
+    };
+    let applied = skipped_default.as_ref().unwrap_or(applied);
+    // An optional section left out: nothing applied, so no default to compare.
+    if applied.is_null() {
+        return;
+    }
+    if let Some(alts) = schema.get("anyOf").or_else(|| schema.get("oneOf")).and_then(Value::as_array) {
+        for alt in alts.iter().filter(|a| a.get("type").and_then(Value::as_str) != Some("null")) {
+            check_defaults(alt, def, defs, given, applied, path, found);
+        }
+        return;
+    }
+    if let (Some(items), Some(values)) = (schema.get("items"), applied.as_array()) {
+        for (i, v) in values.iter().enumerate() {
+            let g = given.and_then(|g| g.get(i));
+            check_defaults(items, def, defs, g, v, &format!("{path}[{i}]"), found);
+        }
+        return;
+    }
+    if let (Some(values), Some(extra)) = (applied.as_object(), schema.get("additionalProperties")) {
+        if extra.is_object() && schema.get("properties").is_none() {
+            for (k, v) in values {
+                let g = given.and_then(|g| g.get(k));
+                check_defaults(extra, def, defs, g, v, &format!("{path}.{k}"), found);
+            }
+            return;
+        }
+    }
+    let Some(props) = schema.get("properties").and_then(Value::as_object) else { return };
+    for (name, prop) in props {
+        let here = if path.is_empty() { name.clone() } else { format!("{path}.{name}") };
+        let g = given.and_then(|g| g.get(name));
+        let a = applied.get(name).unwrap_or(&Value::Null);
+        if g.is_none() {
+            if let Some(d) = prop.get("default") {
+                found.seen.push(format!("{def}.{name}"));
+                if d != a {
+                    found.bad.push(format!("{here}: schema default {d}, code applies {a}"));
+                }
+            }
+        }
+        check_defaults(prop, def, defs, g, a, &here, found);
+    }
+}
+
+/// Every `definition.property` of the schema that states a default.
+fn stated_defaults(schema: &Value) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut add = |def: &str, node: &Value| {
+        for (name, prop) in node.get("properties").and_then(Value::as_object).into_iter().flatten() {
+            if prop.get("default").is_some() {
+                out.push(format!("{def}.{name}"));
+            }
+        }
+    };
+    add("root", schema);
+    for (def, node) in schema["$defs"].as_object().into_iter().flatten() {
+        add(def, node);
+    }
+    out.sort();
+    out
+}
+
+#[test]
+fn every_default_in_the_schema_is_what_the_code_applies() {
+    let schema: Value = serde_json::from_str(include_str!("../../filter-config/schema.json")).unwrap();
+    let defs = &schema["$defs"];
+    // The base document, each optional section given with only what it requires, and every
+    // shipped example, so that every field one of them leaves out takes its default.
+    let mut docs = vec![base()];
+    let token = "0123456789abcdef0123";
+    for (section, value) in [
+        ("flow_control", json!({})),
+        ("health", json!({})),
+        ("saturation", json!({})),
+        ("priority", json!({})),
+        ("scheduler", json!({})),
+        ("filter", json!({})),
+        ("poller", json!({})),
+        ("peers", json!({"addresses": ["10.1.0.2:8080"], "token": token})),
+        ("pod_models", json!({})),
+    ] {
+        let mut v = base();
+        v[section] = value;
+        docs.push(v);
+    }
+    // Sections whose defaults only show when a required neighbour is given instead.
+    let kubernetes = json!({"namespace": "n", "selector": {"app": "a"}, "target_ports": [8000]});
+    let mut with_roles = kubernetes.clone();
+    with_roles["roles"] = json!({});
+    with_roles["token"] = json!("k8s-token");
+    for (section, value) in [
+        ("discovery", json!({"kubernetes": with_roles})),
+        ("peers", json!({"kubernetes": kubernetes, "token_env": "PEER_TOKEN"})),
+        ("pd", json!({})),
+        ("pool", json!({"name": "llama"})),
+        ("priority", json!({"tier": {"header": "x-llm-tier", "values": {"premium": 10}}})),
+        ("scheduler", json!({"rewrites": [{"targets": [{"model_rewrite": "llama", "weight": 1}]}]})),
+    ] {
+        let mut v = base();
+        v[section] = value;
+        docs.push(v);
+    }
+    let examples = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("filter-config/examples");
+    let mut files: Vec<_> = std::fs::read_dir(&examples).unwrap().map(|e| e.unwrap().path()).collect();
+    files.sort();
+    for f in files.iter().filter(|f| f.extension().is_some_and(|x| x == "json")) {
+        docs.push(serde_json::from_slice(&std::fs::read(f).unwrap()).unwrap());
+    }
+    let mut found = Found::default();
+    for doc in &docs {
+        let applied = serde_json::to_value(parse(doc).unwrap_or_else(|e| panic!("{doc}: {e:?}"))).unwrap();
+        check_defaults(&schema, "root", defs, Some(doc), &applied, "", &mut found);
+    }
+    let Found { mut seen, mut bad } = found;
+    bad.sort();
+    bad.dedup();
+    assert!(bad.is_empty(), "schema defaults that differ from the code:\n{}", bad.join("\n"));
+    // Every default the schema states was compared.
+    seen.sort();
+    seen.dedup();
+    let missed: Vec<_> = stated_defaults(&schema).into_iter().filter(|d| !seen.contains(d)).collect();
+    assert!(missed.is_empty(), "defaults no document left out, so never compared: {missed:?}");
+    // A planted drift is caught.
+    let mut drifted = schema.clone();
+    drifted["$defs"]["FlowControlConfig"]["properties"]["enabled"]["default"] = json!(true);
+    let mut caught = Found::default();
+    let doc = &docs[1];
+    let applied = serde_json::to_value(parse(doc).unwrap()).unwrap();
+    let drifted_defs = drifted["$defs"].clone();
+    check_defaults(&drifted, "root", &drifted_defs, Some(doc), &applied, "", &mut caught);
+    assert_eq!(caught.bad, vec!["flow_control.enabled: schema default true, code applies false".to_string()]);
+}
