@@ -7,6 +7,7 @@ import atexit
 import copy
 import json
 import os
+import random
 import select
 import socket
 import subprocess
@@ -41,10 +42,44 @@ def _kill_leftovers() -> None:
             p.kill()
 
 
+def _port_slice() -> tuple[int, int]:
+    """The ports this process hands out: below the kernel's ephemeral range, which every
+    connect() and bind(("", 0)) draws from (the simulators, Envoy's upstream connections, the
+    clients), and a slice of its own per pytest-xdist worker. A port bound with port 0 and then
+    released (the old free_port) could be taken by another process's connection before Envoy
+    bound it: under two xdist workers one run in twenty failed so ("Address already in use")."""
+    try:
+        ephemeral_low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral_low = 32768
+    lo, hi = 10000, max(12000, ephemeral_low)
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    count = max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+    index = int(worker[2:]) if worker[2:].isdigit() else 0
+    span = (hi - lo) // count
+    return lo + (index % count) * span, lo + (index % count + 1) * span
+
+
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port nobody listens on, never handed out before by this process (see
+    `_port_slice`: no other test process and no connection can take it meanwhile)."""
+    lo, hi = _port_slice()
+    rng = random.Random(os.getpid() ^ time.time_ns())
+    for _ in range(2000):
+        port = rng.randrange(lo, hi)
+        if port in _handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    raise RuntimeError(f"no free port in {lo}..{hi}")
 
 
 def _read_line(proc: subprocess.Popen, deadline: float) -> str | None:
