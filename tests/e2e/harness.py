@@ -465,19 +465,22 @@ def render(doc: dict, config: dict, port: int, admin_port: int, front_filters: l
                 if r.get("route", {}).get("cluster") == POOL_CLUSTER:
                     r["route"].setdefault("retry_policy", {}).update(retry_policy)
 
-    def visit(node):
-        if isinstance(node, dict):
-            if "vm_config" in node and "configuration" in node:
-                node["vm_config"]["code"]["local"]["filename"] = str(wasm or WASM)
-                node["configuration"]["value"] = cfg_json
-            for v in node.values():
-                visit(v)
-        elif isinstance(node, list):
-            for v in node:
-                visit(v)
-
-    visit(doc)
+    for node in dict_nodes(doc):
+        if "vm_config" in node and "configuration" in node:
+            node["vm_config"]["code"]["local"]["filename"] = str(wasm or WASM)
+            node["configuration"]["value"] = cfg_json
     return doc
+
+
+def dict_nodes(node):
+    """Every mapping inside a parsed YAML/JSON document, `node` included, depth first."""
+    if isinstance(node, dict):
+        yield node
+        for v in node.values():
+            yield from dict_nodes(v)
+    elif isinstance(node, list):
+        for v in node:
+            yield from dict_nodes(v)
 
 
 def static_cluster(name: str, host: str, port: int) -> dict:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import yaml
 
-from harness import ENVOY_YAML, REPO, Envoy, Sim, endpoint, picker_config, stop_each, wait_until
+from harness import ENVOY_YAML, REPO, Envoy, Sim, dict_nodes, endpoint, picker_config, stop_each, wait_until
 
 CRASH_WASM = Path(os.environ.get(
     "PICKER_CRASH_WASM", REPO / "target/wasm32-wasip1/crash-test/inference_picker.wasm"))
@@ -31,18 +31,7 @@ def _inflight(envoy, sim) -> float:
 def test_the_shipped_failure_policy_recovers_and_a_dead_vms_counts_age_out():
     assert CRASH_WASM.exists(), f"{CRASH_WASM} is missing: run `make wasm-crash`"
     shipped = yaml.safe_load(ENVOY_YAML.read_text())
-    policies = []
-
-    def collect(node):
-        if isinstance(node, dict):
-            if "failure_policy" in node:
-                policies.append(node["failure_policy"])
-            for v in node.values():
-                collect(v)
-        elif isinstance(node, list):
-            for v in node:
-                collect(v)
-    collect(shipped)
+    policies = [n["failure_policy"] for n in dict_nodes(shipped) if "failure_policy" in n]
     assert policies == ["FAIL_RELOAD"], f"the test assumes the shipped policy; envoy.yaml has {policies}"
 
     sim = Sim("crash")
