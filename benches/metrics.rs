@@ -5,7 +5,7 @@
 //! `cargo bench -p inference-picker --bench metrics`
 
 use criterion::{black_box, criterion_group, criterion_main, Criterion, Throughput};
-use inference_picker::metrics::parse_metrics;
+use inference_picker::poll::scrape::parse_metrics;
 
 const FIXTURES: &[(&str, &str)] = &[
     (

@@ -9,14 +9,14 @@
 
 use criterion::{black_box, criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 
-use inference_picker::body::parse_request;
+use inference_picker::base::ports::{MemStore, SplitMix64};
 use inference_picker::config::Config;
-use inference_picker::inflight::InflightCounts;
-use inference_picker::metrics::EndpointMetrics;
-use inference_picker::ports::{MemStore, SplitMix64};
+use inference_picker::request::body::parse_request;
 use inference_picker::scheduler::prefix;
 use inference_picker::scheduler::{PickRequest, Scheduler};
-use inference_picker::snapshot::{EndpointStatus, Snapshot};
+use inference_picker::state::inflight::InflightCounts;
+use inference_picker::state::metrics::EndpointMetrics;
+use inference_picker::state::snapshot::{EndpointStatus, Snapshot};
 
 const PATH: &str = "/v1/chat/completions";
 const NOW: u64 = 1_700_000_000_000;
@@ -198,8 +198,8 @@ fn bench_decision(c: &mut Criterion) {
 /// Admission of one request with the shipped defaults (flow control off), a standard priority:
 /// what every request pays before the pick.
 fn bench_admission(c: &mut Criterion) {
-    use inference_picker::admission::Gate;
-    use inference_picker::priority::{PriorityDecision, PrioritySource};
+    use inference_picker::flow::admission::Gate;
+    use inference_picker::flow::priority::{PriorityDecision, PrioritySource};
     let mut g = c.benchmark_group("admission");
     let cfg = config();
     let prio = PriorityDecision {

@@ -28,20 +28,20 @@
 
 use std::collections::BTreeMap;
 
-use crate::body::{parse_request, rewrite_model};
+use crate::base::ports::{MemStore, SharedStore};
 use crate::config::{parse_endpoint_address, Config, KubernetesDiscoveryConfig};
-use crate::discovery::{parse_pod_list, MAX_DISCOVERED_ENDPOINTS};
 use crate::flow::{self, Admission, Capacity, FlowControlConfig, FlowQueue, Ticket};
-use crate::health::{self, HealthConfig, HealthView, Outcome, Recorder, HEALTH_KEY};
-use crate::inflight::{self, InflightCounts, InflightTable};
-use crate::lease::{Lease, LeaseState, LEASE_KEY};
-use crate::metrics::parse_metrics_with_stats;
-use crate::metrics::prom::Samples;
-use crate::ports::{MemStore, SharedStore};
-use crate::scheduler::prefix_shared::{self, SharedPrefix, RECORD_BYTES};
+use crate::poll::discovery::{parse_pod_list, MAX_DISCOVERED_ENDPOINTS};
+use crate::poll::lease::{Lease, LeaseState, LEASE_KEY};
+use crate::poll::scrape::parse_metrics_with_stats;
+use crate::poll::scrape::prom::Samples;
+use crate::request::body::{parse_request, rewrite_model};
 use crate::scheduler::session::{parse_session_token, scores, SessionKeys};
 use crate::scheduler::Candidate;
-use crate::snapshot::{Snapshot, SnapshotCache, SNAPSHOT_KEY, SNAPSHOT_VERSION_KEY};
+use crate::state::health::{self, HealthConfig, HealthView, Outcome, Recorder, HEALTH_KEY};
+use crate::state::inflight::{self, InflightCounts, InflightTable};
+use crate::state::prefix_shared::{self, SharedPrefix, RECORD_BYTES};
+use crate::state::snapshot::{Snapshot, SnapshotCache, SNAPSHOT_KEY, SNAPSHOT_VERSION_KEY};
 
 /// A fuzz target's entry: the raw input in, a panic on any defect.
 pub type Entry = fn(&[u8]);
@@ -173,7 +173,7 @@ pub fn discovery(data: &[u8]) {
         token_env: None,
         refresh_ms: 5000,
         timeout_ms: 2000,
-        roles: crate::pd::RoleSelectors::default(),
+        roles: crate::request::pd::RoleSelectors::default(),
     };
     let Ok(d) = parse_pod_list(data, &cfg) else { return };
     assert!(d.endpoints.len() <= MAX_DISCOVERED_ENDPOINTS);
@@ -193,12 +193,12 @@ pub fn snapshot(data: &[u8]) {
     let mut cache = SnapshotCache::new();
     let _ = cache.refresh(&store);
     // The binary form (what the poller writes): whatever decodes re-encodes to the same bytes.
-    if let Some(s) = crate::snapshot::decode(data) {
-        let bytes = crate::snapshot::encode(&s);
-        let again = crate::snapshot::decode(&bytes).expect("encoded snapshot decodes");
-        assert_eq!(crate::snapshot::encode(&again), bytes, "decode(encode(snapshot)) differs");
+    if let Some(s) = crate::state::snapshot::decode(data) {
+        let bytes = crate::state::snapshot::encode(&s);
+        let again = crate::state::snapshot::decode(&bytes).expect("encoded snapshot decodes");
+        assert_eq!(crate::state::snapshot::encode(&again), bytes, "decode(encode(snapshot)) differs");
         if data.first() != Some(&b'{') {
-            let cached = crate::snapshot::encode(&cache.current());
+            let cached = crate::state::snapshot::encode(&cache.current());
             assert_eq!(cached, bytes, "the cache holds another snapshot than the stored one");
         }
     }
@@ -280,14 +280,14 @@ pub fn health(data: &[u8]) {
         published_ms: now,
         endpoints: ["10.0.0.1:8000", "10.0.0.2:8000"]
             .iter()
-            .map(|a| crate::snapshot::EndpointStatus {
+            .map(|a| crate::state::snapshot::EndpointStatus {
                 address: (*a).into(),
                 models: vec!["m".into()],
-                metrics: Some(crate::metrics::EndpointMetrics::default()),
+                metrics: Some(crate::state::metrics::EndpointMetrics::default()),
                 scraped_ms: now,
                 failures: 0,
                 inflight_at_scrape: None,
-                role: crate::pd::Role::Decode,
+                role: crate::request::pd::Role::Decode,
                 poll_ms: 0,
             })
             .collect(),
@@ -411,11 +411,11 @@ pub fn prefix_shard(data: &[u8]) {
 pub fn peer_batch(data: &[u8]) {
     let table = SharedPrefix::new(4, 8);
     let store = MemStore::new();
-    match crate::peers::decode(data) {
+    match crate::poll::peers::decode(data) {
         Ok(records) => {
-            assert!(records.len() <= crate::peers::MAX_RECORDS);
-            assert_eq!(crate::peers::encode(&records), data, "decode then encode gives the body back");
-            assert_eq!(crate::peers::receive(&store, &table, data), Ok(records.len()));
+            assert!(records.len() <= crate::poll::peers::MAX_RECORDS);
+            assert_eq!(crate::poll::peers::encode(&records), data, "decode then encode gives the body back");
+            assert_eq!(crate::poll::peers::receive(&store, &table, data), Ok(records.len()));
             let shards = table.read_all(&store);
             for v in &shards {
                 assert_eq!(v.len() % RECORD_BYTES, 0);
@@ -435,20 +435,21 @@ pub fn peer_batch(data: &[u8]) {
             }
         }
         Err(_) => {
-            assert!(crate::peers::receive(&store, &table, data).is_err());
+            assert!(crate::poll::peers::receive(&store, &table, data).is_err());
             assert!(table.read_all(&store).iter().all(Vec::is_empty), "a refused batch applied something");
         }
     }
     // The same bytes as an in-flight report (`peers.load_interval_ms`): refused, or written as
     // one peer record that every reader adds and the gateway never reports on.
-    if let Ok((sender, counts)) = crate::peers::decode_load(data) {
+    if let Ok((sender, counts)) = crate::poll::peers::decode_load(data) {
         assert_ne!(sender, 0);
-        let put = crate::inflight::put_peer(&store, sender, &counts, 1_000, 1).unwrap();
-        assert_eq!(put, crate::inflight::PeerPut::Applied);
+        let put = crate::state::inflight::put_peer(&store, sender, &counts, 1_000, 1).unwrap();
+        assert_eq!(put, crate::state::inflight::PeerPut::Applied);
         // A reader whose own nonce is not the sender's (a reader skips its own record).
         let reader = if sender == 1 { 2 } else { 1 };
-        let seen = crate::inflight::InflightTable::new(reader).with_peers(true).read(&store, 1_000).unwrap();
+        let seen =
+            crate::state::inflight::InflightTable::new(reader).with_peers(true).read(&store, 1_000).unwrap();
         assert_eq!(seen.total(), counts.total());
-        assert_eq!(crate::inflight::gateway_counts(&store, 1_000).unwrap().total(), 0);
+        assert_eq!(crate::state::inflight::gateway_counts(&store, 1_000).unwrap().total(), 0);
     }
 }

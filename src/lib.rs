@@ -11,36 +11,15 @@
     deny(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)
 )]
 
-pub mod admission;
-pub mod body;
-pub mod by_address;
+pub mod base;
 pub mod config;
-pub mod discovery;
-pub mod errors;
-pub mod fairshare;
 pub mod flow;
 #[cfg(not(target_family = "wasm"))]
 #[doc(hidden)]
 pub mod fuzzing;
-pub mod health;
-pub mod inflight;
-pub mod lease;
-pub mod live_config;
-pub mod load;
-pub mod metrics;
-pub mod pd;
-pub mod peers;
-pub mod pod_models;
-pub mod poller;
-pub mod pools;
-pub mod ports;
-pub mod priority;
-pub mod rates;
+pub mod poll;
 pub mod request;
-pub mod saturation;
 pub mod scheduler;
-pub mod snapshot;
-pub mod sorting;
-pub mod telemetry;
+pub mod state;
 
 mod host;

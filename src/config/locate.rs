@@ -12,7 +12,7 @@
 //!
 //! Runs once per configuration; it allocates freely.
 
-use super::ConfigError;
+use crate::base::json::ConfigError;
 
 /// The [`ConfigError`] for a document serde could not read. The reason is serde's message, which
 /// already carries the line and column and, for an unknown field, the names it expected.
@@ -214,7 +214,7 @@ fn render(stack: &[Frame]) -> String {
     let mut out = String::new();
     for frame in stack {
         match frame {
-            Frame::Object(Some(key), _) => super::read::push_key(&mut out, key),
+            Frame::Object(Some(key), _) => crate::base::json::push_key(&mut out, key),
             // An object with no current key: serde stopped between members, so the path is the
             // object itself and nothing deeper can be open.
             Frame::Object(None, _) => break,

@@ -572,7 +572,7 @@ fn passthrough_prefixes_must_be_paths_that_cover_no_inference_path() {
 #[test]
 fn health_defaults_and_bad_fields() {
     let cfg = parse(&base()).unwrap();
-    assert_eq!(cfg.health, crate::health::HealthConfig::default());
+    assert_eq!(cfg.health, crate::state::health::HealthConfig::default());
     assert_eq!((cfg.health.consecutive_5xx, cfg.health.startup_wait_ms), (3, 1000));
     let v = with(base(), "/health", serde_json::json!({"base_ejection_ms": 1000, "max_ejection_ms": 10}));
     assert_only(&errors(&v), "health.max_ejection_ms", "at least base_ejection_ms");
@@ -894,12 +894,15 @@ fn the_peer_load_senders_are_capped_at_the_peer_count() {
     let v = with_peers(json!({"addresses": ["10.1.0.2:8080", "10.1.0.3:8080"], "token": ok_token}));
     let pc = parse(&v).unwrap().peers.unwrap();
     // Before the poller published its count: the configured addresses.
-    assert_eq!(crate::peers::load_sender_limit(&pc, None), 2);
-    assert_eq!(crate::peers::load_sender_limit(&pc, Some(b"garbled")), 2);
+    assert_eq!(crate::poll::peers::load_sender_limit(&pc, None), 2);
+    assert_eq!(crate::poll::peers::load_sender_limit(&pc, Some(b"garbled")), 2);
     // The poller's count (addresses and pods found), never more than the peer slots.
-    assert_eq!(crate::peers::load_sender_limit(&pc, Some(b"5")), 5);
-    assert_eq!(crate::peers::load_sender_limit(&pc, Some(b"0")), 0);
-    assert_eq!(crate::peers::load_sender_limit(&pc, Some(b"100000")), crate::inflight::MAX_PEER_SLOTS);
+    assert_eq!(crate::poll::peers::load_sender_limit(&pc, Some(b"5")), 5);
+    assert_eq!(crate::poll::peers::load_sender_limit(&pc, Some(b"0")), 0);
+    assert_eq!(
+        crate::poll::peers::load_sender_limit(&pc, Some(b"100000")),
+        crate::state::inflight::MAX_PEER_SLOTS
+    );
 }
 
 /// What [`check_defaults`] found: the defaults it compared (`definition.property`) and those
@@ -933,7 +936,7 @@ fn check_defaults(
     // A section the serialiser leaves out when it is its default (`skip_serializing_if`).
     let skipped_default = match def {
         "RoleSelectors" if applied.is_null() => {
-            Some(serde_json::to_value(crate::pd::RoleSelectors::default()).unwrap())
+            Some(serde_json::to_value(crate::request::pd::RoleSelectors::default()).unwrap())
         }
         _ => None,
     };
@@ -1001,7 +1004,9 @@ fn stated_defaults(schema: &Value) -> Vec<String> {
 
 #[test]
 fn every_default_in_the_schema_is_what_the_code_applies() {
-    let schema: Value = serde_json::from_str(include_str!("../../filter-config/schema.json")).unwrap();
+    let schema: Value =
+        serde_json::from_str(include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/filter-config/schema.json")))
+            .unwrap();
     let defs = &schema["$defs"];
     // The base document, each optional section given with only what it requires, and every
     // shipped example, so that every field one of them leaves out takes its default.

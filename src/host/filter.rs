@@ -1,4 +1,4 @@
-//! The HTTP filter context: gathers inputs, calls `crate::request` and `crate::admission`,
+//! The HTTP filter context: gathers inputs, calls `crate::request` and `crate::flow::admission`,
 //! applies the decisions.
 //!
 //! A request flow control holds stays paused in this context while the filter root's tick
@@ -16,19 +16,19 @@ use proxy_wasm::types::Action;
 
 use super::prof::timed;
 use super::{io, Worker};
-use crate::admission::{self, Decision};
-use crate::errors::Rejection;
-use crate::health::{self, HealthView};
-use crate::inflight;
-use crate::peers;
-use crate::pools::{self, Claim, HeadStep};
-use crate::ports::SharedStore;
-use crate::priority::PriorityHeaders;
+use crate::base::errors::Rejection;
+use crate::base::ports::SharedStore;
+use crate::base::telemetry;
+use crate::flow::admission::{self, Decision};
+use crate::flow::priority::PriorityHeaders;
+use crate::poll::peers;
+use crate::request::pools::{self, Claim, HeadStep};
 use crate::request::{
     self, BodyInputs, HeadDecision, Prepared, RequestHead, DEBUG_SCORES_HEADER, DESTINATION_HEADER,
     MAX_RETRIES_HEADER, ORIGINAL_DST_HEADER, QUEUE_MS_HEADER, SERVED_HEADER,
 };
-use crate::telemetry;
+use crate::state::health::{self, HealthView};
+use crate::state::inflight;
 
 /// What one request has learned and decided so far.
 #[derive(Default)]
@@ -40,7 +40,7 @@ pub(crate) struct Exchange {
     held_at_ms: Option<u64>,
     /// Endpoint whose in-flight count this request holds (released in on_log).
     holding: Option<String>,
-    /// Prefill pod (`crate::pd`) whose in-flight count this request holds until its response
+    /// Prefill pod (`crate::request::pd`) whose in-flight count this request holds until its response
     /// headers (the remote prefill is over before the decode pod answers) or on_log.
     prefill_holding: Option<String>,
     primary: Option<String>,
@@ -64,7 +64,7 @@ pub(crate) struct Exchange {
     first_byte_seen: bool,
     /// Split P/D request (a prefill pod was named): its first byte teaches no rate.
     split: bool,
-    /// A peer gateway's prefix records (`crate::peers`): answered here once the body is in.
+    /// A peer gateway's prefix records (`crate::poll::peers`): answered here once the body is in.
     peer: bool,
 }
 
@@ -217,24 +217,24 @@ impl Filter {
     }
 }
 
-/// Body-based routing (`crate::pools`): [`request::prepare`] with the body parsed once across
+/// Body-based routing (`crate::request::pools`): [`request::prepare`] with the body parsed once across
 /// the pools' filters. A body an earlier pool's filter parsed comes from the stream's filter
 /// state; a model this pool does not serve is passed on (`Ok(None)`) with the parsed body, for
 /// the next pool's filter. Also says whether the body came parsed.
 fn prepare_by_model(
     cfg: &crate::config::Config,
     scheduler: &crate::scheduler::Scheduler,
-    rng: &mut dyn crate::ports::Rng,
+    rng: &mut dyn crate::base::ports::Rng,
     head: &RequestHead,
     body: &[u8],
-    snapshot: &crate::snapshot::Snapshot,
+    snapshot: &crate::state::snapshot::Snapshot,
 ) -> (Result<Option<Prepared>, Rejection>, bool) {
-    let kind = crate::body::ApiKind::from_path(&head.path);
+    let kind = crate::request::body::ApiKind::from_path(&head.path);
     let handed = io::stream_property(pools::PARSED_PROPERTY).and_then(|b| pools::decode_parsed(&b, kind));
     let reused = handed.is_some();
     let parsed = match handed {
         Some(p) => p,
-        None => match crate::body::parse_request(&head.path, body) {
+        None => match crate::request::body::parse_request(&head.path, body) {
             Ok(p) => p,
             Err(rej) => return (Err(rej), false),
         },
@@ -289,11 +289,19 @@ fn go(
         let mut rng = worker.rng.borrow_mut();
         timed!(
             "go.route",
-            crate::pd::route(&worker.cfg, &mut scheduler, &mut *rng, &ex.head, &prepared, inputs, health)
+            crate::request::pd::route(
+                &worker.cfg,
+                &mut scheduler,
+                &mut *rng,
+                &ex.head,
+                &prepared,
+                inputs,
+                health
+            )
         )?
     };
     if let Some(prefiller) = &pick.prefiller {
-        io::set_request_header(crate::pd::PREFILLER_HEADER, Some(prefiller));
+        io::set_request_header(crate::request::pd::PREFILLER_HEADER, Some(prefiller));
         if let Err(e) = worker.inflight.borrow_mut().adjust(inputs.store, prefiller, 1, inputs.now_ms) {
             warn!("inference-picker: publishing the prefill in-flight increment failed: {e:?}");
         }
@@ -447,8 +455,8 @@ impl Filter {
     fn before_metrics(
         &mut self,
         worker: &Rc<Worker>,
-        snapshot: Rc<crate::snapshot::Snapshot>,
-        inflight: &crate::inflight::InflightCounts,
+        snapshot: Rc<crate::state::snapshot::Snapshot>,
+        inflight: &crate::state::inflight::InflightCounts,
         now_ms: u64,
     ) -> Action {
         if worker.gate.borrow_mut().hold_for_snapshot(self.id, now_ms) {
@@ -476,7 +484,7 @@ impl Filter {
         }
     }
 
-    /// Passive health: tells `crate::health` what this request's upstream result says about
+    /// Passive health: tells `crate::state::health` what this request's upstream result says about
     /// each endpoint it tried (from `on_log`, once per stream), and counts any ejection.
     fn record_health(&mut self) {
         let worker = self.worker.clone();
@@ -648,7 +656,7 @@ impl Filter {
             }
         }
         // Several pools, body-based routing: a request another pool claimed is not ours; any
-        // client-sent model header goes before anything else (crate::pools).
+        // client-sent model header goes before anything else (crate::request::pools).
         let routing = cfg.pool.as_ref().is_some_and(|p| p.route_by_model);
         let claimed = if routing { io::stream_property(pools::CLAIM_PROPERTY) } else { None };
         match pools::on_head(cfg.pool.as_ref(), claimed.as_deref()) {

@@ -16,8 +16,8 @@ use std::time::Duration;
 use log::warn;
 use proxy_wasm::types::{BufferType, MapType, MetricType, Status};
 
-use crate::errors::Rejection;
-use crate::ports::{SharedStore, StoreError};
+use crate::base::errors::Rejection;
+use crate::base::ports::{SharedStore, StoreError};
 
 /// Own imports of the proxy-wasm 0.2.1 ABI, each returning the host's `Status` as is, and safe
 /// wrappers that take ownership of what the host returns. Nothing here panics.
@@ -332,7 +332,7 @@ fn property_text(path: &[&str]) -> Option<String> {
     property_bytes(path).and_then(|b| String::from_utf8(b).ok())
 }
 
-/// What `on_log` needs to judge the upstream result of this stream (see `crate::health`).
+/// What `on_log` needs to judge the upstream result of this stream (see `crate::state::health`).
 pub struct UpstreamResult {
     /// `response.code` (the final status, Envoy's own reply included).
     pub status: Option<u32>,
@@ -778,7 +778,7 @@ fn vm_memory_bytes() -> u64 {
 }
 
 impl Metrics {
-    /// Metrics whose every name ends with `suffix` (`crate::pools::metric_suffix`).
+    /// Metrics whose every name ends with `suffix` (`crate::request::pools::metric_suffix`).
     pub fn with_suffix(suffix: String) -> Self {
         Metrics { suffix, ..Metrics::default() }
     }
@@ -792,7 +792,7 @@ impl Metrics {
         if delta > 0 {
             self.memory_reported = now;
             self.gauge_add(
-                crate::telemetry::name(crate::telemetry::VM_MEMORY, &[]),
+                crate::base::telemetry::name(crate::base::telemetry::VM_MEMORY, &[]),
                 i64::try_from(delta).unwrap_or(i64::MAX),
             );
         }
@@ -804,7 +804,7 @@ impl Metrics {
             return Some(*id);
         }
         // Bounded: a VM never defines more than MAX_METRIC_NAMES names (logged once).
-        if self.ids.len() >= crate::telemetry::MAX_METRIC_NAMES {
+        if self.ids.len() >= crate::base::telemetry::MAX_METRIC_NAMES {
             if !self.full_logged {
                 self.full_logged = true;
                 log::error!(
@@ -829,11 +829,11 @@ impl Metrics {
         }
     }
 
-    /// The id of `base` with `tags` (`crate::telemetry::name`), the name built in a reused
+    /// The id of `base` with `tags` (`crate::base::telemetry::name`), the name built in a reused
     /// buffer: the per-request counters cost no allocation once their names are defined.
     fn tagged_id(&mut self, kind: MetricType, base: &str, tags: &[(&str, &str)]) -> Option<u32> {
         let mut buf = std::mem::take(&mut self.name_buf);
-        crate::telemetry::name_into(&mut buf, base, tags);
+        crate::base::telemetry::name_into(&mut buf, base, tags);
         let id = self.id(kind, &buf);
         self.name_buf = buf;
         id

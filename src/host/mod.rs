@@ -20,16 +20,16 @@ use log::{error, info, warn};
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{ContextType, LogLevel};
 
-use crate::admission::{self, claim_worker_id, Gate, MetricUpdate};
+use crate::base::ports::{Rng, SplitMix64};
+use crate::base::telemetry;
+use crate::config::live::{self, Follow, Follower};
 use crate::config::{Config, PollerMode};
 use crate::flow;
-use crate::health::Recorder;
-use crate::inflight;
-use crate::live_config::{self, Follow, Follower};
-use crate::ports::{Rng, SplitMix64};
+use crate::flow::admission::{self, claim_worker_id, Gate, MetricUpdate};
 use crate::scheduler::Scheduler;
-use crate::snapshot::{Snapshot, SnapshotCache};
-use crate::telemetry;
+use crate::state::health::Recorder;
+use crate::state::inflight;
+use crate::state::snapshot::{Snapshot, SnapshotCache};
 
 pub const FILTER_ROOT_ID: &str = "inference-picker";
 pub const POLLER_ROOT_ID: &str = "inference-picker-poller";
@@ -70,7 +70,7 @@ pub(crate) struct Worker {
     pub pending: RefCell<HashMap<u32, filter::Shared>>,
     /// Passive health: this worker's side (records results, keeps its own ejections).
     pub health: RefCell<Recorder>,
-    /// This VM's in-flight counts and its slot in shared data (`crate::inflight`).
+    /// This VM's in-flight counts and its slot in shared data (`crate::state::inflight`).
     pub inflight: RefCell<inflight::InflightTable>,
     /// `peers`: the shared token peers must send (resolved once; `None` when unset: the
     /// exchange path then takes nothing).
@@ -173,10 +173,11 @@ impl Worker {
         let now_ms = io::now_ms();
         let counts = self.inflight_counts(now_ms);
         let health = filter::health_view(self, &store, now_ms);
-        let snapshot = match crate::health::without_ejected(&snapshot, &health, now_ms, &self.cfg.health) {
-            Some(judged) => Rc::new(judged),
-            None => snapshot,
-        };
+        let snapshot =
+            match crate::state::health::without_ejected(&snapshot, &health, now_ms, &self.cfg.health) {
+                Some(judged) => Rc::new(judged),
+                None => snapshot,
+            };
         FlowInputs { snapshot, counts, now_ms }
     }
 
@@ -245,7 +246,7 @@ struct Root {
     /// `poller.mode: lease`: this filter root's part in electing and running the poller.
     leased: Option<Box<poller::LeasedPoller>>,
     /// The singleton poller: which configuration it runs, and the filter's published one it
-    /// follows (`crate::live_config`).
+    /// follows (`crate::config::live`).
     follower: Option<Follower>,
     /// The singleton's own gauges (its configuration version).
     root_metrics: io::Metrics,
@@ -265,7 +266,7 @@ impl Root {
     /// The singleton's role for a configuration: the poller, or idle when the configuration
     /// says another mode polls.
     fn poller_role(&mut self, cfg: Rc<Config>, version: u32) -> Role {
-        self.root_metrics = io::Metrics::with_suffix(crate::pools::metric_suffix(cfg.pool.as_ref()));
+        self.root_metrics = io::Metrics::with_suffix(crate::request::pools::metric_suffix(cfg.pool.as_ref()));
         self.root_metrics.gauge(telemetry::name(telemetry::POLLER_CONFIG_VERSION, &[]), u64::from(version));
         if cfg.poller.mode != PollerMode::Singleton {
             warn!("inference-picker-poller: poller.mode is not singleton; this singleton stays idle");
@@ -277,7 +278,7 @@ impl Root {
             cfg.endpoints.len()
         );
         // A quarter interval: the scrapes spread over four slots per interval.
-        io::set_tick_period_ms(crate::poller::tick_period_ms(&cfg.poller));
+        io::set_tick_period_ms(crate::poll::poller::tick_period_ms(&cfg.poller));
         Role::Poller(Box::new(poller::PollerRole::new(cfg)))
     }
 
@@ -354,19 +355,19 @@ impl RootContext for Root {
                 return false;
             }
         };
-        let version = live_config::digest(&raw);
+        let version = live::digest(&raw);
         self.role = if root_id == POLLER_ROOT_ID {
             // Ticks even while idle, to follow the filter's published configuration.
             // A quarter interval: the scrapes spread over four slots per interval.
-            io::set_tick_period_ms(crate::poller::tick_period_ms(&cfg.poller));
+            io::set_tick_period_ms(crate::poll::poller::tick_period_ms(&cfg.poller));
             self.follower = Some(Follower::new(&raw));
             self.poller_role(cfg, version)
         } else {
-            // Singleton mode: the poller follows this configuration (crate::live_config). Only a
+            // Singleton mode: the poller follows this configuration (crate::config::live). Only a
             // valid document gets here; an invalid one was refused above and the previous
             // filter keeps serving.
             if cfg.poller.mode == PollerMode::Singleton {
-                if let Err(e) = live_config::publish(&io::HostStore, &raw) {
+                if let Err(e) = live::publish(&io::HostStore, &raw) {
                     warn!("inference-picker: publishing the configuration for the poller failed: {e:?}");
                 }
             }
@@ -416,11 +417,12 @@ impl RootContext for Root {
             // One tick period per root: flow control's, or the poll interval when that is shorter
             // (lease mode polls from this root too).
             let period = match cfg.poller.mode {
-                PollerMode::Lease => FILTER_TICK_MS.min(crate::poller::tick_period_ms(&cfg.poller)),
+                PollerMode::Lease => FILTER_TICK_MS.min(crate::poll::poller::tick_period_ms(&cfg.poller)),
                 _ => FILTER_TICK_MS,
             };
             io::set_tick_period_ms(period);
-            let mut metrics = io::Metrics::with_suffix(crate::pools::metric_suffix(cfg.pool.as_ref()));
+            let mut metrics =
+                io::Metrics::with_suffix(crate::request::pools::metric_suffix(cfg.pool.as_ref()));
             metrics.gauge(telemetry::name(telemetry::CONFIG_VERSION, &[]), u64::from(version));
             Role::Filter(Rc::new(Worker {
                 scheduler: RefCell::new(scheduler),
@@ -431,8 +433,11 @@ impl RootContext for Root {
                 pending: RefCell::new(HashMap::new()),
                 health: RefCell::new(Recorder::new()),
                 inflight: RefCell::new(
-                    inflight::InflightTable::new(crate::lease::holder_id(io::entropy(), self.context_id))
-                        .with_peers(cfg.peers.is_some()),
+                    inflight::InflightTable::new(crate::poll::lease::holder_id(
+                        io::entropy(),
+                        self.context_id,
+                    ))
+                    .with_peers(cfg.peers.is_some()),
                 ),
                 peer_token: cfg.peers.as_ref().and_then(|p| p.resolve_token(|name| std::env::var(name).ok())),
                 inflight_gauges_ms: Cell::new(0),

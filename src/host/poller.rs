@@ -1,10 +1,10 @@
 //! The poller: ticks, scrape and pod-list callouts, publishing. Decisions live in
-//! `crate::poller`; this file only moves data between them and the host.
+//! `crate::poll::poller`; this file only moves data between them and the host.
 //!
 //! It runs in one of two places (`poller.mode`):
 //! - `singleton`: in the `inference-picker-poller` WasmService root (one VM on the main thread);
 //! - `lease`: in every filter root, but only the root holding the lease in shared data polls
-//!   (see `crate::lease`); the others only try to take the lease over on each tick.
+//!   (see `crate::poll::lease`); the others only try to take the lease over on each tick.
 
 use std::rc::Rc;
 
@@ -12,17 +12,17 @@ use hashbrown::HashMap;
 use log::{debug, error, info, warn};
 
 use super::io;
+use crate::base::ports::SharedStore;
+use crate::base::telemetry::{self, LogLimiter};
 use crate::config::Config;
-use crate::discovery::TokenSource;
-use crate::inflight::InflightTable;
-use crate::lease::{holder_id, Lease, LeaseState};
-use crate::peers::{self, Exporter};
-use crate::pod_models::{self, ModelsError, ModelsLearner};
-use crate::poller::{response_within_cap, Poller, ScrapeError, ScrapeResult};
-use crate::ports::SharedStore;
-use crate::scheduler::prefix_shared::SharedPrefix;
-use crate::snapshot::{self, SNAPSHOT_VERSION_KEY};
-use crate::telemetry::{self, LogLimiter};
+use crate::poll::discovery::TokenSource;
+use crate::poll::lease::{holder_id, Lease, LeaseState};
+use crate::poll::peers::{self, Exporter};
+use crate::poll::pod_models::{self, ModelsError, ModelsLearner};
+use crate::poll::poller::{response_within_cap, Poller, ScrapeError, ScrapeResult};
+use crate::state::inflight::InflightTable;
+use crate::state::prefix_shared::SharedPrefix;
+use crate::state::snapshot::{self, SNAPSHOT_VERSION_KEY};
 
 pub(crate) struct PollerRole {
     cfg: Rc<Config>,
@@ -47,7 +47,7 @@ pub(crate) struct PollerRole {
     peers: Option<PeerSender>,
 }
 
-/// The poller's side of `crate::peers`.
+/// The poller's side of `crate::poll::peers`.
 struct PeerSender {
     table: SharedPrefix,
     exporter: Exporter,
@@ -75,7 +75,7 @@ impl PollerRole {
     pub fn new(cfg: Rc<Config>) -> Self {
         let core = Poller::with_seed(&cfg, io::entropy());
         let read_peers = cfg.peers.is_some();
-        let metrics = io::Metrics::with_suffix(crate::pools::metric_suffix(cfg.pool.as_ref()));
+        let metrics = io::Metrics::with_suffix(crate::request::pools::metric_suffix(cfg.pool.as_ref()));
         let mut p = PollerRole {
             cfg,
             core,
@@ -195,7 +195,7 @@ impl PollerRole {
             let Some(k) = self.cfg.peers.as_ref().and_then(|p| p.kubernetes.as_ref()) else { return };
             let status = if num_headers == 0 { None } else { io::call_response_status() };
             let parsed = if response_within_cap(body_size, self.cfg.poller.max_response_bytes) {
-                crate::discovery::parse_pod_list_response(
+                crate::poll::discovery::parse_pod_list_response(
                     status.unwrap_or(0),
                     &io::call_response_body(body_size),
                     k,
@@ -274,7 +274,7 @@ impl PollerRole {
             body = io::call_response_body(body_size);
             ScrapeResult::Response { status: io::call_response_status().unwrap_or(0), body: &body }
         };
-        // This gateway's in-flight count now, as the scrape saw the engine (`crate::load`).
+        // This gateway's in-flight count now, as the scrape saw the engine (`crate::state::load`).
         let at_scrape = match &result {
             ScrapeResult::Response { status: 200, .. } => {
                 self.inflight.read(&io::HostStore, now).ok().map(|c| c.get(&address))
@@ -291,7 +291,7 @@ impl PollerRole {
         }
     }
 
-    // ---- pod_models: the low-rate model-list fetches (`crate::pod_models`) ----
+    // ---- pod_models: the low-rate model-list fetches (`crate::poll::pod_models`) ----
 
     /// Starts the model-list fetches that are due: new pods at once, the others every
     /// `pod_models.refresh_ms`. Through the metrics cluster, like a scrape.
@@ -345,8 +345,9 @@ impl PollerRole {
             // even when empty: an empty report clears what the peer counted for us.
             ps.next_load_ms = now.saturating_add(pc.load_interval_ms);
             ps.load_calls.clear();
-            let read = peers::gateway_sender(&io::HostStore, ps.load_sender)
-                .and_then(|sender| Ok((sender, crate::inflight::gateway_counts(&io::HostStore, now)?)));
+            let read = peers::gateway_sender(&io::HostStore, ps.load_sender).and_then(|sender| {
+                Ok((sender, crate::state::inflight::gateway_counts(&io::HostStore, now)?))
+            });
             match read {
                 Ok((sender, counts)) => {
                     let body = peers::encode_load(sender, &counts);

@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 
 use serde::Serialize;
 
-use crate::config::{read, ConfigError};
+use crate::base::json::{self, ConfigError};
 
 #[derive(Debug, Clone, PartialEq, Serialize)]
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
@@ -354,9 +354,9 @@ pub struct RewriteTarget {
     pub weight: Option<u32>,
 }
 
-// The readers of this file's types (`crate::config::read`): each field with its default, in
+// The readers of this file's types (`crate::base::json`): each field with its default, in
 // declaration order.
-read::from_json_struct!(SchedulerConfig {
+json::from_json_struct!(SchedulerConfig {
     weights = Weights::default(),
     model_weights = BTreeMap::new(),
     fallbacks = default_fallbacks(),
@@ -371,8 +371,8 @@ read::from_json_struct!(SchedulerConfig {
     objective = Objective::default(),
     predicted = PredictedConfig::default(),
 });
-read::from_json_enum!(Objective { "predicted_ttft" => PredictedTtft, "weighted" => Weighted });
-read::from_json_struct!(PredictedConfig {
+json::from_json_enum!(Objective { "predicted_ttft" => PredictedTtft, "weighted" => Weighted });
+json::from_json_struct!(PredictedConfig {
     affinity_slack = default_affinity_slack(),
     rendezvous_blocks = default_rendezvous_blocks(),
     prior_ms_per_token = default_prior_ms_per_token(),
@@ -381,7 +381,7 @@ read::from_json_struct!(PredictedConfig {
     miss_weight = default_miss_weight(),
     kv_full_at = default_kv_full_at(),
 });
-read::from_json_struct!(Weights {
+json::from_json_struct!(Weights {
     prefix = default_w_prefix(),
     queue = default_w_queue(),
     kv_cache = default_w_kv_cache(),
@@ -389,7 +389,7 @@ read::from_json_struct!(Weights {
     session = default_w_session(),
     lora = default_w_lora(),
 });
-read::from_json_struct!(WeightOverrides {
+json::from_json_struct!(WeightOverrides {
     prefix = None,
     queue = None,
     kv_cache = None,
@@ -397,7 +397,7 @@ read::from_json_struct!(WeightOverrides {
     session = None,
     lora = None,
 });
-read::from_json_struct!(PrefixConfig {
+json::from_json_struct!(PrefixConfig {
     block_chars = default_block_chars(),
     max_blocks = default_max_blocks(),
     index_blocks = default_index_blocks(),
@@ -406,7 +406,7 @@ read::from_json_struct!(PrefixConfig {
     shared_shards = default_shared_shards(),
     shared_entries_per_shard = default_shared_entries(),
 });
-read::from_json_struct!(SessionConfig {
+json::from_json_struct!(SessionConfig {
     header = default_session_header(),
     token_header = default_token_header(),
     secret_env = None,
@@ -414,12 +414,12 @@ read::from_json_struct!(SessionConfig {
     previous_secret_env = None,
     previous_secret = None,
 });
-read::from_json_struct!(GuardConfig { abs_gap = default_guard_abs(), ratio = default_guard_ratio() });
-read::from_json_struct!(RewriteRule { matches = Vec::new(), targets });
-read::from_json_struct!(RewriteMatch { model });
-read::from_json_struct!(ModelMatch { kind as "type" = default_match_type(), value });
-read::from_json_enum!(MatchType { "Exact" => Exact });
-read::from_json_struct!(RewriteTarget { model_rewrite, weight = None });
+json::from_json_struct!(GuardConfig { abs_gap = default_guard_abs(), ratio = default_guard_ratio() });
+json::from_json_struct!(RewriteRule { matches = Vec::new(), targets });
+json::from_json_struct!(RewriteMatch { model });
+json::from_json_struct!(ModelMatch { kind as "type" = default_match_type(), value });
+json::from_json_enum!(MatchType { "Exact" => Exact });
+json::from_json_struct!(RewriteTarget { model_rewrite, weight = None });
 
 fn default_fallbacks() -> usize {
     2

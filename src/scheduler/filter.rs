@@ -9,15 +9,15 @@
 //!   A scrape timestamp in the future (clock skew between the poller and this worker) counts as
 //!   fresh.
 //!
-//! - Not ejected: passive health (`crate::health`) ejects endpoints whose requests fail; they
+//! - Not ejected: passive health (`crate::state::health`) ejects endpoints whose requests fail; they
 //!   are removed from the serving list before the health check, within
 //!   `health.max_ejection_percent` of the serving endpoints ([`not_ejected`]). With no health
 //!   data nothing is removed.
 //!
 //! When no serving endpoint is healthy the scheduler fails open or answers 503 (see `mod.rs`).
 
-use crate::health::{HealthConfig, HealthView};
-use crate::snapshot::EndpointStatus;
+use crate::state::health::{HealthConfig, HealthView};
+use crate::state::snapshot::EndpointStatus;
 
 /// Does `ep` serve the base model `base`?
 pub fn serves(ep: &EndpointStatus, base: &str) -> bool {
@@ -76,8 +76,8 @@ mod tests {
 
     #[test]
     fn ejected_endpoints_are_left_out_within_the_limit() {
-        use crate::health::{Outcome, Recorder};
-        use crate::ports::MemStore;
+        use crate::base::ports::MemStore;
+        use crate::state::health::{Outcome, Recorder};
         let mut a = ep(&["m"], 1, 0);
         a.address = "10.0.0.1:8000".into();
         let mut b = ep(&["m"], 1, 0);

@@ -5,7 +5,7 @@
 //! score 1. It is a ratio, not min-max, so 10 vs 11 in flight (0.92) is a small difference while
 //! 0 vs 1 (0.5) is a large one — the same intuition as "1.5× more loaded".
 //!
-//! Input: `crate::inflight::InflightCounts`, shared by every Envoy worker through shared data,
+//! Input: `crate::state::inflight::InflightCounts`, shared by every Envoy worker through shared data,
 //! incremented when a request is sent and decremented when it ends. It reacts at once, whereas
 //! polled queue/KV metrics lag by up to one poll interval: a burst that lands between two polls
 //! would otherwise all go to the endpoint that looked idle at the last poll.

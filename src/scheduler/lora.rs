@@ -55,7 +55,7 @@ pub fn scores(adapter: Option<&str>, cands: &[Candidate<'_>]) -> Vec<f64> {
 mod tests {
     use super::super::tests_support::Owned;
     use super::*;
-    use crate::metrics::EndpointMetrics;
+    use crate::state::metrics::EndpointMetrics;
 
     fn m(max: Option<u32>, running: &[&str], waiting: &[&str]) -> Option<EndpointMetrics> {
         Some(EndpointMetrics {

@@ -16,14 +16,14 @@
 //!    that candidate is the primary.
 //! 6. Picker. Default objective `predicted_ttft` (`predict`): each candidate's predicted time to
 //!    first token (work queued ahead + this prompt's uncached tokens, at the endpoint's rate
-//!    learnt in `crate::rates`); among those within `predicted.affinity_slack` of the best, the
+//!    learnt in `crate::state::rates`); among those within `predicted.affinity_slack` of the best, the
 //!    rendezvous winner of the session id or the prompt's leading blocks (replicas agree without
 //!    talking); fallbacks by predicted TTFT. Objective `weighted` (`picker`): max total with a
 //!    seeded random tie-break (or weighted-random among the top k), then fallbacks in score
 //!    order.
 //! 7. The primary records the request's prefix blocks (local index and cross-worker table).
 //!
-//! Passive health (`crate::health`, [`Scheduler::pick_for_with`]): endpoints ejected for
+//! Passive health (`crate::state::health`, [`Scheduler::pick_for_with`]): endpoints ejected for
 //! failing requests are removed before stage 2's health filter (never more than
 //! `health.max_ejection_percent` of the serving ones), and recent failures and 429s count as
 //! requests in flight for `health.failure_load_ms`, in scoring and when failing open.
@@ -45,7 +45,7 @@ pub mod models;
 pub mod picker;
 pub mod predict;
 pub mod prefix;
-pub mod prefix_shared;
+
 pub mod queue;
 pub mod session;
 
@@ -53,19 +53,19 @@ use std::fmt::Write as _;
 
 use hashbrown::HashMap;
 
+use crate::base::errors::Rejection;
+use crate::base::ports::{Rng, SharedStore};
 use crate::config::{Config, FailureMode};
-use crate::errors::Rejection;
-use crate::health::{HealthConfig, HealthView};
-use crate::inflight::InflightCounts;
-use crate::metrics::EndpointMetrics;
-use crate::ports::{Rng, SharedStore};
-use crate::snapshot::{EndpointStatus, Snapshot};
+use crate::state::health::{HealthConfig, HealthView};
+use crate::state::inflight::InflightCounts;
+use crate::state::metrics::EndpointMetrics;
+use crate::state::snapshot::{EndpointStatus, Snapshot};
 
 use self::config::{Objective, SchedulerConfig, Weights};
 use self::models::ModelTable;
 use self::prefix::LocalIndex;
-use self::prefix_shared::{endpoint_key, endpoint_key_of_hash, SharedPrefix};
-use crate::by_address::address_hash;
+use crate::state::by_address::address_hash;
+use crate::state::prefix_shared::{endpoint_key, endpoint_key_of_hash, SharedPrefix};
 
 pub use self::session::{keys_from_config as session_keys_from_config, parse_session_token, SessionKeys};
 
@@ -165,7 +165,7 @@ impl Pick {
     }
 }
 
-/// Narrows one pick: the hook through which `crate::pd` makes its decode and prefill picks with
+/// Narrows one pick: the hook through which `crate::request::pd` makes its decode and prefill picks with
 /// the scheduler's own pipeline. The default scope changes nothing.
 #[derive(Clone, Copy, Default)]
 pub struct PickScope<'a> {
@@ -194,7 +194,7 @@ pub struct Candidate<'a> {
     pub metrics: Option<&'a EndpointMetrics>,
     /// Router-local in-flight count (all workers).
     pub inflight: u32,
-    /// The live queue estimate (`crate::load`): the scraped queue corrected by what this
+    /// The live queue estimate (`crate::state::load`): the scraped queue corrected by what this
     /// gateway sent there since the scrape and has not seen finish. `None` when the engine
     /// reports no queue.
     pub queue: Option<f64>,
@@ -284,8 +284,8 @@ pub struct Scheduler {
     session_keys: SessionKeys,
     /// This worker's requests still in prefill (objective `predicted_ttft`).
     ledger: predict::Ledger,
-    /// This worker's view of the learnt per-endpoint rates (`crate::rates`).
-    rates: crate::rates::RateCache,
+    /// This worker's view of the learnt per-endpoint rates (`crate::state::rates`).
+    rates: crate::state::rates::RateCache,
 }
 
 impl Scheduler {
@@ -305,7 +305,7 @@ impl Scheduler {
             hashes: Vec::new(),
             session_keys: SessionKeys::default(),
             ledger: predict::Ledger::default(),
-            rates: crate::rates::RateCache::default(),
+            rates: crate::state::rates::RateCache::default(),
             cfg: sc,
         }
     }
@@ -317,7 +317,7 @@ impl Scheduler {
     }
 
     /// The session-token keys in use.
-    /// The cross-worker prefix table's shape (`crate::peers` applies peers' records to it).
+    /// The cross-worker prefix table's shape (`crate::poll::peers` applies peers' records to it).
     pub fn shared_prefix(&self) -> &SharedPrefix {
         &self.shared
     }
@@ -328,7 +328,7 @@ impl Scheduler {
 
     /// This worker's requests still in prefill on `address` and their uncached prompt tokens,
     /// `(tokens, count)`: what the host publishes with its in-flight count there
-    /// (`crate::inflight::InflightTable::adjust_with_prefill`), so the other workers' predictions
+    /// (`crate::state::inflight::InflightTable::adjust_with_prefill`), so the other workers' predictions
     /// count it.
     pub fn ledger_prefill(&self, address: &str) -> (f64, u32) {
         self.ledger.pending(address)
@@ -337,7 +337,7 @@ impl Scheduler {
     /// The first response byte of the request `ticket` ([`Pick::ticket`]) arrived from `served`
     /// (the endpoint that answered, when the host knows it): its prefill no longer counts as
     /// work ahead, and the time since it was sent teaches the endpoint's rate to every worker
-    /// (`crate::rates::observe`, one CAS write). A ticket of 0, unknown or already reported does
+    /// (`crate::state::rates::observe`, one CAS write). A ticket of 0, unknown or already reported does
     /// nothing.
     pub fn first_byte(
         &mut self,
@@ -345,12 +345,12 @@ impl Scheduler {
         served: Option<&str>,
         store: &dyn SharedStore,
         now_ms: u64,
-    ) -> Result<(), crate::ports::StoreError> {
+    ) -> Result<(), crate::base::ports::StoreError> {
         if ticket == 0 {
             return Ok(());
         }
         match self.ledger.first_byte(ticket, served, now_ms) {
-            Some(o) => crate::rates::observe(
+            Some(o) => crate::state::rates::observe(
                 store,
                 endpoint_key(&o.address),
                 o.work,
@@ -463,7 +463,7 @@ impl Scheduler {
         self.pick_for_with(route, req, snapshot, inflight, &HealthView::default(), store, rng, now_ms)
     }
 
-    /// [`Scheduler::pick_for`] with the passive-health view (`crate::health`): ejected endpoints
+    /// [`Scheduler::pick_for`] with the passive-health view (`crate::state::health`): ejected endpoints
     /// are left out (within `health.max_ejection_percent`), and each endpoint's phantom load is
     /// added to its in-flight count.
     #[allow(clippy::too_many_arguments)]
@@ -482,7 +482,7 @@ impl Scheduler {
         self.pick_scoped(route, req, snapshot, inflight, health, store, rng, now_ms, &scope)
     }
 
-    /// [`Scheduler::pick_for_with`] narrowed by a [`PickScope`] (the hook of `crate::pd`, which
+    /// [`Scheduler::pick_for_with`] narrowed by a [`PickScope`] (the hook of `crate::request::pd`, which
     /// makes one decode pick and one prefill pick per request).
     #[allow(clippy::too_many_arguments)]
     pub fn pick_scoped(
@@ -562,20 +562,20 @@ impl Scheduler {
             return self.fail_open(&serving, &load, rng, target_model, model_rewritten);
         }
         let predicted = self.cfg.objective == Objective::PredictedTtft;
-        // Per candidate, once: its address hash (`crate::by_address`: its entry in every table
+        // Per candidate, once: its address hash (`crate::state::by_address`: its entry in every table
         // keyed by address, its key in the cross-worker ones, its rendezvous seed), this
         // gateway's in-flight count, and the live queue estimate (read by the queue scorer with
         // `live_queue`, and by the prediction).
         let need_live = self.cfg.live_queue || predicted;
         let addr_hash: Vec<u64> = healthy.iter().map(|e| address_hash(&e.address)).collect();
         // One probe per candidate for its count and the prefill the workers queued there.
-        let loads: Vec<crate::inflight::EndpointLoad> =
+        let loads: Vec<crate::state::inflight::EndpointLoad> =
             healthy.iter().zip(&addr_hash).map(|(e, &h)| inflight.load_hashed(h, &e.address)).collect();
         let live: Vec<Option<f64>> = if need_live {
             healthy
                 .iter()
                 .zip(&loads)
-                .map(|(e, l)| crate::load::live_queue(e, l.n, now_ms, self.stale_after_ms))
+                .map(|(e, l)| crate::state::load::live_queue(e, l.n, now_ms, self.stale_after_ms))
                 .collect()
         } else {
             Vec::new()
@@ -918,7 +918,7 @@ fn debug_string(cands: &[Candidate<'_>], rows: &[Breakdown], overloaded: &[bool]
 #[cfg(test)]
 pub(crate) mod tests_support {
     use super::Candidate;
-    use crate::metrics::EndpointMetrics;
+    use crate::state::metrics::EndpointMetrics;
 
     /// Owns what [`Candidate`]s borrow; addresses are `10.0.0.<i+1>:8000`.
     pub struct Owned {

@@ -8,21 +8,21 @@
 //!   (equal split when no weights are set). With an `x-session-id`, the choice is a hash of the
 //!   session id instead of a random draw, so a session keeps one model version for all its turns
 //!   (a split mid-conversation would also throw away its prefix cache);
-//! - the body's `model` is then rewritten to the target (`crate::body::rewrite_model`).
+//! - the body's `model` is then rewritten to the target (`crate::request::body::rewrite_model`).
 //!
 //! Resolution of the (possibly rewritten) name: a base model in `models`, else an adapter listed
 //! under a base model (the request goes to the base's endpoints), else a name that some
 //! endpoint of the snapshot serves (discovery, or `pod_models`: what the pods report, adapters
-//! included, see `crate::pod_models`); such a name is its own group and goes only to the
+//! included, see `crate::poll::pod_models`); such a name is its own group and goes only to the
 //! endpoints that list it, and it is an adapter for the LoRA scorer when some pod's LoRA metrics
 //! run or queue it. With `pod_models.allow_list`, a name the configuration does not mention is
 //! unknown even when a pod serves it. Anything else is unknown: 404 `model_not_found`.
 
 use hashbrown::{HashMap, HashSet};
 
+use crate::base::ports::Rng;
 use crate::config::Config;
-use crate::ports::Rng;
-use crate::snapshot::Snapshot;
+use crate::state::snapshot::Snapshot;
 
 /// Seed for the session → split-target hash. Any fixed value; it must never change between
 /// releases or sessions would switch targets on upgrade.
@@ -60,7 +60,7 @@ pub struct ModelTable {
 impl ModelTable {
     pub fn new(cfg: &Config) -> ModelTable {
         let mut t = ModelTable {
-            allow: crate::pod_models::allow_list(cfg),
+            allow: crate::poll::pod_models::allow_list(cfg),
             learning: cfg.pod_models.is_some(),
             ..ModelTable::default()
         };
@@ -125,7 +125,7 @@ impl ModelTable {
             return None;
         }
         let adapter =
-            (self.learning && crate::pod_models::is_running_adapter(snapshot, name)).then_some(name);
+            (self.learning && crate::poll::pod_models::is_running_adapter(snapshot, name)).then_some(name);
         Some(Resolved { base: name, adapter })
     }
 }
@@ -133,8 +133,8 @@ impl ModelTable {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ports::SplitMix64;
-    use crate::snapshot::EndpointStatus;
+    use crate::base::ports::SplitMix64;
+    use crate::state::snapshot::EndpointStatus;
 
     fn cfg(json: &str) -> Config {
         Config::from_json(json.as_bytes()).unwrap()
@@ -158,7 +158,7 @@ mod tests {
 
     #[test]
     fn learned_names_resolve_to_their_pods_unless_the_allow_list_refuses_them() {
-        use crate::metrics::EndpointMetrics;
+        use crate::state::metrics::EndpointMetrics;
         let snap = Snapshot {
             endpoints: vec![EndpointStatus {
                 models: vec!["llama".into(), "runtime-lora".into(), "idle-lora".into(), "mistral".into()],

@@ -12,7 +12,7 @@
 //!
 //! Inputs must be finite; a NaN total (which a scorer never produces) ranks last.
 
-use crate::ports::Rng;
+use crate::base::ports::Rng;
 
 fn key(t: f64) -> f64 {
     if t.is_nan() {
@@ -89,7 +89,7 @@ pub fn order(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ports::SplitMix64;
+    use crate::base::ports::SplitMix64;
 
     #[test]
     fn top_m_is_stable_and_partial() {

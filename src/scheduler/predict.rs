@@ -16,10 +16,10 @@
 //!   requests every worker of this Envoy sent to `e` that have not produced their first response
 //!   byte yet: each worker's [`Ledger`] (updated at every pick and first byte, exact for that
 //!   worker, like Dynamo's prefill tokens), published with its in-flight record and summed by
-//!   readers (`crate::inflight::InflightCounts::load_hashed`); this worker's own ledger when
+//!   readers (`crate::state::inflight::InflightCounts::load_hashed`); this worker's own ledger when
 //!   it shows more requests (its latest pick not yet read back). Missing (an older release's
 //!   record): this worker's ledger alone.
-//! - `waiting(e)`: the live queue estimate of `crate::load` (scraped queue + what this gateway
+//! - `waiting(e)`: the live queue estimate of `crate::state::load` (scraped queue + what this gateway
 //!   sent since the scrape and has not seen finish): requests of every worker and, at the last
 //!   scrape, of every gateway.
 //! - `per_request(e)` = `pending_tokens(e) ÷ pending_n(e)` when some are pending there, else
@@ -28,7 +28,7 @@
 //!   that a fully cached prompt on an idle endpoint does not predict 0. Every request ahead
 //!   costs it too: with tiny prompts a queue of 50 would otherwise weigh less than one request's
 //!   overhead, and fall within the rendezvous slack of an idle endpoint.
-//! - `rate(e)`: ms per token learned online per endpoint (`crate::rates`, shared by the workers).
+//! - `rate(e)`: ms per token learned online per endpoint (`crate::state::rates`, shared by the workers).
 //! - `lora_factor(e)` = `1 / max(lora_score(e), 0.1)` for an adapter request (the LoRA scorer's
 //!   1 running → ×1 · 0.8 free slot → ×1.25 · 0.6 waiting → ×1.67 · 0 every slot held by other
 //!   adapters → ×10: the request cannot start until a slot frees), 1 for a base-model request.
@@ -89,9 +89,9 @@
 //!
 //! # Missing signals
 //! - No queue reported: `waiting(e)` = this gateway's in-flight count to `e` (never missing).
-//! - No `inflight_at_scrape`: the scraped queue alone (as `crate::load`).
+//! - No `inflight_at_scrape`: the scraped queue alone (as `crate::state::load`).
 //! - No learnt rate: the median of the candidates' learnt rates, else the prior
-//!   (`predicted.prior_ms_per_token`, see `crate::rates`).
+//!   (`predicted.prior_ms_per_token`, see `crate::state::rates`).
 //! - No LoRA info: the LoRA scorer's neutral score.
 //! - No KV usage: the KV scorer's neutral fill (`super::kv`: the highest known usage, at least
 //!   0.5), so a pod without the metric never looks emptier than one that reports it; none
@@ -101,8 +101,8 @@
 use hashbrown::HashMap;
 use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
 
-use crate::by_address::{address_hash, ByAddress};
-use crate::ports::Rng;
+use crate::base::ports::Rng;
+use crate::state::by_address::{address_hash, ByAddress};
 
 /// Fixed per-request cost, in prompt tokens.
 pub const OVERHEAD_TOKENS: f64 = 256.0;
@@ -135,7 +135,7 @@ struct Sums {
     active_n: u32,
 }
 
-/// One observation for the rate learner (`crate::rates::observe`).
+/// One observation for the rate learner (`crate::state::rates::observe`).
 #[derive(Debug, Clone, PartialEq)]
 pub struct Observation {
     pub address: String,
@@ -557,7 +557,7 @@ fn total_order_key(x: f64) -> i64 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ports::SplitMix64;
+    use crate::base::ports::SplitMix64;
 
     fn inp(uncached: f64, pending: (f64, u32), waiting: Option<f64>, inflight: u32) -> Inputs {
         Inputs { uncached, pending, waiting, inflight, rate: 0.03, lora: None, active: 0.0 }

@@ -47,9 +47,9 @@ use std::hash::{BuildHasherDefault, Hasher};
 use hashbrown::HashSet;
 use xxhash_rust::xxh3::xxh3_64;
 
-use crate::by_address::{address_hash, ByAddress};
-use crate::metrics::EndpointMetrics;
 use crate::scheduler::config::PrefixConfig;
+use crate::state::by_address::{address_hash, ByAddress};
+use crate::state::metrics::EndpointMetrics;
 
 /// Block hashes are xxh3 outputs already: hash them by identity.
 #[derive(Default, Clone, Copy)]

@@ -7,7 +7,7 @@
 //! Input: `Candidate::queue`: the scraped `EndpointMetrics::queue` (vLLM
 //! `num_requests_waiting`, SGLang `num_queue_reqs`, trtllm `num_requests_waiting`; already
 //! normalised, so the scorer is engine-agnostic), or, with `scheduler.live_queue: true`, the
-//! **live queue estimate** of `crate::load` (that queue plus the requests this gateway sent there
+//! **live queue estimate** of `crate::state::load` (that queue plus the requests this gateway sent there
 //! since the scrape and has not seen finish). Without the correction, a snapshot up to a poll
 //! interval old makes every worker see the same "shortest" queue and send its requests there
 //! until the next scrape (herding); with it, each request sent lengthens the queue it joined at

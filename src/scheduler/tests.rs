@@ -3,8 +3,9 @@
 use proptest::prelude::*;
 
 use super::*;
-use crate::metrics::EndpointMetrics;
-use crate::ports::{MemStore, SplitMix64};
+use crate::base::ports::{MemStore, SplitMix64};
+use crate::state::metrics::EndpointMetrics;
+use crate::state::prefix_shared;
 
 const NOW: u64 = 1_000_000;
 
@@ -494,7 +495,11 @@ proptest! {
 
 #[test]
 fn example_config_parses_and_routes() {
-    let cfg = Config::from_json(include_bytes!("../../filter-config/examples/scheduler.json")).unwrap();
+    let cfg = Config::from_json(include_bytes!(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/filter-config/examples/scheduler.json"
+    )))
+    .unwrap();
     assert_eq!(cfg.scheduler.top_k, 2);
     let mut s = Scheduler::new(&cfg);
     assert_eq!((s.session_header(), s.token_header()), ("x-session-id", "x-session-token"));
@@ -579,7 +584,7 @@ fn debug_scores_are_bounded_and_best_first() {
 /// as a fallback.
 #[test]
 fn failures_are_load_and_ejected_endpoints_are_never_picked() {
-    use crate::health::{Outcome, Recorder};
+    use crate::state::health::{Outcome, Recorder};
     let cfg = config("");
     let mut s = Scheduler::new(&cfg);
     let sn = snap(vec![ep("a:1", &["llama"], 0.0, 0.2), ep("b:1", &["llama"], 0.0, 0.0)]);
@@ -614,7 +619,7 @@ fn failures_are_load_and_ejected_endpoints_are_never_picked() {
 /// after its ejection.
 #[test]
 fn a_black_hole_costs_at_most_three_requests_of_sixty() {
-    use crate::health::{Outcome, Recorder};
+    use crate::state::health::{Outcome, Recorder};
     let cfg = config("");
     for seed in 0..20 {
         let mut s = Scheduler::new(&cfg);
@@ -849,7 +854,7 @@ fn prefill_ledger_releases_on_first_byte_and_end() {
     let (mut s, store, p1) = one_ttft_pick(3);
     // The first byte after 400 ms teaches the store a rate for that pod.
     s.first_byte(p1.ticket, Some(&p1.primary), &store, NOW + 400).unwrap();
-    let key = crate::rates::shard_key(endpoint_key(&p1.primary));
+    let key = crate::state::rates::shard_key(endpoint_key(&p1.primary));
     assert!(store.get(&key).unwrap().is_some(), "an observation was recorded");
     assert_eq!(s.pending_requests(), 1, "active until the end");
     s.request_done(p1.ticket);
@@ -865,7 +870,7 @@ fn a_split_requests_first_byte_ends_its_prefill_but_teaches_no_rate() {
     assert!(s.ledger.pending(&p.primary).1 == 1, "pending prefill before the first byte");
     s.first_byte_unobserved(p.ticket);
     assert_eq!(s.ledger.pending(&p.primary), (0.0, 0), "its prefill no longer counts as work ahead");
-    let key = crate::rates::shard_key(endpoint_key(&p.primary));
+    let key = crate::state::rates::shard_key(endpoint_key(&p.primary));
     assert!(store.get(&key).unwrap().is_none(), "no observation recorded");
     // A later first byte of the same ticket teaches nothing either (already past prefill).
     s.first_byte(p.ticket, Some(&p.primary), &store, NOW + 400).unwrap();
@@ -881,8 +886,8 @@ fn a_pod_learnt_slow_gets_less_traffic() {
     // the noise band). Fresh prompts of every key then go to b:1 unless a:1 is much emptier.
     let store = MemStore::new();
     for _ in 0..400 {
-        crate::rates::observe(&store, endpoint_key("a:1"), 10_000.0, 1_200, 0.03).unwrap();
-        crate::rates::observe(&store, endpoint_key("b:1"), 10_000.0, 300, 0.03).unwrap();
+        crate::state::rates::observe(&store, endpoint_key("a:1"), 10_000.0, 1_200, 0.03).unwrap();
+        crate::state::rates::observe(&store, endpoint_key("b:1"), 10_000.0, 300, 0.03).unwrap();
     }
     let sn = snap(vec![ep("a:1", &["llama"], 0.0, 0.1), ep("b:1", &["llama"], 0.0, 0.1)]);
     let mut on_b = 0;

@@ -23,7 +23,7 @@ use std::collections::BTreeMap;
 use inference_picker::config::{
     Config, DiscoveryConfig, FailureMode, KubernetesDiscoveryConfig, ModelConfig, PollerMode,
 };
-use inference_picker::priority::ObjectiveConfig;
+use inference_picker::flow::priority::ObjectiveConfig;
 use inference_picker::scheduler::config::{MatchType, ModelMatch, RewriteMatch, RewriteRule, RewriteTarget};
 use serde::Deserialize;
 
@@ -436,8 +436,6 @@ pub fn parse_model_arg(arg: &str) -> Result<ModelConfig, String> {
     }
     // Through the module's reader, so that fields this tool does not set keep their documented
     // defaults.
-    inference_picker::config::read::read_value(
-        &serde_json::json!({"name": name.trim(), "adapters": adapters}),
-    )
-    .map_err(|e| format!("--model {arg:?}: {e}"))
+    inference_picker::base::json::read_value(&serde_json::json!({"name": name.trim(), "adapters": adapters}))
+        .map_err(|e| format!("--model {arg:?}: {e}"))
 }

@@ -47,7 +47,7 @@
 //! replicas do not sync, `--router-replica-sync` being off by default).
 
 use hashbrown::HashMap;
-use inference_picker::ports::Rng;
+use inference_picker::base::ports::Rng;
 
 /// `kv_overlap_score_weight` default.
 pub const OVERLAP_WEIGHT: f64 = 1.0;
@@ -213,7 +213,7 @@ impl KvRouter {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use inference_picker::ports::SplitMix64;
+    use inference_picker::base::ports::SplitMix64;
 
     #[test]
     fn cached_worker_wins_until_its_load_outweighs_the_hit() {

@@ -200,7 +200,7 @@ fn real_main() -> Result<(), String> {
         peer_sync_ms: if args.no_peer_sync {
             None
         } else {
-            Some(args.peer_sync_ms.unwrap_or(inference_picker::peers::DEFAULT_INTERVAL_MS))
+            Some(args.peer_sync_ms.unwrap_or(inference_picker::poll::peers::DEFAULT_INTERVAL_MS))
         },
         peer_sync_load: args.peer_sync_load,
     };

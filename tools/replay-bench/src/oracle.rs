@@ -37,7 +37,7 @@
 
 use model_server_sim::{Event, Server, SimRequest};
 
-use inference_picker::ports::Rng;
+use inference_picker::base::ports::Rng;
 
 /// Longest simulated look-ahead per candidate, in engine steps.
 pub const MAX_STEPS: usize = 20_000;
@@ -226,7 +226,7 @@ impl ApproxIndex {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use inference_picker::ports::SplitMix64;
+    use inference_picker::base::ports::SplitMix64;
     use model_server_sim::ServerConfig;
 
     fn req(id: u64, prompt: u32, hashes: Vec<u64>, at: f64) -> SimRequest {
@@ -296,7 +296,7 @@ mod tests {
 #[cfg(test)]
 mod what_if_tests {
     use super::*;
-    use inference_picker::ports::SplitMix64;
+    use inference_picker::base::ports::SplitMix64;
     use model_server_sim::ServerConfig;
 
     /// The oracle's TTFT as it was computed before `Server::what_if`: on a full copy.

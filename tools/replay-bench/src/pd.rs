@@ -1,5 +1,5 @@
 //! The prefill/decode (P/D) replay: the same GPUs as one aggregated pool or split into prefill
-//! and decode pods, routed by the real module core (`inference_picker::pd::route`), on a trace.
+//! and decode pods, routed by the real module core (`inference_picker::request::pd::route`), on a trace.
 //!
 //! **Servers.** `model_server_sim::Server` (the calibrated Llama-3-8B/H100 model). Aggregated:
 //! every server does prefill and decode. P/D: `prefill` servers and `servers − prefill` decode
@@ -31,14 +31,14 @@
 
 use std::collections::BinaryHeap;
 
+use inference_picker::base::ports::{MemStore, SplitMix64};
 use inference_picker::config::Config;
-use inference_picker::health::HealthView;
-use inference_picker::inflight::InflightCounts;
-use inference_picker::pd::{self, Decision};
-use inference_picker::poller::{Poller, ScrapeResult};
-use inference_picker::ports::{MemStore, SplitMix64};
+use inference_picker::poll::poller::{Poller, ScrapeResult};
+use inference_picker::request::pd::{self, Decision};
 use inference_picker::request::{prepare, BodyInputs, RequestHead};
 use inference_picker::scheduler::Scheduler;
+use inference_picker::state::health::HealthView;
+use inference_picker::state::inflight::InflightCounts;
 use model_server_sim::{Engine, Event, RenderInfo, Server, ServerConfig, SimRequest};
 use serde_json::json;
 
@@ -146,7 +146,7 @@ pub fn config(run: &PdRun) -> Result<Config, String> {
         });
     }
     let bytes = serde_json::to_vec(&doc).map_err(|e| e.to_string())?;
-    Config::from_json(&bytes).map_err(|errs| inference_picker::config::describe_errors(&errs))
+    Config::from_json(&bytes).map_err(|errs| inference_picker::base::json::describe_errors(&errs))
 }
 
 /// Replays `trace` on the pool of `run`.

@@ -4,20 +4,20 @@
 //! model as the HTTP simulator), and `replicas` × `workers` gateway workers. Each worker has its
 //! own local state (its own `Scheduler`, round-robin counter, random source); each replica has
 //! one `MemStore` shared by its workers (proxy-wasm shared data is per Envoy process), holding the
-//! published snapshot, the in-flight counts (`inference_picker::inflight`) and our cross-worker
+//! published snapshot, the in-flight counts (`inference_picker::state::inflight`) and our cross-worker
 //! prefix table; replicas share nothing but, for ours, the prefix-table exchange of the module's
 //! `peers` (`RunConfig::peer_sync_ms`). Each request goes to a worker chosen at random.
 //!
 //! **What the router sees.** Only what it would see in Envoy. Each replica's poller
-//! (`inference_picker::poller::Poller`, the real pure core) scrapes every server every
+//! (`inference_picker::poll::poller::Poller`, the real pure core) scrapes every server every
 //! `poll_ms`, starting at a random phase (ours: on the poller's own cadence, as in the module:
 //! `scrapes_due` every tick, an idle and unchanged server backed off up to
 //! `poller.idle_interval_ms`, the snapshot published when `publish_due`; pass
 //! `--ours-config '{"poller":{"idle_interval_ms":200}}'` for a fixed 200 ms): the server's
 //! Prometheus text is rendered at the scrape
 //! time by `model_server_sim::render_metrics` (vLLM names), delivered `metrics_delay_ms` later,
-//! parsed by the poller with `inference_picker::metrics::parse_metrics`, and published with
-//! `inference_picker::snapshot::publish`; workers read it through `SnapshotCache`. So the metrics
+//! parsed by the poller with `inference_picker::poll::scrape::parse_metrics`, and published with
+//! `inference_picker::state::snapshot::publish`; workers read it through `SnapshotCache`. So the metrics
 //! a request is routed on are between `metrics_delay_ms` and `poll_ms + metrics_delay_ms` old.
 //! In-flight counts are exact and immediate: incremented when a worker routes a request,
 //! decremented when the request's last token is out.
@@ -31,16 +31,16 @@
 
 use std::rc::Rc;
 
+use inference_picker::base::ports::{MemStore, Rng, SplitMix64};
 use inference_picker::config::Config;
+use inference_picker::flow::priority::{resolve_priority, Criticality};
+use inference_picker::flow::saturation::{saturated, SaturationParams};
 use inference_picker::flow::{Action, Admission, Capacity, FlowQueue, Ticket};
-use inference_picker::inflight;
-use inference_picker::poller::{Poller, ScrapeResult};
-use inference_picker::ports::{MemStore, Rng, SplitMix64};
-use inference_picker::priority::{resolve_priority, Criticality};
+use inference_picker::poll::poller::{Poller, ScrapeResult};
 use inference_picker::request::{on_body, BodyInputs, RequestHead};
-use inference_picker::saturation::{saturated, SaturationParams};
 use inference_picker::scheduler::Scheduler;
-use inference_picker::snapshot::{publish, EndpointStatus, Snapshot, SnapshotCache};
+use inference_picker::state::inflight;
+use inference_picker::state::snapshot::{publish, EndpointStatus, Snapshot, SnapshotCache};
 use model_server_sim::{Engine, Event, RenderInfo, Server, ServerConfig, SimRequest};
 
 use crate::dynamo::{self, KvRouter};
@@ -70,14 +70,14 @@ pub struct RunConfig {
     pub seed: u64,
     /// Replaces `ours`' scheduler section (see `strategy::config`).
     pub ours_overrides: Option<serde_json::Value>,
-    /// The module's `peers` exchange (`inference_picker::peers`): every this many ms, each
+    /// The module's `peers` exchange (`inference_picker::poll::peers`): every this many ms, each
     /// replica of ours sends the records its prefix table changed since its last send
     /// (`Exporter::collect`'s `delta`), and every other replica applies them (`upsert`). As in
     /// the module, records a replica received count as changed at its next send (sent on once).
     /// `None`: replicas share nothing (no `peers` section).
     pub peer_sync_ms: Option<u64>,
     /// With `peer_sync_ms`: each exchange also copies every other replica's in-flight record
-    /// (counts and queued prefill, `inference_picker::inflight`) into this replica's store, where
+    /// (counts and queued prefill, `inference_picker::state::inflight`) into this replica's store, where
     /// its readers add it to their own as they add another worker's.
     pub peer_sync_load: bool,
 }
@@ -230,7 +230,8 @@ pub fn run(trace: &Trace, policy: Policy, rc: &RunConfig) -> Result<RunResult, S
             next_poll: rng.next_f64() * rc.poll_ms as f64,
             adaptive: policy.is_ours(),
             // One batch is pending at a time: a tick longer than the metrics delay.
-            poll_tick_ms: inference_picker::poller::tick_period_ms(&cfg.poller).max(rc.metrics_delay_ms + 1),
+            poll_tick_ms: inference_picker::poll::poller::tick_period_ms(&cfg.poller)
+                .max(rc.metrics_delay_ms + 1),
             pending: None,
             sglang: (policy == Policy::Sglang).then(|| CacheAware::new(n)),
             dynamo: matches!(policy, Policy::Dynamo | Policy::DynamoNoEvents)
@@ -281,7 +282,7 @@ pub fn run(trace: &Trace, policy: Policy, rc: &RunConfig) -> Result<RunResult, S
         peer_sync: rc.peer_sync_ms.filter(|_| policy.is_ours() && n_replicas > 1).map(|ms| PeerSync {
             every_ms: ms as f64,
             next: 0.0,
-            keys: inference_picker::scheduler::prefix_shared::SharedPrefix::new(
+            keys: inference_picker::state::prefix_shared::SharedPrefix::new(
                 cfg.scheduler.prefix.shared_shards,
                 cfg.scheduler.prefix.shared_entries_per_shard,
             )
@@ -394,8 +395,8 @@ impl Sim<'_> {
     /// every other replica's table. Unlike the module, a batch is not capped at
     /// `peers::MAX_RECORDS` (a replica writes far fewer in an interval) and arrives at once.
     fn exchange_prefixes(&mut self, t: f64) {
-        use inference_picker::ports::SharedStore;
-        use inference_picker::scheduler::prefix_shared::{delta, upsert};
+        use inference_picker::base::ports::SharedStore;
+        use inference_picker::state::prefix_shared::{delta, upsert};
         let Some(ps) = self.peer_sync.as_mut() else { return };
         if t < ps.next {
             return;
@@ -502,7 +503,7 @@ impl Sim<'_> {
                 let now_ms = EPOCH_MS + d as u64;
                 let r = &mut self.replicas[ri];
                 // As the module's poller: this replica's in-flight counts when the scrape answers,
-                // the base of the live load estimate (`inference_picker::load`). Ours only: the
+                // the base of the live load estimate (`inference_picker::state::load`). Ours only: the
                 // baselines that run on our scheduler core do not have it.
                 let ours = self.policy.is_ours();
                 let counts = if ours { r.inflight.borrow_mut().read(&r.store, now_ms).ok() } else { None };
@@ -611,7 +612,7 @@ impl Sim<'_> {
         Ok(match &self.cfg.flow_control.reserve {
             Some(r) => {
                 let low = saturated(
-                    &inference_picker::admission::reserved_params(&self.sat, r),
+                    &inference_picker::flow::admission::reserved_params(&self.sat, r),
                     &eps,
                     &|a| counts.get(a),
                     now_ms,
@@ -746,7 +747,7 @@ impl Sim<'_> {
             }
             Policy::Sglang => {
                 let body = text::chat_body(&model, &msgs, req.output_tokens);
-                match inference_picker::body::parse_request(&self.head.path, &body) {
+                match inference_picker::request::body::parse_request(&self.head.path, &body) {
                     Ok(parsed) => {
                         let loads: Vec<u32> = self.addresses.iter().map(|a| counts.get(a)).collect();
                         match rep.sglang.as_mut() {

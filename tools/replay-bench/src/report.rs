@@ -125,12 +125,12 @@ A discrete-event replay in virtual time (`tools/replay-bench`):
 - **Router.** The real scheduler core (`inference_picker::scheduler::Scheduler`) compiled
   natively; every request's chat body goes through `inference_picker::request::on_body` (the real
   body parser, model resolution, scoring and pick). It sees only what it would see inside Envoy:
-  each gateway replica's poller (`inference_picker::poller::Poller`) scrapes every server every
+  each gateway replica's poller (`inference_picker::poll::poller::Poller`) scrapes every server every
   poll interval at a random phase; the server's Prometheus text is rendered by
   `model_server_sim::render_metrics` (vLLM names) at the scrape time, parsed by
-  `inference_picker::metrics::parse_metrics` on delivery after the metrics delay, and published
-  into the replica's `MemStore` with `inference_picker::snapshot::publish`; workers read it with
-  `SnapshotCache`. In-flight counts are `inference_picker::inflight` on the replica's `MemStore`,
+  `inference_picker::poll::scrape::parse_metrics` on delivery after the metrics delay, and published
+  into the replica's `MemStore` with `inference_picker::state::snapshot::publish`; workers read it with
+  `SnapshotCache`. In-flight counts are `inference_picker::state::inflight` on the replica's `MemStore`,
   shared by its workers (shared data is per Envoy process); replicas share only what ours'
   `peers` exchange carries (its prefix table, on its own timer; below). Requests are
   spread at random over the R × W workers, each with its own Scheduler.
@@ -173,9 +173,9 @@ A discrete-event replay in virtual time (`tools/replay-bench`):
   `x-gateway-inference-objective` (trusted) naming objectives premium 10, standard 0, sheddable
   −10; for `ours-tiers` as the example's `x-llm-tier` (premium / standard / free); the shipped
   default trusts neither. Every request of ours goes
-  through `inference_picker::priority::resolve_priority`, then each worker's
+  through `inference_picker::flow::priority::resolve_priority`, then each worker's
   `inference_picker::flow::FlowQueue::admit` with the capacity from
-  `inference_picker::saturation::saturated` on its snapshot and the replica's in-flight counts
+  `inference_picker::flow::saturation::saturated` on its snapshot and the replica's in-flight counts
   (the configuration's saturation thresholds); held requests are released or timed out by
   `FlowQueue::on_tick` every poll interval (the host's tick period), and only then scheduled, as
   the host filter does (with `flow_control.enabled: false`, the default, nothing is held).

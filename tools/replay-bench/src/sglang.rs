@@ -28,7 +28,7 @@
 //! replica's in-flight counts).
 
 use hashbrown::HashMap;
-use inference_picker::ports::Rng;
+use inference_picker::base::ports::Rng;
 
 pub const CACHE_THRESHOLD: f64 = 0.3;
 pub const BALANCE_ABS: u32 = 64;
@@ -172,7 +172,7 @@ impl CacheAware {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use inference_picker::ports::SplitMix64;
+    use inference_picker::base::ports::SplitMix64;
 
     fn text(tag: char, n: usize) -> String {
         std::iter::repeat_n(tag, n).collect()

@@ -293,7 +293,7 @@ pub fn config(
         }
     }
     let bytes = serde_json::to_vec(&doc).map_err(|e| e.to_string())?;
-    Config::from_json(&bytes).map_err(|errs| inference_picker::config::describe_errors(&errs))
+    Config::from_json(&bytes).map_err(|errs| inference_picker::base::json::describe_errors(&errs))
 }
 
 /// The tier label of a trace request as the header a policy's configuration reads:
@@ -301,7 +301,7 @@ pub fn config(
 pub fn tier_header(policy: Policy, tier: &str) -> (&'static str, String) {
     match policy {
         Policy::OursTiers => ("x-llm-tier", if tier == "sheddable" { "free".into() } else { tier.into() }),
-        _ => (inference_picker::priority::OBJECTIVE_HEADER, tier.into()),
+        _ => (inference_picker::flow::priority::OBJECTIVE_HEADER, tier.into()),
     }
 }
 
@@ -322,7 +322,7 @@ mod tests {
         assert_eq!((s.prefix.shared_shards, s.prefix.chars_per_token), (0, 4));
         assert_eq!(g.poller.interval_ms, 50);
         // GIE's autoTune: 25,000 blocks × 16 tokens ÷ 16 tokens per hashed block.
-        let m = inference_picker::metrics::EndpointMetrics {
+        let m = inference_picker::state::metrics::EndpointMetrics {
             num_gpu_blocks: Some(25_000),
             block_size: Some(16),
             ..Default::default()

@@ -67,7 +67,7 @@ impl Default for Common {
             metrics_delay_ms: 20,
             seeds: (1..=DEFAULT_SEEDS).collect(),
             ours_overrides: None,
-            peer_sync_ms: Some(inference_picker::peers::DEFAULT_INTERVAL_MS),
+            peer_sync_ms: Some(inference_picker::poll::peers::DEFAULT_INTERVAL_MS),
             peer_sync_load: false,
         }
     }

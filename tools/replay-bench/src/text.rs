@@ -11,7 +11,7 @@
 //! - Synthetic shared prefix: a system message per group and a question per (group, user).
 //!
 //! The router sees a chat-completions body (`messages`, `max_tokens`, `stream`) and parses it with
-//! `inference_picker::body::parse_request`, the real path. The server sees the prompt as the
+//! `inference_picker::request::body::parse_request`, the real path. The server sees the prompt as the
 //! simulator's HTTP shell serialises chat messages (`role: content\n` per message) and hashes it
 //! with `model_server_sim::prompt::block_hashes`, so "same text prefix" means the same thing to
 //! both sides.
@@ -206,7 +206,7 @@ mod tests {
             .map(|i| {
                 let m = messages(&t, i, &t.requests[i]);
                 let body = chat_body("m", &m, 5);
-                inference_picker::body::parse_request("/v1/chat/completions", &body).unwrap().prompt
+                inference_picker::request::body::parse_request("/v1/chat/completions", &body).unwrap().prompt
             })
             .collect();
         // Canonical prompt: "user\n" + content + record separator. Shared: 5 + 2048 characters.

@@ -1,0 +1,8 @@
+//! Ground: no project logic, nothing above it. Ports (time, randomness, the shared store),
+//! the rejection type, the JSON configuration reader and its error, sorting, telemetry names.
+
+pub mod errors;
+pub mod json;
+pub mod ports;
+pub mod sorting;
+pub mod telemetry;

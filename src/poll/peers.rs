@@ -1,0 +1,599 @@
+//! Gateway-to-gateway exchange of the cross-worker prefix table: the pure core.
+//!
+//! **Why.** Gateway replicas share nothing, so a conversation whose turns reach different
+//! replicas is placed by each one's own view, and its KV cache is lost. In the replay benchmark
+//! (Mooncake, 4 replicas × 4 workers, load 4.5) replicas that replayed each other's table writes
+//! every 1 s got the hit rate of one gateway back (13.7 % against 10.2 %; one gateway 13.6 %) and
+//! TTFT p90 from 1.85 to 1.58 s; every 5 s did as well (`tools/replay-bench/FINDINGS.md`,
+//! "Replicas that exchange their prefix tables").
+//!
+//! **How.** Each gateway's poller (the singleton) reads its table every `interval_ms`
+//! ([`Exporter::collect`]: the records that changed since its last read, at most
+//! [`MAX_RECORDS`]) and POSTs them ([`encode`]) to every peer gateway. A peer's filter takes a
+//! request to the exchange path only with the shared token ([`classify`]: anything else is
+//! answered locally and never reaches a model server), decodes the body ([`decode`]) and applies
+//! the records to its own table (`SharedPrefix::apply`: the newest write of a hash wins).
+//! Records a gateway received look new to its own next read, so it passes them on once more;
+//! the replay measured that echo and it cost nothing (FINDINGS.md), so records carry no origin.
+//!
+//! **Wire format.** `IPX1` then 18-byte records exactly as the table stores them
+//! (`prefix_shared::RECORD_BYTES`: `le64 hash ‖ le32 endpoint key ‖ 3 × le16 step tag`). A body
+//! that does not start with the magic, whose length is not a whole number of records, or that
+//! holds more than [`MAX_RECORDS`] is refused whole: nothing of it is applied.
+//!
+//! **Failure behaviour.** A peer that does not answer loses that batch (the table is a hint; the
+//! next turn's own write repairs it). A store error on read counts the shard as empty (its
+//! records are sent again later); on apply the shard is skipped.
+//!
+//! **Load reports (opt-in, `load_interval_ms`).** Every `load_interval_ms` the poller also
+//! POSTs this gateway's own in-flight counts and queued prefill ([`encode_load`]: `IPL1`, the
+//! gateway's sender nonce ([`gateway_sender`]), then `inflight::InflightCounts`' text form) on
+//! the same path and token. The peer's filter writes them as that sender's record in the peer
+//! slots of its in-flight table (`inflight::put_peer`: apart from the workers' slots, and no
+//! more live senders than it has peers, [`load_sender_limit`]), which every reader there adds
+//! to its own; its own report (a gateway that lists itself) is recognised by the nonce
+//! ([`is_own_report`]) and ignored, and when that nonce cannot be read the report is not
+//! applied. A report that stops coming ages out after `inflight::TTL_MS`; one that fails to
+//! decode is refused whole (400). Without it, other replicas' requests are seen at the next
+//! scrape only.
+//!
+//! **Where.** `peers` in the configuration ([`PeersConfig`]); the poller's side is
+//! `host::poller` (`PeerSender`), the filter's `host::filter` (the exchange path).
+
+use serde::Serialize;
+
+use crate::base::json::{self, ConfigError};
+use crate::base::ports::SharedStore;
+use crate::state::inflight::parse_nonce;
+use crate::state::prefix_shared::{decode as decode_shard, delta, Record, SharedPrefix, RECORD_BYTES};
+
+/// The header that carries the shared token.
+pub const TOKEN_HEADER: &str = "x-inference-picker-peer-token";
+/// Shortest shared token accepted, in bytes.
+pub const MIN_TOKEN_BYTES: usize = 16;
+/// Bounds of `peers.interval_ms`.
+pub const MIN_INTERVAL_MS: u64 = 100;
+pub const MAX_INTERVAL_MS: u64 = 60_000;
+/// The shortest `load_interval_ms` (other than 0, off).
+pub const MIN_LOAD_INTERVAL_MS: u64 = 50;
+/// Most peers (a gateway's other replicas).
+pub const MAX_PEERS: usize = 64;
+
+/// `peers` section of the configuration: the other replicas of this gateway, to which the
+/// poller sends its prefix table's new records, and the path on which the filter takes theirs.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
+#[serde(deny_unknown_fields)]
+pub struct PeersConfig {
+    /// The other replicas' listener addresses (`ip:port`, IPv6 bracketed), reached through the
+    /// poller's ORIGINAL_DST cluster (`poller.cluster`). At most 64; with `kubernetes`, may be
+    /// empty. This gateway's own address may be listed too (it applies its own records: no
+    /// change), so every replica can share one list. Default: none.
+    #[serde(default)]
+    #[cfg_attr(feature = "schema", schemars(length(max = MAX_PEERS)))]
+    pub addresses: Vec<String>,
+    /// Find the replicas as `discovery.kubernetes` finds model servers: the gateway's own pods
+    /// (its namespace and labels), `target_ports` = the listener port the exchange path is
+    /// served on, `models` empty. Every `refresh_ms`; the first 64 Ready pods. Default: none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kubernetes: Option<crate::config::KubernetesDiscoveryConfig>,
+    /// The exchange path. Requests to it are answered by the filter and never reach a model
+    /// server. Default `/.inference-picker/v1/prefixes`.
+    #[serde(default = "default_path")]
+    pub path: String,
+    /// The shared token, inline (at least 16 bytes). Prefer `token_env`. Exactly one of the two.
+    #[serde(default)]
+    pub token: Option<String>,
+    /// Name of a VM environment variable holding the shared token (Envoy
+    /// `vm_config.environment_variables`, Istio `vmConfig.env`).
+    #[serde(default)]
+    pub token_env: Option<String>,
+    /// The `:authority` (Host) of the sends, so that they match the peer's virtual host (e.g.
+    /// `llm.example.com`). Default: none (the peer's `ip:port`, which a `*` domain matches).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub authority: Option<String>,
+    /// How often the poller sends what changed, in ms: 100 to 60000. Default 1000.
+    #[serde(default = "default_interval_ms")]
+    #[cfg_attr(feature = "schema", schemars(range(min = MIN_INTERVAL_MS, max = MAX_INTERVAL_MS)))]
+    pub interval_ms: u64,
+    /// Timeout of one send, in ms: 1 to `interval_ms`. Default 1000.
+    #[serde(default = "default_timeout_ms")]
+    #[cfg_attr(feature = "schema", schemars(range(min = 1)))]
+    pub timeout_ms: u64,
+    /// How often the poller also sends this gateway's in-flight counts and queued prefill to
+    /// every peer, in ms: 0 (off) or 50 to 60000. Each peer adds them to its own (routing, the
+    /// live queue, saturation and flow control then count every replica's requests). Default 0.
+    #[serde(default)]
+    #[cfg_attr(feature = "schema", schemars(range(max = MAX_INTERVAL_MS)))]
+    pub load_interval_ms: u64,
+}
+
+json::from_json_struct!(PeersConfig {
+    addresses = Vec::new(),
+    kubernetes = None,
+    path = default_path(),
+    token = None,
+    token_env = None,
+    authority = None,
+    interval_ms = default_interval_ms(),
+    timeout_ms = default_timeout_ms(),
+    load_interval_ms = 0,
+});
+
+fn default_path() -> String {
+    "/.inference-picker/v1/prefixes".to_string()
+}
+/// `peers.interval_ms` by default.
+pub const DEFAULT_INTERVAL_MS: u64 = 1_000;
+
+fn default_interval_ms() -> u64 {
+    DEFAULT_INTERVAL_MS
+}
+fn default_timeout_ms() -> u64 {
+    1_000
+}
+
+impl PeersConfig {
+    pub fn validate(&self, at: &str, errs: &mut Vec<ConfigError>) {
+        if let Some(k) = &self.kubernetes {
+            // Its own rules, but `models`: peers serve none (said once, below).
+            let without_models = crate::config::KubernetesDiscoveryConfig { models: Vec::new(), ..k.clone() };
+            without_models.validate_into(&format!("{at}.kubernetes"), &[], errs);
+            if !k.models.is_empty() {
+                errs.push(ConfigError::new(
+                    format!("{at}.kubernetes.models"),
+                    "must be empty: peers serve no model",
+                ));
+            }
+        }
+        let mut push = |f: &str, reason: String| errs.push(ConfigError::new(format!("{at}.{f}"), reason));
+        if self.addresses.len() > MAX_PEERS {
+            push("addresses", format!("must list at most {MAX_PEERS} peers, got {}", self.addresses.len()));
+        }
+        if self.addresses.is_empty() && self.kubernetes.is_none() {
+            push("addresses", "list the peers, or find them with `kubernetes`".into());
+        }
+        for (i, a) in self.addresses.iter().enumerate() {
+            if let Err(e) = crate::config::parse_endpoint_address(a) {
+                push(&format!("addresses[{i}]"), e);
+            }
+        }
+        let p = &self.path;
+        if !p.starts_with('/')
+            || p.contains(['?', '#'])
+            || p.len() > 256
+            || p.bytes().any(|b| !b.is_ascii_graphic())
+        {
+            push("path", format!("must be an absolute path of printable ASCII without a query, got {p:?}"));
+        } else if crate::request::INFERENCE_PATHS.iter().any(|i| crate::request::prefix_matches(p, i))
+            || [crate::request::MODELS_PATH].iter().chain(crate::request::HEALTH_PATHS.iter()).any(|x| x == p)
+        {
+            push("path", format!("{p:?} is a path the filter serves itself"));
+        }
+        match (&self.token, &self.token_env) {
+            (Some(_), Some(_)) => push("token", "set `token` or `token_env`, not both".into()),
+            (None, None) => {
+                push("token", "set `token` or `token_env`: the exchange needs a shared token".into())
+            }
+            (Some(t), None) if t.len() < MIN_TOKEN_BYTES => {
+                push("token", format!("must be at least {MIN_TOKEN_BYTES} bytes"))
+            }
+            (None, Some(e)) if e.is_empty() || !e.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_') => {
+                push("token_env", format!("{e:?} is not an environment variable name"))
+            }
+            _ => {}
+        }
+        if let Some(a) = &self.authority {
+            if a.is_empty()
+                || a.len() > 253
+                || !a.bytes().all(|b| b.is_ascii_graphic())
+                || a.contains(['/', '@'])
+            {
+                push("authority", format!("must be a host name (optionally with a port), got {a:?}"));
+            }
+        }
+        if !(MIN_INTERVAL_MS..=MAX_INTERVAL_MS).contains(&self.interval_ms) {
+            push(
+                "interval_ms",
+                format!("must be {MIN_INTERVAL_MS} to {MAX_INTERVAL_MS}, got {}", self.interval_ms),
+            );
+        }
+        if self.load_interval_ms != 0
+            && !(MIN_LOAD_INTERVAL_MS..=MAX_INTERVAL_MS).contains(&self.load_interval_ms)
+        {
+            push(
+                "load_interval_ms",
+                format!(
+                    "must be 0 (off) or {MIN_LOAD_INTERVAL_MS} to {MAX_INTERVAL_MS}, got {}",
+                    self.load_interval_ms
+                ),
+            );
+        }
+        if self.timeout_ms == 0 || self.timeout_ms > self.interval_ms {
+            push(
+                "timeout_ms",
+                format!("must be 1 to interval_ms ({}), got {}", self.interval_ms, self.timeout_ms),
+            );
+        }
+    }
+
+    /// The token: inline, or read from the VM environment (`None` when the variable is unset or
+    /// shorter than [`MIN_TOKEN_BYTES`]: the exchange then stays off, logged by the host).
+    pub fn resolve_token(&self, env: impl Fn(&str) -> Option<String>) -> Option<String> {
+        let t = match (&self.token, &self.token_env) {
+            (Some(t), _) => Some(t.clone()),
+            (None, Some(name)) => env(name),
+            (None, None) => None,
+        };
+        t.filter(|t| t.len() >= MIN_TOKEN_BYTES)
+    }
+}
+
+/// The body's first bytes (format version 1).
+pub const MAGIC: &[u8; 4] = b"IPX1";
+/// Most records in one batch (73,732 bytes): the default table holds 16,384 (256 shards × 64).
+pub const MAX_RECORDS: usize = 4096;
+/// The largest valid body.
+pub const MAX_BODY_BYTES: usize = MAGIC.len() + MAX_RECORDS * RECORD_BYTES;
+
+/// Why a body was refused.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum WireError {
+    BadMagic,
+    Truncated {
+        len: usize,
+    },
+    TooMany {
+        records: usize,
+    },
+    /// A load body ([`LOAD_MAGIC`]) without a well-formed sender nonce.
+    BadSender,
+}
+
+/// The first bytes of a load body (`peers.load_interval_ms`; format version 1).
+pub const LOAD_MAGIC: &[u8; 4] = b"IPL1";
+/// Shared-data key of this gateway's sender nonce (16 hex digits): one per Envoy process,
+/// created by the first poller that sends ([`gateway_sender`]) and kept when the poller moves
+/// (lease mode) or restarts, so peers keep one record for this gateway. The filter reads it to
+/// ignore this gateway's own report: `addresses` may list this gateway itself, and adding its
+/// own counts to themselves would double them.
+pub const LOAD_SENDER_KEY: &str = "inference-picker/peers/load-sender";
+
+/// This gateway's sender nonce: the one in [`LOAD_SENDER_KEY`], or `candidate` (non-zero)
+/// written there when there is none (or it is garbled). Of two pollers racing, the first write
+/// wins and both return it.
+pub fn gateway_sender(
+    store: &dyn SharedStore,
+    candidate: u64,
+) -> Result<u64, crate::base::ports::StoreError> {
+    for _ in 0..4 {
+        let cas = match store.get(LOAD_SENDER_KEY)? {
+            Some((v, cas)) => match parse_nonce(&v) {
+                Some(n) => return Ok(n),
+                None => cas,
+            },
+            None => crate::base::ports::CREATE_CAS,
+        };
+        match store.set(LOAD_SENDER_KEY, format!("{:016x}", candidate.max(1)).as_bytes(), cas) {
+            Ok(()) | Err(crate::base::ports::StoreError::CasMismatch) => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Err(crate::base::ports::StoreError::CasMismatch)
+}
+
+/// Shared-data key where the poller publishes how many peers it sends to (`addresses` and the
+/// pods found through `kubernetes`, without repeats), in decimal: the filter's cap on the peer
+/// records of the in-flight table ([`load_sender_limit`]).
+pub const PEER_COUNT_KEY: &str = "inference-picker/peers/count";
+
+/// How many senders may have a live load record here (`inflight::put_peer`'s `limit`): the peer
+/// count the poller published (`published`: the value of [`PEER_COUNT_KEY`]), or, before it
+/// has, the configured `addresses`; at most `inflight::MAX_PEER_SLOTS`.
+pub fn load_sender_limit(cfg: &PeersConfig, published: Option<&[u8]>) -> usize {
+    published
+        .and_then(|v| std::str::from_utf8(v).ok())
+        .and_then(|t| t.parse::<usize>().ok())
+        .unwrap_or(cfg.addresses.len())
+        .min(crate::state::inflight::MAX_PEER_SLOTS)
+}
+
+/// Whether a report from `sender` is this gateway's own (`stored`: the value of
+/// [`LOAD_SENDER_KEY`], if any).
+pub fn is_own_report(stored: Option<&[u8]>, sender: u64) -> bool {
+    stored.and_then(parse_nonce).is_some_and(|own| own == sender)
+}
+
+/// `LOAD_MAGIC ‖ sender nonce (16 hex digits) ‖ ' ' ‖ counts`: the sending gateway's own
+/// in-flight counts and queued prefill (`inflight::gateway_counts`), in the in-flight table's
+/// text form (`InflightCounts::encode`: `addr=n` or `addr=n/prefill_n/prefill_tokens`, `;`
+/// between entries). `sender` is a random nonce per sending poller, never 0.
+pub fn encode_load(sender: u64, counts: &crate::state::inflight::InflightCounts) -> Vec<u8> {
+    let mut out = LOAD_MAGIC.to_vec();
+    out.extend_from_slice(format!("{:016x} ", sender.max(1)).as_bytes());
+    out.extend_from_slice(&counts.encode());
+    out
+}
+
+/// The sender and counts of a load body, or why it is refused (nothing applied). Malformed
+/// entries inside the counts are skipped, as the in-flight table's reader skips them.
+pub fn decode_load(body: &[u8]) -> Result<(u64, crate::state::inflight::InflightCounts), WireError> {
+    let rest = body.strip_prefix(LOAD_MAGIC.as_slice()).ok_or(WireError::BadMagic)?;
+    if rest.len() > MAX_BODY_BYTES {
+        return Err(WireError::Truncated { len: body.len() });
+    }
+    let (head, counts) = match (rest.get(..16), rest.get(16), rest.get(17..)) {
+        (Some(h), Some(b' '), Some(c)) => (h, c),
+        _ => return Err(WireError::BadSender),
+    };
+    let sender = parse_nonce(head).ok_or(WireError::BadSender)?;
+    Ok((sender, crate::state::inflight::InflightCounts::decode(counts)))
+}
+
+/// `MAGIC ‖ records`. Callers keep batches within [`MAX_RECORDS`] ([`Exporter::collect`] does).
+pub fn encode(records: &[Record]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(MAGIC.len() + records.len() * RECORD_BYTES);
+    out.extend_from_slice(MAGIC);
+    for (h, e, tags) in records {
+        out.extend_from_slice(&h.to_le_bytes());
+        out.extend_from_slice(&e.to_le_bytes());
+        for t in tags {
+            out.extend_from_slice(&t.to_le_bytes());
+        }
+    }
+    out
+}
+
+/// The records of a body, or why it is refused (whole).
+pub fn decode(body: &[u8]) -> Result<Vec<Record>, WireError> {
+    let rest = body.strip_prefix(MAGIC.as_slice()).ok_or(WireError::BadMagic)?;
+    if !rest.len().is_multiple_of(RECORD_BYTES) {
+        return Err(WireError::Truncated { len: body.len() });
+    }
+    let n = rest.len() / RECORD_BYTES;
+    if n > MAX_RECORDS {
+        return Err(WireError::TooMany { records: n });
+    }
+    Ok(decode_shard(rest))
+}
+
+/// What the poller read of its table at its last exchange, to send only what changed since.
+#[derive(Debug, Default)]
+pub struct Exporter {
+    last: Vec<Vec<u8>>,
+}
+
+impl Exporter {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Reads every shard and returns the records written since the previous call (all of them
+    /// on the first), at most [`MAX_RECORDS`]: past that, the newest of each shard go first and
+    /// the shards not sent are not marked read, so their records go with the next call.
+    pub fn collect(&mut self, store: &dyn SharedStore, table: &SharedPrefix) -> Vec<Record> {
+        let now = table.read_all(store);
+        if self.last.len() != now.len() {
+            self.last = vec![Vec::new(); now.len()];
+        }
+        let mut out = Vec::new();
+        for (last, value) in self.last.iter_mut().zip(now) {
+            let d = delta(last, &value);
+            if out.len() + d.len() > MAX_RECORDS {
+                continue;
+            }
+            out.extend(d);
+            *last = value;
+        }
+        out
+    }
+}
+
+/// What the filter does with a request, decided from its head alone.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PeerRequest {
+    /// Not the exchange path (or the exchange is off): an inference request like any other.
+    NotPeer,
+    /// Answer locally with this status; nothing reaches a model server.
+    Reject { status: u32, code: &'static str, message: &'static str },
+    /// Read the body (at most [`MAX_BODY_BYTES`]) and apply it.
+    Accept,
+}
+
+/// The exchange's settings as the filter sees them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Endpoint<'a> {
+    /// The exchange path, e.g. `/.inference-picker/v1/prefixes`.
+    pub path: &'a str,
+    /// The shared token peers send in the token header.
+    pub token: &'a str,
+}
+
+/// Classifies a request head. `path` is `:path` (a query string makes it another path: peers
+/// never send one); `token` is the token header's value, if sent. With the exchange off
+/// (`endpoint` `None`) every request is [`PeerRequest::NotPeer`].
+pub fn classify(
+    endpoint: Option<&Endpoint<'_>>,
+    method: &str,
+    path: &str,
+    token: Option<&[u8]>,
+) -> PeerRequest {
+    let Some(ep) = endpoint else { return PeerRequest::NotPeer };
+    if path != ep.path {
+        return PeerRequest::NotPeer;
+    }
+    // The token first: without it, the path's existence is not confirmed beyond a 404-like 403.
+    if !token.is_some_and(|t| ct_eq(t, ep.token.as_bytes())) || ep.token.is_empty() {
+        return PeerRequest::Reject {
+            status: 403,
+            code: "forbidden",
+            message: "This path is for gateway peers only.",
+        };
+    }
+    if method != "POST" {
+        return PeerRequest::Reject {
+            status: 405,
+            code: "method_not_allowed",
+            message: "Peers send their prefix records with POST.",
+        };
+    }
+    PeerRequest::Accept
+}
+
+/// Equality whose time does not depend on where the first difference is (it still reveals the
+/// length, which a token's configured minimum makes worthless).
+fn ct_eq(a: &[u8], b: &[u8]) -> bool {
+    if a.len() != b.len() {
+        return false;
+    }
+    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+/// Applies a received body to this gateway's table. Returns how many records it held, or why
+/// it was refused (then nothing was applied).
+pub fn receive(store: &dyn SharedStore, table: &SharedPrefix, body: &[u8]) -> Result<usize, WireError> {
+    let records = decode(body)?;
+    table.apply(store, &records);
+    Ok(records.len())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::base::ports::MemStore;
+    use crate::state::prefix_shared::{find, STEPS};
+
+    const T: [u16; STEPS - 1] = [0; STEPS - 1];
+
+    fn table() -> SharedPrefix {
+        SharedPrefix::new(16, 8)
+    }
+
+    #[test]
+    fn a_load_body_round_trips_and_a_bad_sender_is_refused() {
+        use crate::state::inflight::InflightCounts;
+        let counts = InflightCounts::decode(b"10.0.0.1:8000=3/2/9000;[fd00::1]:8000=1");
+        let body = encode_load(0xF00, &counts);
+        assert!(body.starts_with(b"IPL10000000000000f00 "));
+        assert_eq!(decode_load(&body), Ok((0xF00, counts)));
+        // Nothing in flight is a valid report (it clears the peer's earlier counts).
+        assert_eq!(
+            decode_load(&encode_load(7, &InflightCounts::default())),
+            Ok((7, InflightCounts::default()))
+        );
+        assert_eq!(decode_load(b"IPX10000000000000f00 a=1"), Err(WireError::BadMagic));
+        for bad in [
+            &b"IPL1"[..],
+            b"IPL10000000000000000 a=1",
+            b"IPL10000000000000f00a=1",
+            b"IPL1000000000000zzzz a=1",
+            b"IPL1+000000000000f00 a=1",
+            b"IPL1f00 a=1",
+        ] {
+            assert_eq!(decode_load(bad), Err(WireError::BadSender), "{bad:?}");
+        }
+        // Garbled entries are skipped, as the in-flight reader skips them.
+        let (_, c) = decode_load(b"IPL10000000000000f00 a=x;b=2;=3;c").unwrap();
+        assert_eq!((c.get("a"), c.get("b"), c.total()), (0, 2, 2));
+        // One sender nonce per gateway: the first poller's, whoever sends later.
+        let store = MemStore::new();
+        assert_eq!(gateway_sender(&store, 0xAAA), Ok(0xAAA));
+        assert_eq!(gateway_sender(&store, 0xBBB), Ok(0xAAA));
+        store.set(LOAD_SENDER_KEY, b"garbage", 0).unwrap();
+        assert_eq!(gateway_sender(&store, 0xCCC), Ok(0xCCC));
+        assert!(is_own_report(Some(b"0000000000000f00"), 0xF00));
+        assert!(!is_own_report(Some(b"0000000000000f01"), 0xF00));
+        assert!(!is_own_report(None, 0xF00));
+        assert!(!is_own_report(Some(b"garbage"), 0xF00));
+        let huge = [&b"IPL10000000000000f00 "[..], &vec![b'a'; MAX_BODY_BYTES][..]].concat();
+        assert!(matches!(decode_load(&huge), Err(WireError::Truncated { .. })));
+    }
+
+    #[test]
+    fn a_batch_round_trips_and_bad_bodies_are_refused_whole() {
+        let recs = vec![(1u64, 10u32, [1, 2, 3]), (u64::MAX, u32::MAX, T)];
+        let body = encode(&recs);
+        assert_eq!(body.len(), 4 + 2 * RECORD_BYTES);
+        assert_eq!(decode(&body), Ok(recs));
+        assert_eq!(decode(&encode(&[])), Ok(vec![]));
+        assert_eq!(decode(b"IPX2"), Err(WireError::BadMagic));
+        assert_eq!(decode(b""), Err(WireError::BadMagic));
+        assert_eq!(decode(&body[..body.len() - 1]), Err(WireError::Truncated { len: body.len() - 1 }));
+        let big = encode(&vec![(7, 7, T); MAX_RECORDS + 1]);
+        assert_eq!(decode(&big), Err(WireError::TooMany { records: MAX_RECORDS + 1 }));
+        assert_eq!(encode(&vec![(7, 7, T); MAX_RECORDS]).len(), MAX_BODY_BYTES);
+        // A refused body applies nothing.
+        let store = MemStore::new();
+        assert!(receive(&store, &table(), &body[..body.len() - 1]).is_err());
+        assert!(table().read_all(&store).iter().all(Vec::is_empty));
+    }
+
+    #[test]
+    fn what_one_gateway_wrote_reaches_the_other_and_only_once() {
+        let (a, b) = (MemStore::new(), MemStore::new());
+        let t = table();
+        let mut ex = Exporter::new();
+        assert!(ex.collect(&a, &t).is_empty());
+        t.apply(&a, &[(100, 1, T), (101, 2, T)]);
+        let batch = ex.collect(&a, &t);
+        assert_eq!(batch.len(), 2);
+        assert_eq!(receive(&b, &t, &encode(&batch)), Ok(2));
+        let shard_of = |h: u64| t.read_all(&b)[(h % 16) as usize].clone();
+        assert_eq!(find(&shard_of(100), 100), Some(1));
+        assert_eq!(find(&shard_of(101), 101), Some(2));
+        // A hash given twice in one batch: the later record wins.
+        t.apply(&b, &[(5, 1, T), (5, 2, T)]);
+        assert_eq!(find(&t.read_all(&b)[5], 5), Some(2));
+        // Nothing new: nothing sent. A rewrite is sent, and wins on the peer.
+        assert!(ex.collect(&a, &t).is_empty());
+        t.apply(&a, &[(100, 3, T)]);
+        assert_eq!(ex.collect(&a, &t), vec![(100, 3, T)]);
+        receive(&b, &t, &encode(&[(100, 3, T)])).unwrap();
+        assert_eq!(find(&shard_of(100), 100), Some(3));
+    }
+
+    #[test]
+    fn a_batch_is_capped_and_the_rest_follows() {
+        let store = MemStore::new();
+        let t = SharedPrefix::new(256, 64);
+        let recs: Vec<Record> = (0..(MAX_RECORDS as u64 + 500)).map(|h| (h, 1, T)).collect();
+        t.apply(&store, &recs);
+        let mut ex = Exporter::new();
+        let first = ex.collect(&store, &t);
+        assert!(!first.is_empty() && first.len() <= MAX_RECORDS, "{}", first.len());
+        let second = ex.collect(&store, &t);
+        assert_eq!(first.len() + second.len(), recs.len());
+        assert!(ex.collect(&store, &t).is_empty());
+    }
+
+    #[test]
+    fn only_a_post_with_the_token_to_the_path_is_accepted() {
+        let ep = Endpoint { path: "/.inference-picker/v1/prefixes", token: "s3cret-token-0123456789" };
+        let tok = Some("s3cret-token-0123456789".as_bytes());
+        assert_eq!(classify(Some(&ep), "POST", ep.path, tok), PeerRequest::Accept);
+        assert_eq!(classify(None, "POST", ep.path, tok), PeerRequest::NotPeer);
+        assert_eq!(classify(Some(&ep), "POST", "/v1/chat/completions", tok), PeerRequest::NotPeer);
+        assert_eq!(
+            classify(Some(&ep), "POST", "/.inference-picker/v1/prefixes?x=1", tok),
+            PeerRequest::NotPeer
+        );
+        for bad in [
+            None,
+            Some(&b""[..]),
+            Some(&b"s3cret-token-012345678"[..]),
+            Some(&b"S3cret-token-0123456789"[..]),
+        ] {
+            assert!(matches!(
+                classify(Some(&ep), "POST", ep.path, bad),
+                PeerRequest::Reject { status: 403, .. }
+            ));
+        }
+        assert!(matches!(classify(Some(&ep), "GET", ep.path, tok), PeerRequest::Reject { status: 405, .. }));
+        // An empty configured token never accepts anything.
+        let open = Endpoint { path: ep.path, token: "" };
+        assert!(matches!(
+            classify(Some(&open), "POST", ep.path, Some(b"")),
+            PeerRequest::Reject { status: 403, .. }
+        ));
+    }
+}

@@ -1,0 +1,1103 @@
+//! Passive health: what upstream results say about each endpoint, shared by every worker, and
+//! which endpoints are ejected from picking. Pure: the host passes the store, the time and the
+//! classified result of each request.
+//!
+//! # Inputs
+//! The host classifies every request it routed, once, in `on_log` ([`classify`]): the final
+//! response status (`response.code`), `response.code_details` and `response.flags`, and which
+//! endpoint answered (`upstream.address`). [`attribute`] turns that into one [`Outcome`] per
+//! endpoint tried: with Envoy's `override_host` retries, every endpoint listed before the one
+//! that answered failed once (a retriable failure: connect failure, reset, retriable 5xx; which
+//! one is not known, so it counts as a plain `Failure`, not a gateway failure).
+//! - `Success`: any response from the pod that is not a 5xx or 429 (a 400 or 404 is the
+//!   client's fault and shows the pod alive);
+//! - `Failure` (`gateway: false`): 500, 501, 505 ... from the pod;
+//! - `Failure` (`gateway: true`): 502, 503, 504, connect failure, reset, upstream timeout;
+//! - `Load`: 429 from the pod. The pod is alive but full: it never counts toward ejection and
+//!   does not reset the consecutive counters, but it adds phantom load (below);
+//! - nothing: the client went away, or the filter answered itself.
+//!
+//! # Ejection (as Envoy's outlier detection)
+//! Per endpoint: consecutive failures (any 5xx), consecutive gateway failures, and the failures
+//! and requests in a window of `window_ms` (reset when it ends). An endpoint with nothing but
+//! successes is not remembered at all (that keeps the shared value small), so in practice the
+//! window counts from the endpoint's first failure. After a failure the endpoint is
+//! ejected, with a reason, when
+//! - it is on probation (its last ejection has ended and no success came since): `probation`;
+//! - consecutive gateway failures ≥ `consecutive_gateway_failure`: `consecutive_gateway_failure`;
+//! - consecutive failures ≥ `consecutive_5xx`: `consecutive_5xx`;
+//! - requests in the window ≥ `failure_rate_min_requests` and failures ≥ `failure_rate_percent`
+//!   % of them: `failure_rate`.
+//!
+//! (A threshold of 0 disables its rule.) The n-th ejection in a row lasts
+//! `min(base_ejection_ms × 2^(n−1), max_ejection_ms)`; the counters restart. When it ends the
+//! endpoint is picked again, on probation: its first success ends probation, one failure ejects
+//! it again for twice as long. The count of ejections restarts once the endpoint has stayed
+//! out of ejection and probation for `max_ejection_ms`.
+//!
+//! # Readers
+//! [`HealthView::excluded`] tells the scheduler which serving endpoints to leave out: the ejected
+//! ones, but at most `max_ejection_percent` % of the serving endpoints (at least one when there
+//! are two or more; never all). The earliest ejections stay in force. An ejection beyond the
+//! limit is still recorded (and counted in the metric) but not applied.
+//!
+//! # A fast failure is load
+//! A black hole answers at once, so it never has anything in flight and would look like the
+//! least loaded pod. Every failure and every 429 adds one to the endpoint's *phantom load*,
+//! which [`HealthView::phantom_load`] returns while the last of them is younger than
+//! `failure_load_ms`; the scheduler adds it to the endpoint's in-flight count (it restarts
+//! from 1 after a quiet `failure_load_ms`, and is capped at [`MAX_PHANTOM_LOAD`]).
+//!
+//! # Shared data, and why races are safe
+//! One key, [`HEALTH_KEY`], holding one line per endpoint with anything to remember (clean
+//! entries are dropped, at most [`MAX_ENTRIES`]): the number of keys is one whatever the pool
+//! and the traffic. Every update is a CAS loop (read, apply, write with the token read) bounded
+//! by [`crate::state::inflight::MAX_CAS_ATTEMPTS`], so two workers never overwrite each other once the
+//! key exists. The key's *creation* is the only unconditional write (Envoy's CAS cannot say
+//! "only if absent"): two workers that both find it missing may both write, and the second
+//! overwrites the first's event. That loses at most the events of that one moment, once per
+//! process, and it heals itself:
+//! - the counters are re-accumulated from the next results (a black hole keeps failing);
+//! - each worker keeps the ejections it decided in its own [`Recorder`] and merges them back
+//!   into every later write and into what it reads, so an ejection it made is never lost, even
+//!   if its write was overwritten;
+//! - a value that does not parse reads as empty, and the next write replaces it.
+//!
+//! The view read by a request is at most one request old: each pick reads the key (one small
+//! copy, usually empty).
+
+use hashbrown::HashMap;
+use serde::Serialize;
+
+use crate::base::json::{self, ConfigError};
+use crate::base::ports::{SharedStore, StoreError};
+use crate::state::inflight::MAX_CAS_ATTEMPTS;
+use crate::state::snapshot::Snapshot;
+
+pub const HEALTH_KEY: &str = "inference-picker/health";
+/// Most endpoints remembered; beyond it the least recently active are dropped.
+pub const MAX_ENTRIES: usize = 1024;
+/// Largest phantom load of one endpoint.
+pub const MAX_PHANTOM_LOAD: u32 = 64;
+/// Longest `startup_wait_ms` accepted (a minute).
+pub const MAX_STARTUP_WAIT_MS: u64 = 60_000;
+
+/// `health` section of the configuration.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
+#[serde(deny_unknown_fields)]
+pub struct HealthConfig {
+    /// Learn from upstream results and eject failing endpoints. Default true. When false,
+    /// nothing is recorded or ejected (`startup_wait_ms` still applies).
+    #[serde(default = "default_enabled")]
+    pub enabled: bool,
+    /// Consecutive 5xx (any, including gateway failures) that eject an endpoint; 0 disables.
+    /// Default 3.
+    #[serde(default = "default_consecutive_5xx")]
+    pub consecutive_5xx: u32,
+    /// Consecutive gateway failures (502, 503, 504, connect failure, reset, upstream timeout)
+    /// that eject an endpoint; 0 disables. Default 2.
+    #[serde(default = "default_consecutive_gateway_failure")]
+    pub consecutive_gateway_failure: u32,
+    /// Percentage of failed requests in the window that ejects an endpoint, 0-100; 0 disables.
+    /// Default 50.
+    #[serde(default = "default_failure_rate_percent")]
+    #[cfg_attr(feature = "schema", schemars(range(max = 100)))]
+    pub failure_rate_percent: u32,
+    /// Requests an endpoint needs in the window before its failure rate counts. At least 1.
+    /// Default 10.
+    #[serde(default = "default_failure_rate_min_requests")]
+    #[cfg_attr(feature = "schema", schemars(range(min = 1)))]
+    pub failure_rate_min_requests: u32,
+    /// Length of the failure-rate window, in ms. At least 100. Default 10000.
+    #[serde(default = "default_window_ms")]
+    #[cfg_attr(feature = "schema", schemars(range(min = 100)))]
+    pub window_ms: u64,
+    /// First ejection time, in ms; the n-th in a row lasts `base × 2^(n−1)`. At least 1.
+    /// Default 30000 (Envoy's outlier detection default).
+    #[serde(default = "default_base_ejection_ms")]
+    #[cfg_attr(feature = "schema", schemars(range(min = 1)))]
+    pub base_ejection_ms: u64,
+    /// Longest ejection, in ms; at least `base_ejection_ms`. Default 300000.
+    #[serde(default = "default_max_ejection_ms")]
+    pub max_ejection_ms: u64,
+    /// Most endpoints of a model ejected at once, as a percentage of those serving it, 0-100.
+    /// At least one may be ejected when two or more serve, never all. Default 50.
+    #[serde(default = "default_max_ejection_percent")]
+    #[cfg_attr(feature = "schema", schemars(range(max = 100)))]
+    pub max_ejection_percent: u32,
+    /// How long, in ms, a failure (or a 429) counts as one more request in flight on its
+    /// endpoint, so that a pod failing fast never looks idle; 0 disables. Default 2000.
+    #[serde(default = "default_failure_load_ms")]
+    pub failure_load_ms: u64,
+    /// Longest a request is held, in ms, while the proxy has no metrics yet (just started or
+    /// hot-restarted), before it is routed by `filter.failure_mode` (`FailOpen`: by in-flight
+    /// count; `FailClose`: 503 `metrics_not_ready`). 0 holds nothing. At most 60000. Default 1000
+    /// (five poll intervals at the default `poller.interval_ms`).
+    #[serde(default = "default_startup_wait_ms")]
+    #[cfg_attr(feature = "schema", schemars(range(max = MAX_STARTUP_WAIT_MS)))]
+    pub startup_wait_ms: u64,
+}
+
+// The reader of `HealthConfig` (`crate::base::json`), fields in declaration order.
+json::from_json_struct!(HealthConfig {
+    enabled = default_enabled(),
+    consecutive_5xx = default_consecutive_5xx(),
+    consecutive_gateway_failure = default_consecutive_gateway_failure(),
+    failure_rate_percent = default_failure_rate_percent(),
+    failure_rate_min_requests = default_failure_rate_min_requests(),
+    window_ms = default_window_ms(),
+    base_ejection_ms = default_base_ejection_ms(),
+    max_ejection_ms = default_max_ejection_ms(),
+    max_ejection_percent = default_max_ejection_percent(),
+    failure_load_ms = default_failure_load_ms(),
+    startup_wait_ms = default_startup_wait_ms(),
+});
+
+fn default_enabled() -> bool {
+    true
+}
+fn default_consecutive_5xx() -> u32 {
+    3
+}
+fn default_consecutive_gateway_failure() -> u32 {
+    2
+}
+fn default_failure_rate_percent() -> u32 {
+    50
+}
+fn default_failure_rate_min_requests() -> u32 {
+    10
+}
+fn default_window_ms() -> u64 {
+    10_000
+}
+fn default_base_ejection_ms() -> u64 {
+    30_000
+}
+fn default_max_ejection_ms() -> u64 {
+    300_000
+}
+fn default_max_ejection_percent() -> u32 {
+    50
+}
+fn default_failure_load_ms() -> u64 {
+    2_000
+}
+fn default_startup_wait_ms() -> u64 {
+    1_000
+}
+
+impl Default for HealthConfig {
+    fn default() -> Self {
+        Self {
+            enabled: default_enabled(),
+            consecutive_5xx: default_consecutive_5xx(),
+            consecutive_gateway_failure: default_consecutive_gateway_failure(),
+            failure_rate_percent: default_failure_rate_percent(),
+            failure_rate_min_requests: default_failure_rate_min_requests(),
+            window_ms: default_window_ms(),
+            base_ejection_ms: default_base_ejection_ms(),
+            max_ejection_ms: default_max_ejection_ms(),
+            max_ejection_percent: default_max_ejection_percent(),
+            failure_load_ms: default_failure_load_ms(),
+            startup_wait_ms: default_startup_wait_ms(),
+        }
+    }
+}
+
+impl HealthConfig {
+    /// Appends every problem to `errs`, with paths under `path` (e.g. `health`).
+    pub fn validate(&self, path: &str, errs: &mut Vec<ConfigError>) {
+        let mut push = |f: &str, reason: String| errs.push(ConfigError::new(format!("{path}.{f}"), reason));
+        if self.failure_rate_percent > 100 {
+            push("failure_rate_percent", format!("must be 0-100, got {}", self.failure_rate_percent));
+        }
+        if self.failure_rate_min_requests == 0 {
+            push("failure_rate_min_requests", "must be at least 1".into());
+        }
+        if self.window_ms < 100 {
+            push("window_ms", format!("must be at least 100, got {}", self.window_ms));
+        }
+        if self.base_ejection_ms == 0 {
+            push("base_ejection_ms", "must be at least 1".into());
+        }
+        if self.max_ejection_ms < self.base_ejection_ms {
+            push(
+                "max_ejection_ms",
+                format!(
+                    "must be at least base_ejection_ms ({}), got {}",
+                    self.base_ejection_ms, self.max_ejection_ms
+                ),
+            );
+        }
+        if self.max_ejection_percent > 100 {
+            push("max_ejection_percent", format!("must be 0-100, got {}", self.max_ejection_percent));
+        }
+        if self.startup_wait_ms > MAX_STARTUP_WAIT_MS {
+            push(
+                "startup_wait_ms",
+                format!("must be at most {MAX_STARTUP_WAIT_MS}, got {}", self.startup_wait_ms),
+            );
+        }
+    }
+
+    /// Length of the `n`-th ejection in a row (n ≥ 1).
+    pub fn ejection_ms(&self, n: u32) -> u64 {
+        let shift = n.saturating_sub(1).min(32);
+        self.base_ejection_ms.saturating_mul(1u64 << shift).min(self.max_ejection_ms)
+    }
+}
+
+/// What one request said about one endpoint.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    Success,
+    /// A 5xx, connect failure, reset or timeout. `gateway`: 502/503/504 or no response at all.
+    Failure {
+        gateway: bool,
+    },
+    /// 429: busy, not broken.
+    Load,
+}
+
+/// Why an endpoint was ejected (the metric's `reason`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reason {
+    Consecutive5xx,
+    ConsecutiveGatewayFailure,
+    FailureRate,
+    Probation,
+}
+
+impl Reason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Reason::Consecutive5xx => "consecutive_5xx",
+            Reason::ConsecutiveGatewayFailure => "consecutive_gateway_failure",
+            Reason::FailureRate => "failure_rate",
+            Reason::Probation => "probation",
+        }
+    }
+}
+
+/// An ejection decided by [`Recorder::record`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Ejection {
+    pub reason: Reason,
+    /// How long, in ms.
+    pub duration_ms: u64,
+    /// The n-th ejection in a row.
+    pub nth: u32,
+}
+
+// Envoy's response flags (StreamInfo::CoreResponseFlag bits) that mean the upstream failed.
+const FLAG_UPSTREAM_REQUEST_TIMEOUT: u64 = 0x4;
+const FLAG_UPSTREAM_REMOTE_RESET: u64 = 0x10;
+const FLAG_UPSTREAM_CONNECTION_FAILURE: u64 = 0x20;
+const FLAG_UPSTREAM_CONNECTION_TERMINATION: u64 = 0x40;
+const FLAG_UPSTREAM_RETRY_LIMIT_EXCEEDED: u64 = 0x8000;
+const FLAG_UPSTREAM_PROTOCOL_ERROR: u64 = 0x80_0000;
+const UPSTREAM_FAILURE_FLAGS: u64 = FLAG_UPSTREAM_REQUEST_TIMEOUT
+    | FLAG_UPSTREAM_REMOTE_RESET
+    | FLAG_UPSTREAM_CONNECTION_FAILURE
+    | FLAG_UPSTREAM_CONNECTION_TERMINATION
+    | FLAG_UPSTREAM_RETRY_LIMIT_EXCEEDED
+    | FLAG_UPSTREAM_PROTOCOL_ERROR;
+/// The client went away (DC, DR): says nothing about the pod.
+const FLAG_DOWNSTREAM_CONNECTION_TERMINATION: u64 = 0x4000;
+const FLAG_DOWNSTREAM_REMOTE_RESET: u64 = 0x1000_0000;
+
+/// Classifies the final result of a routed request from `on_log`'s properties. `None`: it says
+/// nothing about the endpoint (the client left first, or nothing reached an upstream).
+pub fn classify(status: Option<u32>, code_details: &str, flags: u64) -> Option<Outcome> {
+    let upstream_failed = flags & UPSTREAM_FAILURE_FLAGS != 0
+        || code_details.starts_with("upstream_reset")
+        || code_details.contains("connection_failure")
+        || code_details.contains("connection_termination")
+        || code_details == "upstream_per_try_timeout"
+        || code_details == "upstream_response_timeout"
+        || code_details == "response_timeout";
+    if upstream_failed {
+        return Some(Outcome::Failure { gateway: true });
+    }
+    if flags & (FLAG_DOWNSTREAM_CONNECTION_TERMINATION | FLAG_DOWNSTREAM_REMOTE_RESET) != 0
+        || code_details.starts_with("downstream")
+    {
+        return None;
+    }
+    // Anything else that Envoy answered itself (no route, our own local reply ...).
+    if !code_details.is_empty() && code_details != "via_upstream" {
+        return None;
+    }
+    match status? {
+        429 => Some(Outcome::Load),
+        502..=504 => Some(Outcome::Failure { gateway: true }),
+        500..=599 => Some(Outcome::Failure { gateway: false }),
+        100..=499 => Some(Outcome::Success),
+        _ => None,
+    }
+}
+
+/// Spreads one request's outcome over the endpoints it tried. `destinations`: primary then
+/// fallbacks, as sent; `answered_by`: `upstream.address` (the last endpoint tried);
+/// `attempts`: `upstream.request_attempt_count` when known. Endpoints before the one that
+/// answered failed (a retry only follows a failure); the one that answered gets `outcome`.
+pub fn attribute<'a>(
+    destinations: &'a [String],
+    answered_by: Option<&str>,
+    attempts: Option<u64>,
+    outcome: Option<Outcome>,
+) -> Vec<(&'a str, Outcome)> {
+    let tried = match answered_by.and_then(|a| destinations.iter().position(|d| d == a)) {
+        Some(i) => i + 1,
+        None => attempts.map_or(1, |n| usize::try_from(n).unwrap_or(1).clamp(1, destinations.len().max(1))),
+    };
+    let mut out = Vec::with_capacity(tried);
+    for (i, d) in destinations.iter().take(tried).enumerate() {
+        if i + 1 < tried {
+            // Envoy retries after a 5xx, a reset or a connect failure alike: which one is not
+            // known, so it counts as a plain failure (toward `consecutive_5xx`, not the
+            // gateway rule).
+            out.push((d.as_str(), Outcome::Failure { gateway: false }));
+        } else if let Some(o) = outcome {
+            out.push((d.as_str(), o));
+        }
+    }
+    out
+}
+
+/// What is remembered about one endpoint.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Entry {
+    pub consecutive_5xx: u32,
+    pub consecutive_gateway: u32,
+    pub window_start_ms: u64,
+    pub window_total: u32,
+    pub window_failures: u32,
+    /// Failures and 429s since the phantom load last restarted, and when the last came.
+    pub busy: u32,
+    pub last_busy_ms: u64,
+    pub ejected_at_ms: u64,
+    pub ejected_until_ms: u64,
+    /// Ejections in a row (sets the next ejection's length).
+    pub ejections: u32,
+    /// The last ejection has not been followed by a success yet.
+    pub probation: bool,
+    /// Last time anything was recorded (for pruning).
+    pub touched_ms: u64,
+}
+
+impl Entry {
+    pub fn ejected(&self, now_ms: u64) -> bool {
+        now_ms < self.ejected_until_ms
+    }
+
+    /// Nothing worth keeping at `now_ms`.
+    fn is_clean(&self, now_ms: u64, cfg: &HealthConfig) -> bool {
+        self.consecutive_5xx == 0
+            && self.consecutive_gateway == 0
+            && self.window_failures == 0
+            && !self.probation
+            && self.ejections == 0
+            && !self.ejected(now_ms)
+            && now_ms.saturating_sub(self.last_busy_ms) >= cfg.failure_load_ms
+    }
+
+    /// Applies one outcome; returns the ejection it causes, if any.
+    fn apply(&mut self, outcome: Outcome, now_ms: u64, cfg: &HealthConfig) -> Option<Ejection> {
+        self.touched_ms = now_ms;
+        if now_ms.saturating_sub(self.window_start_ms) >= cfg.window_ms {
+            self.window_start_ms = now_ms;
+            self.window_total = 0;
+            self.window_failures = 0;
+        }
+        let gateway = match outcome {
+            Outcome::Success => {
+                self.consecutive_5xx = 0;
+                self.consecutive_gateway = 0;
+                self.window_total = self.window_total.saturating_add(1);
+                if !self.ejected(now_ms) {
+                    self.probation = false;
+                    if now_ms.saturating_sub(self.ejected_until_ms) >= cfg.max_ejection_ms {
+                        self.ejections = 0;
+                    }
+                }
+                return None;
+            }
+            Outcome::Load => {
+                self.add_busy(now_ms, cfg);
+                return None;
+            }
+            Outcome::Failure { gateway } => gateway,
+        };
+        self.add_busy(now_ms, cfg);
+        self.window_total = self.window_total.saturating_add(1);
+        self.window_failures = self.window_failures.saturating_add(1);
+        self.consecutive_5xx = self.consecutive_5xx.saturating_add(1);
+        self.consecutive_gateway = if gateway { self.consecutive_gateway.saturating_add(1) } else { 0 };
+        if self.ejected(now_ms) {
+            // A request that was in flight when the endpoint was ejected: nothing new.
+            return None;
+        }
+        let reached = |n: u32, threshold: u32| threshold > 0 && n >= threshold;
+        let reason = if self.probation {
+            Reason::Probation
+        } else if reached(self.consecutive_gateway, cfg.consecutive_gateway_failure) {
+            Reason::ConsecutiveGatewayFailure
+        } else if reached(self.consecutive_5xx, cfg.consecutive_5xx) {
+            Reason::Consecutive5xx
+        } else if cfg.failure_rate_percent > 0
+            && self.window_total >= cfg.failure_rate_min_requests
+            && u64::from(self.window_failures) * 100
+                >= u64::from(cfg.failure_rate_percent) * u64::from(self.window_total)
+        {
+            Reason::FailureRate
+        } else {
+            return None;
+        };
+        self.ejections = self.ejections.saturating_add(1);
+        let duration_ms = cfg.ejection_ms(self.ejections);
+        self.ejected_at_ms = now_ms;
+        self.ejected_until_ms = now_ms.saturating_add(duration_ms);
+        self.probation = true;
+        self.consecutive_5xx = 0;
+        self.consecutive_gateway = 0;
+        self.window_start_ms = now_ms;
+        self.window_total = 0;
+        self.window_failures = 0;
+        Some(Ejection { reason, duration_ms, nth: self.ejections })
+    }
+
+    fn add_busy(&mut self, now_ms: u64, cfg: &HealthConfig) {
+        if now_ms.saturating_sub(self.last_busy_ms) >= cfg.failure_load_ms {
+            self.busy = 0;
+        }
+        self.busy = self.busy.saturating_add(1).min(MAX_PHANTOM_LOAD);
+        self.last_busy_ms = now_ms;
+    }
+
+    fn encode(&self, addr: &str, out: &mut String) {
+        use std::fmt::Write as _;
+        let _ = write!(
+            out,
+            "{addr} {} {} {} {} {} {} {} {} {} {} {} {}",
+            self.consecutive_5xx,
+            self.consecutive_gateway,
+            self.window_start_ms,
+            self.window_total,
+            self.window_failures,
+            self.busy,
+            self.last_busy_ms,
+            self.ejected_at_ms,
+            self.ejected_until_ms,
+            self.ejections,
+            u8::from(self.probation),
+            self.touched_ms,
+        );
+    }
+
+    fn decode(line: &str) -> Option<(String, Entry)> {
+        let mut it = line.split(' ');
+        let addr = it.next().filter(|a| !a.is_empty())?.to_string();
+        let mut n = || it.next().and_then(|v| v.parse::<u64>().ok());
+        let e = Entry {
+            consecutive_5xx: u32::try_from(n()?).ok()?,
+            consecutive_gateway: u32::try_from(n()?).ok()?,
+            window_start_ms: n()?,
+            window_total: u32::try_from(n()?).ok()?,
+            window_failures: u32::try_from(n()?).ok()?,
+            busy: u32::try_from(n()?).ok()?,
+            last_busy_ms: n()?,
+            ejected_at_ms: n()?,
+            ejected_until_ms: n()?,
+            ejections: u32::try_from(n()?).ok()?,
+            probation: n()? != 0,
+            touched_ms: n()?,
+        };
+        Some((addr, e))
+    }
+}
+
+/// Every endpoint's entry, as read from (or written to) the store.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct HealthView {
+    entries: HashMap<String, Entry>,
+}
+
+impl HealthView {
+    /// Parses the stored value; lines that do not parse are skipped.
+    pub fn decode(bytes: &[u8]) -> Self {
+        let mut entries = HashMap::new();
+        if let Ok(text) = std::str::from_utf8(bytes) {
+            for line in text.split('\n') {
+                if let Some((a, e)) = Entry::decode(line) {
+                    entries.insert(a, e);
+                }
+            }
+        }
+        Self { entries }
+    }
+
+    pub fn encode(&self) -> Vec<u8> {
+        let mut keys: Vec<&String> = self.entries.keys().collect();
+        crate::base::sorting::sort(&mut keys);
+        let mut out = String::with_capacity(keys.len() * 96);
+        for (i, k) in keys.into_iter().enumerate() {
+            if i > 0 {
+                out.push('\n');
+            }
+            if let Some(e) = self.entries.get(k) {
+                e.encode(k, &mut out);
+            }
+        }
+        out.into_bytes()
+    }
+
+    pub fn entry(&self, addr: &str) -> Option<&Entry> {
+        self.entries.get(addr)
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    /// Is `addr` ejected at `now_ms` (before the max-percent limit)?
+    pub fn ejected(&self, addr: &str, now_ms: u64) -> bool {
+        self.entries.get(addr).is_some_and(|e| e.ejected(now_ms))
+    }
+
+    /// Requests to add to `addr`'s in-flight count for its recent failures and 429s.
+    pub fn phantom_load(&self, addr: &str, now_ms: u64, cfg: &HealthConfig) -> u32 {
+        match self.entries.get(addr) {
+            Some(e)
+                if cfg.failure_load_ms > 0 && now_ms.saturating_sub(e.last_busy_ms) < cfg.failure_load_ms =>
+            {
+                e.busy
+            }
+            _ => 0,
+        }
+    }
+
+    /// Which of `serving` to leave out at `now_ms`: the ejected ones, earliest ejection first,
+    /// at most `max_ejection_percent` % of them (at least one when two or more serve), never all.
+    pub fn excluded(&self, serving: &[&str], now_ms: u64, cfg: &HealthConfig) -> Vec<bool> {
+        let mut out = vec![false; serving.len()];
+        if self.entries.is_empty() || serving.len() < 2 {
+            return out;
+        }
+        let mut ejected: Vec<(u64, usize)> = serving
+            .iter()
+            .enumerate()
+            .filter_map(|(i, a)| {
+                self.entries.get(*a).filter(|e| e.ejected(now_ms)).map(|e| (e.ejected_at_ms, i))
+            })
+            .collect();
+        if ejected.is_empty() {
+            return out;
+        }
+        let n = serving.len();
+        let by_percent = n * cfg.max_ejection_percent.min(100) as usize / 100;
+        let allowed = by_percent.max(1).min(n - 1);
+        crate::base::sorting::sort(&mut ejected);
+        for &(_, i) in ejected.iter().take(allowed) {
+            if let Some(slot) = out.get_mut(i) {
+                *slot = true;
+            }
+        }
+        out
+    }
+
+    /// Keeps the value bounded: drops clean entries, then the least recently touched beyond
+    /// [`MAX_ENTRIES`].
+    fn prune(&mut self, now_ms: u64, cfg: &HealthConfig) {
+        self.entries.retain(|_, e| !e.is_clean(now_ms, cfg));
+        if self.entries.len() > MAX_ENTRIES {
+            let mut by_age: Vec<(u64, String)> =
+                self.entries.iter().map(|(k, e)| (e.touched_ms, k.clone())).collect();
+            crate::base::sorting::sort(&mut by_age);
+            let extra = self.entries.len() - MAX_ENTRIES;
+            for (_, k) in by_age.into_iter().take(extra) {
+                self.entries.remove(&k);
+            }
+        }
+    }
+
+    /// Folds in ejections a worker made itself (see [`Recorder`]).
+    fn merge_local(&mut self, local: &HashMap<String, Entry>, now_ms: u64) {
+        for (addr, mine) in local {
+            if !mine.ejected(now_ms) {
+                continue;
+            }
+            let e = self.entries.entry(addr.clone()).or_default();
+            if e.ejected_until_ms < mine.ejected_until_ms {
+                e.ejected_at_ms = mine.ejected_at_ms;
+                e.ejected_until_ms = mine.ejected_until_ms;
+                e.ejections = e.ejections.max(mine.ejections);
+                e.probation = true;
+                e.touched_ms = e.touched_ms.max(mine.touched_ms);
+            }
+        }
+    }
+}
+
+/// `snapshot` without the endpoints passive health leaves out for every model they serve (as
+/// the scheduler does, within `max_ejection_percent` per model), for flow control's capacity:
+/// an ejected endpoint offers no room. `None` when nothing is left out (no copy made).
+pub fn without_ejected(
+    snapshot: &Snapshot,
+    view: &HealthView,
+    now_ms: u64,
+    cfg: &HealthConfig,
+) -> Option<Snapshot> {
+    if view.is_empty() {
+        return None;
+    }
+    let eps = &snapshot.endpoints;
+    let mut keep: Vec<bool> = eps.iter().map(|e| e.models.is_empty()).collect();
+    let mut models: Vec<&str> = eps.iter().flat_map(|e| e.models.iter().map(String::as_str)).collect();
+    crate::base::sorting::sort(&mut models);
+    models.dedup();
+    for m in models {
+        let idx: Vec<usize> =
+            (0..eps.len()).filter(|&i| eps.get(i).is_some_and(|e| e.models.iter().any(|x| x == m))).collect();
+        let addrs: Vec<&str> = idx.iter().filter_map(|&i| eps.get(i)).map(|e| e.address.as_str()).collect();
+        for (&i, gone) in idx.iter().zip(view.excluded(&addrs, now_ms, cfg)) {
+            if let Some(k) = keep.get_mut(i) {
+                *k |= !gone;
+            }
+        }
+    }
+    if keep.iter().all(|k| *k) {
+        return None;
+    }
+    let endpoints = eps.iter().zip(keep).filter(|(_, k)| *k).map(|(e, _)| e.clone()).collect();
+    Some(Snapshot { version: snapshot.version, published_ms: snapshot.published_ms, endpoints })
+}
+
+/// One worker's side of passive health: records outcomes into the shared view and remembers
+/// the ejections it decided (merged back into every read and write, see the module doc).
+#[derive(Debug, Default)]
+pub struct Recorder {
+    local: HashMap<String, Entry>,
+}
+
+impl Recorder {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// The shared view at `now_ms`, with this worker's own ejections merged in. A read error or
+    /// a garbled value gives the local ejections alone.
+    pub fn read(&mut self, store: &dyn SharedStore, now_ms: u64) -> Result<HealthView, StoreError> {
+        self.local.retain(|_, e| e.ejected(now_ms));
+        let got = store.get(HEALTH_KEY);
+        let mut view = match &got {
+            Ok(Some((v, _))) => HealthView::decode(v),
+            _ => HealthView::default(),
+        };
+        view.merge_local(&self.local, now_ms);
+        got.map(|_| view)
+    }
+
+    /// Records one outcome for `addr`; returns the ejection it caused, if any.
+    pub fn record(
+        &mut self,
+        store: &dyn SharedStore,
+        cfg: &HealthConfig,
+        addr: &str,
+        outcome: Outcome,
+        now_ms: u64,
+    ) -> Result<Option<Ejection>, StoreError> {
+        if !cfg.enabled || addr.is_empty() {
+            return Ok(None);
+        }
+        self.local.retain(|_, e| e.ejected(now_ms));
+        let mut last = StoreError::CasMismatch;
+        for _ in 0..MAX_CAS_ATTEMPTS {
+            let (stored, mut view, cas) = match store.get(HEALTH_KEY)? {
+                Some((v, cas)) => {
+                    let view = HealthView::decode(&v);
+                    (Some(v), view, cas)
+                }
+                None => (None, HealthView::default(), 0),
+            };
+            view.merge_local(&self.local, now_ms);
+            let entry = view.entries.entry(addr.to_string()).or_default();
+            let ejection = entry.apply(outcome, now_ms, cfg);
+            let snapshot = *entry;
+            view.prune(now_ms, cfg);
+            let encoded = view.encode();
+            // Most outcomes change nothing stored (a success on an endpoint with no history is
+            // pruned at once): skip the write, the hot path's most common shared-data store.
+            if ejection.is_none() && stored.as_deref() == Some(encoded.as_slice()) {
+                return Ok(None);
+            }
+            match store.set(HEALTH_KEY, &encoded, cas) {
+                Ok(()) => {
+                    if ejection.is_some() {
+                        self.local.insert(addr.to_string(), snapshot);
+                    }
+                    return Ok(ejection);
+                }
+                Err(StoreError::CasMismatch) => last = StoreError::CasMismatch,
+                Err(e) => return Err(e),
+            }
+        }
+        Err(last)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::base::ports::MemStore;
+
+    const A: &str = "10.0.0.1:8000";
+    const B: &str = "10.0.0.2:8000";
+    const C: &str = "10.0.0.3:8000";
+    const T0: u64 = 1_000_000;
+    const FAIL: Outcome = Outcome::Failure { gateway: false };
+    const GW: Outcome = Outcome::Failure { gateway: true };
+
+    fn cfg() -> HealthConfig {
+        HealthConfig { base_ejection_ms: 1000, max_ejection_ms: 8000, ..HealthConfig::default() }
+    }
+
+    #[test]
+    fn an_outcome_that_changes_nothing_stored_is_not_written() {
+        let store = MemStore::new();
+        let mut r = Recorder::new();
+        let c = cfg();
+        // The first record creates the key; successes on endpoints with no history leave it as
+        // it is (pruned at once), so its CAS token does not move.
+        r.record(&store, &c, A, Outcome::Success, T0).unwrap();
+        let (_, cas) = store.get(HEALTH_KEY).unwrap().unwrap();
+        for (i, addr) in [A, B, C, A].into_iter().enumerate() {
+            assert_eq!(r.record(&store, &c, addr, Outcome::Success, T0 + i as u64).unwrap(), None);
+        }
+        assert_eq!(store.get(HEALTH_KEY).unwrap().unwrap().1, cas);
+        // A failure changes the view: written.
+        r.record(&store, &c, B, FAIL, T0 + 10).unwrap();
+        let (v, cas2) = store.get(HEALTH_KEY).unwrap().unwrap();
+        assert_ne!(cas2, cas);
+        assert!(HealthView::decode(&v).entry(B).is_some());
+        // A success on B now resets its streak: a change, written.
+        r.record(&store, &c, B, Outcome::Success, T0 + 20).unwrap();
+        assert_ne!(store.get(HEALTH_KEY).unwrap().unwrap().1, cas2);
+    }
+
+    /// A fake clock: every call moves time on by 10 ms.
+    struct Clock(u64);
+    impl Clock {
+        fn tick(&mut self) -> u64 {
+            self.0 += 10;
+            self.0
+        }
+    }
+
+    #[test]
+    fn classify_statuses_details_and_flags() {
+        assert_eq!(classify(Some(200), "via_upstream", 0), Some(Outcome::Success));
+        // Client errors show a live pod.
+        assert_eq!(classify(Some(400), "via_upstream", 0), Some(Outcome::Success));
+        assert_eq!(classify(Some(404), "via_upstream", 0), Some(Outcome::Success));
+        assert_eq!(classify(Some(429), "via_upstream", 0), Some(Outcome::Load));
+        assert_eq!(classify(Some(500), "via_upstream", 0), Some(FAIL));
+        assert_eq!(classify(Some(503), "via_upstream", 0), Some(GW));
+        // Connect failure and reset: Envoy's own 503 with details and flags.
+        assert_eq!(
+            classify(Some(503), "upstream_reset_before_response_started{connection_failure}", 0x20),
+            Some(GW)
+        );
+        assert_eq!(classify(Some(503), "", 0x10), Some(GW));
+        assert_eq!(classify(Some(504), "upstream_per_try_timeout", 0), Some(GW));
+        // The client went away: nothing learned.
+        assert_eq!(classify(Some(0), "downstream_remote_disconnect", 0x4000), None);
+        // Envoy answered itself for another reason.
+        assert_eq!(classify(Some(404), "route_not_found", 0x100), None);
+        assert_eq!(classify(None, "", 0), None);
+    }
+
+    #[test]
+    fn attribution_follows_the_retry_order() {
+        let d: Vec<String> = [A, B, C].iter().map(|s| s.to_string()).collect();
+        // Answered by the second: the first failed.
+        assert_eq!(
+            attribute(&d, Some(B), None, Some(Outcome::Success)),
+            vec![(A, FAIL), (B, Outcome::Success)]
+        );
+        // Answered by the primary.
+        assert_eq!(attribute(&d, Some(A), Some(1), Some(FAIL)), vec![(A, FAIL)]);
+        // Unknown responder (never connected): attempts tell how many were tried.
+        assert_eq!(attribute(&d, None, Some(2), Some(GW)), vec![(A, FAIL), (B, GW)]);
+        assert_eq!(attribute(&d, None, None, Some(GW)), vec![(A, GW)]);
+        // An address outside the list (another cluster type): the primary.
+        assert_eq!(attribute(&d, Some("9.9.9.9:1"), None, Some(FAIL)), vec![(A, FAIL)]);
+        // Nothing learned about the last one, but the earlier ones still failed.
+        assert_eq!(attribute(&d, Some(C), None, None), vec![(A, FAIL), (B, FAIL)]);
+        assert!(attribute(&[], None, Some(3), Some(GW)).is_empty());
+    }
+
+    #[test]
+    fn consecutive_5xx_ejects_on_the_third_and_success_resets() {
+        let s = MemStore::new();
+        let mut r = Recorder::new();
+        let c = cfg();
+        let mut t = Clock(T0);
+        assert_eq!(r.record(&s, &c, A, FAIL, t.tick()), Ok(None));
+        assert_eq!(r.record(&s, &c, A, FAIL, t.tick()), Ok(None));
+        // A success in between resets the count.
+        assert_eq!(r.record(&s, &c, A, Outcome::Success, t.tick()), Ok(None));
+        assert_eq!(r.record(&s, &c, A, FAIL, t.tick()), Ok(None));
+        assert_eq!(r.record(&s, &c, A, FAIL, t.tick()), Ok(None));
+        let now = t.tick();
+        assert_eq!(
+            r.record(&s, &c, A, FAIL, now),
+            Ok(Some(Ejection { reason: Reason::Consecutive5xx, duration_ms: 1000, nth: 1 }))
+        );
+        let v = r.read(&s, now).unwrap();
+        assert!(v.ejected(A, now) && v.ejected(A, now + 999) && !v.ejected(A, now + 1000));
+    }
+
+    #[test]
+    fn gateway_failures_eject_sooner_and_429_is_load_only() {
+        let s = MemStore::new();
+        let mut r = Recorder::new();
+        let c = cfg();
+        let mut t = Clock(T0);
+        // 429s never eject, and do not reset the count either.
+        for _ in 0..20 {
+            assert_eq!(r.record(&s, &c, B, Outcome::Load, t.tick()), Ok(None));
+        }
+        assert_eq!(r.record(&s, &c, B, GW, t.tick()), Ok(None));
+        assert_eq!(r.record(&s, &c, B, Outcome::Load, t.tick()), Ok(None));
+        let e = r.record(&s, &c, B, GW, t.tick()).unwrap().unwrap();
+        assert_eq!(e.reason, Reason::ConsecutiveGatewayFailure);
+    }
+
+    #[test]
+    fn backoff_doubles_through_probation_and_is_capped() {
+        let s = MemStore::new();
+        let mut r = Recorder::new();
+        let c = cfg();
+        let mut now = T0;
+        for _ in 0..2 {
+            r.record(&s, &c, A, GW, now).unwrap();
+        }
+        // First ejection: 1000 ms. Then each failure on probation doubles it, up to 8000.
+        let mut until = now + 1000;
+        for (nth, expected) in [(2u32, 2000u64), (3, 4000), (4, 8000), (5, 8000)] {
+            now = until; // ejection over: on probation
+            let v = r.read(&s, now).unwrap();
+            assert!(!v.ejected(A, now));
+            let e = r.record(&s, &c, A, FAIL, now).unwrap().unwrap();
+            assert_eq!((e.reason, e.nth, e.duration_ms), (Reason::Probation, nth, expected));
+            until = now + expected;
+        }
+        // A success after the ejection ends probation: the next failure alone does not eject.
+        now = until;
+        assert_eq!(r.record(&s, &c, A, Outcome::Success, now), Ok(None));
+        assert_eq!(r.record(&s, &c, A, FAIL, now + 1), Ok(None));
+        // ... but the ejection count is remembered until max_ejection_ms passes healthy.
+        assert_eq!(r.read(&s, now).unwrap().entry(A).map(|e| e.ejections), Some(5));
+        r.record(&s, &c, A, Outcome::Success, now + 8000).unwrap();
+        // Clean entries are dropped from the stored value.
+        assert_eq!(r.read(&s, now + 10_000).unwrap().entry(A), None);
+    }
+
+    #[test]
+    fn failure_rate_ejects_an_endpoint_that_mixes_results() {
+        let s = MemStore::new();
+        let mut r = Recorder::new();
+        let c = HealthConfig { failure_rate_min_requests: 10, failure_rate_percent: 50, ..cfg() };
+        let mut t = Clock(T0);
+        // Alternate failure/success: never 3 in a row, but 6 failures of 11 (10 needed).
+        let mut got = None;
+        for i in 0..11 {
+            let o = if i % 2 == 0 { FAIL } else { Outcome::Success };
+            got = r.record(&s, &c, C, o, t.tick()).unwrap();
+        }
+        assert_eq!(got.map(|e| e.reason), Some(Reason::FailureRate));
+        // A window that ends restarts the count.
+        let s2 = MemStore::new();
+        let mut r2 = Recorder::new();
+        let mut now = T0;
+        for i in 0..9 {
+            r2.record(&s2, &c, C, if i % 2 == 0 { FAIL } else { Outcome::Success }, now).unwrap();
+            now += 1;
+        }
+        now += c.window_ms;
+        assert_eq!(r2.record(&s2, &c, C, FAIL, now), Ok(None));
+    }
+
+    #[test]
+    fn max_ejection_percent_keeps_the_pool_alive() {
+        let s = MemStore::new();
+        let mut r = Recorder::new();
+        let c = cfg();
+        // Eject A at T0, B at T0+1, C at T0+2.
+        for (i, a) in [A, B, C].iter().enumerate() {
+            for _ in 0..2 {
+                r.record(&s, &c, a, GW, T0 + i as u64).unwrap();
+            }
+        }
+        let v = r.read(&s, T0 + 10).unwrap();
+        // 50 % of 3 = 1: only the earliest ejection (A) applies.
+        assert_eq!(v.excluded(&[C, B, A], T0 + 10, &c), vec![false, false, true]);
+        // 100 % still leaves one.
+        let all = HealthConfig { max_ejection_percent: 100, ..c.clone() };
+        assert_eq!(v.excluded(&[A, B, C], T0 + 10, &all), vec![true, true, false]);
+        // 0 % still ejects one of two or more; a single endpoint is never left out.
+        let none = HealthConfig { max_ejection_percent: 0, ..c.clone() };
+        assert_eq!(v.excluded(&[A, B], T0 + 10, &none), vec![true, false]);
+        assert_eq!(v.excluded(&[A], T0 + 10, &c), vec![false]);
+    }
+
+    #[test]
+    fn failures_count_as_load_for_a_while() {
+        let s = MemStore::new();
+        let mut r = Recorder::new();
+        let c = cfg(); // failure_load_ms 2000
+        r.record(&s, &c, A, FAIL, T0).unwrap();
+        r.record(&s, &c, A, Outcome::Load, T0 + 100).unwrap();
+        let v = r.read(&s, T0 + 100).unwrap();
+        assert_eq!(v.phantom_load(A, T0 + 100, &c), 2);
+        assert_eq!(v.phantom_load(A, T0 + 2099, &c), 2);
+        assert_eq!(v.phantom_load(A, T0 + 2100, &c), 0);
+        assert_eq!(v.phantom_load(B, T0, &c), 0);
+        // After a quiet period it restarts from one.
+        r.record(&s, &c, A, Outcome::Load, T0 + 5000).unwrap();
+        assert_eq!(r.read(&s, T0 + 5000).unwrap().phantom_load(A, T0 + 5000, &c), 1);
+        let off = HealthConfig { failure_load_ms: 0, ..c };
+        assert_eq!(v.phantom_load(A, T0 + 100, &off), 0);
+    }
+
+    #[test]
+    fn first_write_race_heals_and_keeps_ejections() {
+        let s = MemStore::new();
+        let c = cfg();
+        let mut w1 = Recorder::new();
+        let mut w2 = Recorder::new();
+        // w1 ejects A (gateway failures); then w2, which found the key missing before, writes
+        // unconditionally and overwrites it (the creation race).
+        w1.record(&s, &c, A, GW, T0).unwrap();
+        assert!(w1.record(&s, &c, A, GW, T0).unwrap().is_some());
+        let mut lost = HealthView::default();
+        lost.entries.insert(B.to_string(), Entry { consecutive_5xx: 1, touched_ms: T0, ..Entry::default() });
+        s.set(HEALTH_KEY, &lost.encode(), 0).unwrap();
+        assert!(!w2.read(&s, T0 + 1).unwrap().ejected(A, T0 + 1), "the shared value lost it");
+        // w1 still sees its ejection, and its next write puts it back for everyone.
+        assert!(w1.read(&s, T0 + 1).unwrap().ejected(A, T0 + 1));
+        w1.record(&s, &c, B, Outcome::Success, T0 + 2).unwrap();
+        assert!(w2.read(&s, T0 + 3).unwrap().ejected(A, T0 + 3));
+    }
+
+    #[test]
+    fn interleaved_writers_do_not_lose_events() {
+        let s = MemStore::new();
+        let c = cfg();
+        let mut w1 = Recorder::new();
+        let mut w2 = Recorder::new();
+        w1.record(&s, &c, A, FAIL, T0).unwrap();
+        // w2 read, then w1 wrote: w2's stale CAS fails and it retries on fresh data.
+        let (_, cas) = s.get(HEALTH_KEY).unwrap().unwrap();
+        w1.record(&s, &c, A, FAIL, T0 + 1).unwrap();
+        assert_eq!(s.set(HEALTH_KEY, b"", cas), Err(StoreError::CasMismatch));
+        let e = w2.record(&s, &c, A, FAIL, T0 + 2).unwrap();
+        assert_eq!(e.map(|e| e.reason), Some(Reason::Consecutive5xx), "three failures from two workers");
+        assert_eq!(s.key_count(), 1);
+    }
+
+    #[test]
+    fn garbage_reads_as_empty_and_is_replaced() {
+        let s = MemStore::new();
+        let c = cfg();
+        s.set(HEALTH_KEY, b"\xff\xfe\nnot an entry\n10.0.0.9:1 1 2", 0).unwrap();
+        let mut r = Recorder::new();
+        assert!(r.read(&s, T0).unwrap().is_empty());
+        r.record(&s, &c, A, FAIL, T0).unwrap();
+        let v = r.read(&s, T0).unwrap();
+        assert_eq!(v.entry(A).map(|e| e.consecutive_5xx), Some(1));
+        assert_eq!(HealthView::decode(&v.encode()), v, "round trip");
+    }
+
+    #[test]
+    fn disabled_records_nothing_and_entries_are_bounded() {
+        let s = MemStore::new();
+        let mut r = Recorder::new();
+        let off = HealthConfig { enabled: false, ..cfg() };
+        assert_eq!(r.record(&s, &off, A, GW, T0), Ok(None));
+        assert_eq!(s.key_count(), 0);
+        let c = cfg();
+        for i in 0..(MAX_ENTRIES + 10) {
+            let addr = format!("10.{}.{}.{}:80", i / 65536, (i / 256) % 256, i % 256);
+            r.record(&s, &c, &addr, FAIL, T0 + i as u64).unwrap();
+        }
+        let v = r.read(&s, T0 + 5000).unwrap();
+        assert_eq!(v.entries.len(), MAX_ENTRIES);
+        assert!(v.entry("10.0.0.0:80").is_none(), "the oldest went first");
+    }
+
+    #[test]
+    fn flow_control_sees_the_pool_without_ejected_endpoints() {
+        use crate::state::snapshot::EndpointStatus;
+        let ep = |a: &str, m: &[&str]| EndpointStatus {
+            address: a.into(),
+            models: m.iter().map(|s| s.to_string()).collect(),
+            scraped_ms: T0,
+            ..EndpointStatus::default()
+        };
+        let snap = Snapshot {
+            version: 7,
+            published_ms: T0,
+            endpoints: vec![ep(A, &["m"]), ep(B, &["m"]), ep(C, &["x"])],
+        };
+        let s = MemStore::new();
+        let mut r = Recorder::new();
+        let c = cfg();
+        assert_eq!(without_ejected(&snap, &r.read(&s, T0).unwrap(), T0, &c), None);
+        for _ in 0..2 {
+            r.record(&s, &c, A, GW, T0).unwrap();
+            r.record(&s, &c, C, GW, T0).unwrap();
+        }
+        let v = r.read(&s, T0).unwrap();
+        let out = without_ejected(&snap, &v, T0 + 1, &c).unwrap();
+        // A goes (B still serves m); C stays: it alone serves x.
+        let addrs: Vec<&str> = out.endpoints.iter().map(|e| e.address.as_str()).collect();
+        assert_eq!((out.version, addrs), (7, vec![B, C]));
+        assert_eq!(without_ejected(&snap, &v, T0 + 1000, &c), None, "ejection over");
+    }
+
+    #[test]
+    fn config_validation_names_paths() {
+        let bad = HealthConfig {
+            failure_rate_percent: 101,
+            failure_rate_min_requests: 0,
+            window_ms: 5,
+            base_ejection_ms: 10,
+            max_ejection_ms: 5,
+            max_ejection_percent: 200,
+            startup_wait_ms: MAX_STARTUP_WAIT_MS + 1,
+            ..HealthConfig::default()
+        };
+        let mut errs = Vec::new();
+        bad.validate("health", &mut errs);
+        let paths: Vec<&str> = errs.iter().map(|e| e.path.as_str()).collect();
+        assert_eq!(
+            paths,
+            vec![
+                "health.failure_rate_percent",
+                "health.failure_rate_min_requests",
+                "health.window_ms",
+                "health.max_ejection_ms",
+                "health.max_ejection_percent",
+                "health.startup_wait_ms"
+            ]
+        );
+        let mut errs = Vec::new();
+        HealthConfig::default().validate("health", &mut errs);
+        assert!(errs.is_empty());
+        assert_eq!(HealthConfig::default().ejection_ms(40), 300_000);
+    }
+}

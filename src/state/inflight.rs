@@ -1,0 +1,1050 @@
+//! Router-local in-flight request counts, shared by every Envoy worker through shared data, and
+//! never outliving the VM that counted them.
+//!
+//! Polled metrics lag bursts by up to one poll interval; this count reacts at once. A worker VM
+//! counts +1 when it sends a request to an endpoint and -1 when the request ends (`on_log`, which
+//! Envoy runs for every stream, reset or not).
+//!
+//! # One record per VM (single writer)
+//! Each VM keeps its own counts locally ([`InflightTable`]) and publishes them in ONE slot key,
+//! `inference-picker/inflight/<k>` ([`slot_key`]), that only it writes. The record
+//! ([`encode`]/[`decode`]) is `i1 <owner nonce, 16 hex> <heartbeat ms> addr=n;addr=n`; an empty
+//! value is a free slot. Readers sum the records of the live slots; a record whose heartbeat is
+//! older than [`TTL_MS`] is ignored. So the +1 of a VM that dies (panic, reload, config change)
+//! mid-request stops counting within `TTL_MS`: a count never survives its VM. The root context's
+//! `on_done` writes an empty record at once ([`InflightTable::release`]).
+//!
+//! # Slots: bounded keys, claimed with ownership
+//! - Slots are taken lowest first, so the written ones are `0..n` with `n` the peak number of
+//!   VMs alive at once; a slot whose record is empty, garbled or stale is reused. At most
+//!   [`MAX_SLOTS`] keys, whatever the churn.
+//! - Claiming a never-written slot writes our record with [`CREATE_CAS`] (Envoy accepts any cas on
+//!   an absent key and rejects a non-matching one on an existing key, so of two VMs creating the
+//!   same slot only the first succeeds; see `crate::base::ports::get_or_create`). Claiming a free or
+//!   stale slot is a CAS on the token just read.
+//! - Ownership is verified on every write: a sync reads the slot, checks that the record carries
+//!   our nonce, and writes with that read's token. If another VM holds the slot (it won a
+//!   creation race our CAS could not see, or reused our slot while we were stalled past the
+//!   TTL), we move to another slot and write our full state there: the counts live locally, so
+//!   nothing is lost. The root's tick verifies the slot (one read) every tick and rewrites the
+//!   heartbeat every [`HEARTBEAT_MS`], so a conflict resolves within one tick.
+//!
+//! # Cost
+//! A +1 or -1 is one read and one write of this VM's own small record. A read of all counts is one
+//! host read per written slot other than our own (our counts are local); records are decoded
+//! again only when their CAS token changed.
+//!
+//! # Other gateways' records (`peers.load_interval_ms`)
+//! A peer gateway's report is written as a *peer* record (tag `f1` instead of `i1`, owner = the
+//! sending gateway's nonce, heartbeat = when this gateway received it; [`put_peer`]) in a key
+//! space of its own, `inference-picker/inflight-peer/<k>` ([`peer_slot_key`]), never in a VM's
+//! slot: however many sender ids a peer invents, the workers' own records keep their slots.
+//! At most one live record per sender, and no more live senders than this gateway has peers
+//! (the `limit` of [`put_peer`]); a report beyond that is refused ([`PeerPut::Full`]). Readers
+//! of a gateway with `peers` add them like any record ([`InflightTable::with_peers`]), so every
+//! count there then includes the other replicas' requests; [`gateway_counts`], what this
+//! gateway reports to its peers, reads only the VM slots, so nothing is passed on. A peer that
+//! stops reporting ages out after [`TTL_MS`], like a dead VM. (A release before the peer slots
+//! wrote `f1` records into the VM slots; readers still add those and [`gateway_counts`] still
+//! leaves them out, so a rolling upgrade neither loses nor echoes them.)
+//!
+//! # Failure behaviour
+//! A garbled record reads as a free slot (its counts are ignored and its slot reusable). If the
+//! store fails, counts stay local and the next sync publishes them. If all slots are live, the
+//! VM keeps counting locally and its counts are invisible to the others (the host logs it).
+
+use crate::base::ports::{SharedStore, StoreError, CREATE_CAS};
+use crate::state::by_address::{address_hash, ByAddress};
+
+/// Prefix of the slot keys: `inference-picker/inflight/<k>`, `k` in `0..MAX_SLOTS`.
+pub const SLOT_KEY_PREFIX: &str = "inference-picker/inflight/";
+/// Most slot keys ever written (bounds the keys whatever the VM churn): more than any Envoy's
+/// worker count. A VM that finds every slot live keeps its counts local (logged).
+pub const MAX_SLOTS: usize = 256;
+/// A record whose heartbeat is older than this, in ms, belongs to a dead (or stalled) VM: readers
+/// ignore it and a claimer may reuse its slot.
+pub const TTL_MS: u64 = 2_000;
+/// How often a live VM rewrites its heartbeat, in ms (a quarter of [`TTL_MS`]; the filter root
+/// ticks every 50 ms).
+pub const HEARTBEAT_MS: u64 = TTL_MS / 4;
+/// CAS attempts for counters elsewhere (the worker-id sequence).
+pub const MAX_CAS_ATTEMPTS: usize = 64;
+/// Write attempts of one sync (lost CAS races, or moves after losing the slot).
+const MAX_SYNC_ATTEMPTS: usize = 8;
+/// Format tag in front of every slot record.
+const RECORD_TAG: &str = "i1";
+/// Format tag of a record another gateway replica sent (`peers.load_interval_ms`,
+/// [`put_peer`]): readers add it like a VM's record; [`gateway_counts`] leaves it out, so a
+/// gateway never passes on what it received.
+const FOREIGN_TAG: &str = "f1";
+
+/// One endpoint's entry in a VM's record: its in-flight count, and of those the requests still in
+/// prefill (sent, no first response byte yet) with their uncached prompt tokens, as the VM's
+/// scheduler ledger counts them (`crate::scheduler::predict::Ledger`). The prefill part lets
+/// every worker's predicted-TTFT ranking see the prefill the other workers queued on a pod, not
+/// only their request count.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct EndpointLoad {
+    pub n: u32,
+    pub prefill_n: u32,
+    pub prefill_tokens: u64,
+}
+
+impl EndpointLoad {
+    /// The prefill part as the prediction reads it: `(tokens, count)`.
+    pub fn prefill(&self) -> (f64, u32) {
+        (self.prefill_tokens as f64, self.prefill_n)
+    }
+
+    fn add(&mut self, o: &EndpointLoad) {
+        self.n = self.n.saturating_add(o.n);
+        self.prefill_n = self.prefill_n.saturating_add(o.prefill_n);
+        self.prefill_tokens = self.prefill_tokens.saturating_add(o.prefill_tokens);
+    }
+}
+
+/// In-flight counts by endpoint address, with their prefill part ([`EndpointLoad`]). Missing
+/// means zero. Keyed by the address's hash (`crate::state::by_address`), so the scheduler reads a
+/// candidate's count with the hash it computed once for that candidate
+/// ([`InflightCounts::get_hashed`]).
+#[derive(Debug, Clone, Default)]
+pub struct InflightCounts {
+    counts: ByAddress<EndpointLoad>,
+}
+
+impl PartialEq for InflightCounts {
+    fn eq(&self, other: &Self) -> bool {
+        self.counts.len() == other.counts.len()
+            && self.counts.iter().all(|(a, l)| other.counts.get(address_hash(a), a) == Some(l))
+    }
+}
+
+impl Eq for InflightCounts {}
+
+impl InflightCounts {
+    pub fn get(&self, address: &str) -> u32 {
+        self.get_hashed(address_hash(address), address)
+    }
+
+    /// [`InflightCounts::get`] for an address whose `address_hash` is `hash`.
+    pub fn get_hashed(&self, hash: u64, address: &str) -> u32 {
+        self.counts.get(hash, address).map_or(0, |l| l.n)
+    }
+
+    /// The whole entry of `address` (whose `address_hash` is `hash`): the count, and the requests
+    /// in prefill there with their uncached prompt tokens, summed over the VMs that published them.
+    pub fn load_hashed(&self, hash: u64, address: &str) -> EndpointLoad {
+        self.counts.get(hash, address).copied().unwrap_or_default()
+    }
+
+    pub fn total(&self) -> u64 {
+        self.counts.values().map(|l| u64::from(l.n)).sum()
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = (&str, u32)> {
+        self.counts.iter().map(|(k, v)| (k, v.n))
+    }
+
+    /// Parses the stored value; malformed entries are skipped. An entry is `addr=n` or
+    /// `addr=n/prefill_n/prefill_tokens` (a VM that has nothing in prefill there writes the
+    /// short form; a VM of a release before the prefill part skips the long form's entries, so
+    /// during a rolling reload it undercounts, never misreads).
+    pub fn decode(bytes: &[u8]) -> Self {
+        let mut counts = ByAddress::default();
+        let Ok(text) = std::str::from_utf8(bytes) else {
+            return Self { counts };
+        };
+        for entry in text.split(';') {
+            let Some((addr, v)) = entry.rsplit_once('=') else { continue };
+            if addr.is_empty() {
+                continue;
+            }
+            let mut parts = v.split('/');
+            let load = match (parts.next(), parts.next(), parts.next(), parts.next()) {
+                (Some(n), None, None, None) => {
+                    n.parse().ok().map(|n| EndpointLoad { n, ..Default::default() })
+                }
+                (Some(n), Some(pn), Some(pt), None) => match (n.parse(), pn.parse(), pt.parse()) {
+                    (Ok(n), Ok(prefill_n), Ok(prefill_tokens)) => {
+                        Some(EndpointLoad { n, prefill_n, prefill_tokens })
+                    }
+                    _ => None,
+                },
+                _ => None,
+            };
+            if let Some(l) = load.filter(|l| l.n > 0) {
+                // A prefill part beyond the count is garbled: keep the count alone.
+                let l = if l.prefill_n > l.n { EndpointLoad { n: l.n, ..Default::default() } } else { l };
+                counts.insert(address_hash(addr), addr, l);
+            }
+        }
+        Self { counts }
+    }
+
+    pub fn encode(&self) -> Vec<u8> {
+        let mut entries: Vec<(&str, &EndpointLoad)> = self.counts.iter().filter(|(_, l)| l.n > 0).collect();
+        // Sorted so equal contents give equal bytes (stable for tests and debugging).
+        entries.sort_by(|a, b| a.0.cmp(b.0));
+        let mut out = String::with_capacity(entries.len() * 32);
+        for (i, (addr, l)) in entries.into_iter().enumerate() {
+            if i > 0 {
+                out.push(';');
+            }
+            out.push_str(addr);
+            out.push('=');
+            out.push_str(&l.n.to_string());
+            if l.prefill_n > 0 {
+                out.push('/');
+                out.push_str(&l.prefill_n.to_string());
+                out.push('/');
+                out.push_str(&l.prefill_tokens.to_string());
+            }
+        }
+        out.into_bytes()
+    }
+
+    /// Adds `other`'s counts to these.
+    fn add_all(&mut self, other: &InflightCounts) {
+        for (a, l) in other.counts.iter() {
+            self.counts.update(address_hash(a), a, |e| e.add(l));
+        }
+    }
+
+    /// Applies `delta`, saturating at 0 and u32::MAX; returns the new count. The prefill part
+    /// never exceeds the count (a request that ended is no longer in prefill).
+    fn apply(&mut self, address: &str, delta: i32) -> u32 {
+        let hash = address_hash(address);
+        let cur = self.counts.get(hash, address).copied().unwrap_or_default();
+        let next = if delta >= 0 {
+            cur.n.saturating_add(delta as u32)
+        } else {
+            cur.n.saturating_sub(delta.unsigned_abs())
+        };
+        if next == 0 {
+            self.counts.remove(hash, address);
+        } else {
+            let mut l = EndpointLoad { n: next, ..cur };
+            if l.prefill_n > next {
+                l.prefill_n = next;
+            }
+            self.counts.insert(hash, address, l);
+        }
+        next
+    }
+
+    /// Sets the prefill part of `address` (capped at its count; nothing without a count).
+    fn set_prefill(&mut self, address: &str, tokens: f64, n: u32) {
+        let hash = address_hash(address);
+        if let Some(l) = self.counts.get_mut(hash, address) {
+            l.prefill_n = n.min(l.n);
+            l.prefill_tokens = if l.prefill_n == 0 || !tokens.is_finite() || tokens <= 0.0 {
+                0
+            } else {
+                // Saturating float-to-int conversion; prompt tokens are far below u64::MAX.
+                tokens.round() as u64
+            };
+        }
+    }
+}
+
+/// The shared-data key of slot `k`.
+pub fn slot_key(k: usize) -> String {
+    format!("{SLOT_KEY_PREFIX}{k}")
+}
+
+/// One VM's published record.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SlotRecord {
+    /// The owning VM's random nonce (never 0).
+    pub owner: u64,
+    /// When the owner last wrote, in ms.
+    pub heartbeat_ms: u64,
+    pub counts: InflightCounts,
+    /// Sent by another gateway replica ([`put_peer`]); `owner` is that gateway's nonce and
+    /// `heartbeat_ms` when this gateway received it.
+    pub foreign: bool,
+}
+
+/// Parses a slot record. `None` for an empty value (a free slot) or anything that is not a
+/// well-formed record (treated as free). Pure; never panics.
+pub fn decode(bytes: &[u8]) -> Option<SlotRecord> {
+    let (owner, heartbeat_ms, rest, foreign) = decode_head(bytes)?;
+    let counts = InflightCounts::decode(rest);
+    Some(SlotRecord { owner, heartbeat_ms, counts, foreign })
+}
+
+/// A record's owner, heartbeat, the bytes of its counts, and whether another gateway sent it,
+/// without decoding the counts: the write path only checks who owns the slot.
+fn decode_head(bytes: &[u8]) -> Option<(u64, u64, &[u8], bool)> {
+    let text = std::str::from_utf8(bytes).ok()?;
+    let mut parts = text.splitn(4, ' ');
+    let (Some(tag), Some(owner), Some(hb)) = (parts.next(), parts.next(), parts.next()) else {
+        return None;
+    };
+    let foreign = match tag {
+        RECORD_TAG => false,
+        FOREIGN_TAG => true,
+        _ => return None,
+    };
+    let owner = parse_nonce(owner.as_bytes())?;
+    let heartbeat_ms = hb.parse().ok()?;
+    Some((owner, heartbeat_ms, parts.next().unwrap_or("").as_bytes(), foreign))
+}
+
+/// An owner nonce as records (and `peers`' load reports) write it: exactly 16 hex digits, not
+/// 0. `None` for anything else.
+pub fn parse_nonce(text: &[u8]) -> Option<u64> {
+    if text.len() != 16 || !text.iter().all(u8::is_ascii_hexdigit) {
+        return None;
+    }
+    std::str::from_utf8(text).ok().and_then(|t| u64::from_str_radix(t, 16).ok()).filter(|&n| n != 0)
+}
+
+/// Serialises a slot record (see [`decode`]).
+pub fn encode(rec: &SlotRecord) -> Vec<u8> {
+    encode_record(rec.owner, rec.heartbeat_ms, &rec.counts, rec.foreign)
+}
+
+fn encode_record(owner: u64, heartbeat_ms: u64, counts: &InflightCounts, foreign: bool) -> Vec<u8> {
+    let tag = if foreign { FOREIGN_TAG } else { RECORD_TAG };
+    let mut out = format!("{tag} {owner:016x} {heartbeat_ms} ").into_bytes();
+    out.extend_from_slice(&counts.encode());
+    out
+}
+
+/// This gateway's own in-flight counts: every live VM record of this Envoy, summed, without the
+/// records other gateways sent ([`put_peer`], in their own slots; or in the VM slots by an older
+/// release). What the poller sends to its peers
+/// (`peers.load_interval_ms`). One host read per written slot.
+pub fn gateway_counts(store: &dyn SharedStore, now_ms: u64) -> Result<InflightCounts, StoreError> {
+    let mut total = InflightCounts::default();
+    for k in 0..MAX_SLOTS {
+        let Some((bytes, _)) = store.get(&slot_key(k))? else { break };
+        if let Some(r) = decode(&bytes) {
+            if !r.foreign && now_ms.saturating_sub(r.heartbeat_ms) <= TTL_MS {
+                total.add_all(&r.counts);
+            }
+        }
+    }
+    Ok(total)
+}
+
+/// Prefix of the peer slot keys: `inference-picker/inflight-peer/<k>`, `k` in
+/// `0..MAX_PEER_SLOTS`. Peers' records live here, apart from the VMs' slots, so no number of
+/// peer reports can take a slot a worker needs ([`put_peer`]).
+pub const PEER_SLOT_KEY_PREFIX: &str = "inference-picker/inflight-peer/";
+/// Most peer records ever written: one per peer gateway (`crate::poll::peers::MAX_PEERS`).
+pub const MAX_PEER_SLOTS: usize = crate::poll::peers::MAX_PEERS;
+
+/// The shared-data key of peer slot `k`.
+pub fn peer_slot_key(k: usize) -> String {
+    format!("{PEER_SLOT_KEY_PREFIX}{k}")
+}
+
+/// What [`put_peer`] did with a peer's report.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PeerPut {
+    /// Written: in the sender's record, or in a free one.
+    Applied,
+    /// Refused: `limit` other senders already have a live record (more senders than this
+    /// gateway has peers: a flood of sender ids, or a restarted peer whose old record has not
+    /// aged out yet). Nothing was written.
+    Full,
+}
+
+/// Writes the counts another gateway replica sent (`owner`: that gateway's sender nonce) as its
+/// record in the peer slots, stamped with this gateway's clock (`now_ms`), so every reader of
+/// this Envoy adds them to its own ([`InflightTable::read`]): in the record that carries
+/// `owner` if there is one, else in the lowest free, garbled or stale peer slot, as long as
+/// fewer than `limit` other senders have a live record (`limit`: how many peers this gateway
+/// has, at most [`MAX_PEER_SLOTS`]). So a peer holding the token can take at most `limit`
+/// peer slots and never a VM's slot. A peer that stops sending ages out after [`TTL_MS`]. Two
+/// workers receiving the same new sender at once may, rarely, leave a second copy in another
+/// slot; it is never rewritten and ages out within [`TTL_MS`].
+pub fn put_peer(
+    store: &dyn SharedStore,
+    owner: u64,
+    counts: &InflightCounts,
+    now_ms: u64,
+    limit: usize,
+) -> Result<PeerPut, StoreError> {
+    let owner = owner.max(1);
+    let limit = limit.min(MAX_PEER_SLOTS);
+    let mine = encode_record(owner, now_ms, counts, true);
+    let mut last = StoreError::CasMismatch;
+    for _ in 0..MAX_SYNC_ATTEMPTS {
+        let mut found = None;
+        let mut free = None;
+        let mut live_others = 0usize;
+        for k in 0..MAX_PEER_SLOTS {
+            match store.get(&peer_slot_key(k))? {
+                None => {
+                    free = free.or(Some((k, CREATE_CAS)));
+                    break;
+                }
+                Some((bytes, cas)) => match decode_head(&bytes) {
+                    Some((o, _, _, true)) if o == owner => {
+                        found = Some((k, cas));
+                        break;
+                    }
+                    Some((_, hb, _, true)) if now_ms.saturating_sub(hb) <= TTL_MS => live_others += 1,
+                    _ => free = free.or(Some((k, cas))),
+                },
+            }
+        }
+        let target = match found {
+            Some(f) => f,
+            None if live_others >= limit => return Ok(PeerPut::Full),
+            None => match free {
+                Some(f) => f,
+                None => return Ok(PeerPut::Full),
+            },
+        };
+        match store.set(&peer_slot_key(target.0), &mine, target.1) {
+            Ok(()) => return Ok(PeerPut::Applied),
+            Err(StoreError::CasMismatch) => last = StoreError::CasMismatch,
+            Err(e) => return Err(e),
+        }
+    }
+    Err(last)
+}
+
+/// This VM's in-flight counts and its slot in shared data. One per VM, kept for its lifetime.
+#[derive(Debug)]
+pub struct InflightTable {
+    owner: u64,
+    local: InflightCounts,
+    /// The slot this VM believes it owns (verified on every write).
+    slot: Option<usize>,
+    last_beat_ms: u64,
+    /// Decoded records of the other slots, by CAS token, so unchanged ones are not re-parsed.
+    cache: Vec<Option<(u32, Option<SlotRecord>)>>,
+    /// [`InflightTable::with_peers`]: also read the peer slots, cached the same way.
+    read_peers: bool,
+    peer_cache: Vec<Option<(u32, Option<SlotRecord>)>>,
+}
+
+/// A family of slot keys: the VMs' ([`slot_key`]) or the peers' ([`peer_slot_key`]).
+struct Space {
+    max: usize,
+    key: fn(usize) -> String,
+}
+
+const VM_SPACE: Space = Space { max: MAX_SLOTS, key: slot_key };
+const PEER_SPACE: Space = Space { max: MAX_PEER_SLOTS, key: peer_slot_key };
+
+/// Adds to `total` the live records (not `owner`'s, not older than [`TTL_MS`]) of the slots of
+/// `space`, skipping slot `skip`, until the first never-written one. `cache` keeps each slot's
+/// decoded record by CAS token, so an unchanged record is not parsed again.
+fn scan(
+    store: &dyn SharedStore,
+    now_ms: u64,
+    owner: u64,
+    skip: Option<usize>,
+    space: &Space,
+    cache: &mut Vec<Option<(u32, Option<SlotRecord>)>>,
+    total: &mut InflightCounts,
+) -> Result<(), StoreError> {
+    for k in 0..space.max {
+        if Some(k) == skip {
+            continue;
+        }
+        let Some((bytes, cas)) = store.get(&(space.key)(k))? else {
+            break;
+        };
+        if cache.len() <= k {
+            cache.resize(k + 1, None);
+        }
+        let Some(entry) = cache.get_mut(k) else { continue };
+        if !matches!(entry, Some((c, _)) if *c == cas) {
+            *entry = Some((cas, decode(&bytes)));
+        }
+        if let Some((_, Some(rec))) = entry {
+            if rec.owner != owner && now_ms.saturating_sub(rec.heartbeat_ms) <= TTL_MS {
+                total.add_all(&rec.counts);
+            }
+        }
+    }
+    Ok(())
+}
+
+impl InflightTable {
+    /// `owner`: a random non-zero u64 for this VM (host entropy).
+    pub fn new(owner: u64) -> Self {
+        Self {
+            owner: owner.max(1),
+            local: InflightCounts::default(),
+            slot: None,
+            last_beat_ms: 0,
+            cache: Vec::new(),
+            read_peers: false,
+            peer_cache: Vec::new(),
+        }
+    }
+
+    pub fn owner(&self) -> u64 {
+        self.owner
+    }
+
+    /// The slot this VM writes, once it has claimed one.
+    pub fn slot(&self) -> Option<usize> {
+        self.slot
+    }
+
+    /// This VM's own counts.
+    pub fn local(&self) -> &InflightCounts {
+        &self.local
+    }
+
+    /// Also read the peer slots ([`put_peer`]) in [`InflightTable::read`]: set when this
+    /// gateway has `peers` (it applies peers' reports whatever its own `load_interval_ms`).
+    /// Without it a read costs no host call for them.
+    pub fn with_peers(mut self, read_peers: bool) -> Self {
+        self.read_peers = read_peers;
+        self
+    }
+
+    /// Every live VM's counts summed: ours from memory, the others' from their slots (records
+    /// older than [`TTL_MS`] ignored), and, [`InflightTable::with_peers`], the peer gateways'
+    /// records. Each scan stops at its first never-written slot.
+    pub fn read(&mut self, store: &dyn SharedStore, now_ms: u64) -> Result<InflightCounts, StoreError> {
+        let mut total = self.local.clone();
+        scan(store, now_ms, self.owner, self.slot, &VM_SPACE, &mut self.cache, &mut total)?;
+        if self.read_peers {
+            scan(store, now_ms, self.owner, None, &PEER_SPACE, &mut self.peer_cache, &mut total)?;
+        }
+        Ok(total)
+    }
+
+    /// Adds `delta` (+1 on send, -1 on finish) to this VM's count for `address`, then publishes.
+    /// Returns this VM's new count. The local count changes even if publishing fails (the next
+    /// sync publishes it).
+    pub fn adjust(
+        &mut self,
+        store: &dyn SharedStore,
+        address: &str,
+        delta: i32,
+        now_ms: u64,
+    ) -> Result<u32, StoreError> {
+        let n = self.local.apply(address, delta);
+        self.sync(store, now_ms)?;
+        Ok(n)
+    }
+
+    /// [`InflightTable::adjust`] that also sets the prefill part of `address` to this VM's
+    /// scheduler ledger (`prefill` = (tokens, count) still in prefill there), in the same write.
+    pub fn adjust_with_prefill(
+        &mut self,
+        store: &dyn SharedStore,
+        address: &str,
+        delta: i32,
+        prefill: (f64, u32),
+        now_ms: u64,
+    ) -> Result<u32, StoreError> {
+        let n = self.local.apply(address, delta);
+        self.local.set_prefill(address, prefill.0, prefill.1);
+        self.sync(store, now_ms)?;
+        Ok(n)
+    }
+
+    /// A request's prefill on `address` ended (its first response byte): sets the prefill part
+    /// to this VM's ledger (`prefill` = (tokens, count)) and publishes it, so that the other
+    /// workers stop counting that prefill ahead of theirs. Nothing to publish (the count is
+    /// unchanged) when the part was already equal.
+    pub fn set_prefill(
+        &mut self,
+        store: &dyn SharedStore,
+        address: &str,
+        prefill: (f64, u32),
+        now_ms: u64,
+    ) -> Result<(), StoreError> {
+        let hash = address_hash(address);
+        let before = self.local.counts.get(hash, address).copied();
+        self.local.set_prefill(address, prefill.0, prefill.1);
+        if self.local.counts.get(hash, address).copied() == before {
+            return Ok(());
+        }
+        self.sync(store, now_ms)
+    }
+
+    /// The root's tick: verify the slot is still ours (one read) and rewrite the heartbeat when
+    /// due. A VM with nothing ever counted has no slot and does nothing.
+    pub fn tick(&mut self, store: &dyn SharedStore, now_ms: u64) -> Result<(), StoreError> {
+        let Some(k) = self.slot else {
+            return Ok(());
+        };
+        let beat_due = now_ms.saturating_sub(self.last_beat_ms) >= HEARTBEAT_MS;
+        match store.get(&slot_key(k))? {
+            Some((bytes, _)) if !beat_due && decode(&bytes).is_some_and(|r| r.owner == self.owner) => Ok(()),
+            _ => self.sync(store, now_ms),
+        }
+    }
+
+    /// Frees the slot (an empty record) if this VM still owns it: call from the root's `on_done`.
+    pub fn release(&mut self, store: &dyn SharedStore) -> Result<(), StoreError> {
+        let Some(k) = self.slot.take() else {
+            return Ok(());
+        };
+        let key = slot_key(k);
+        if let Some((bytes, cas)) = store.get(&key)? {
+            if decode(&bytes).is_some_and(|r| r.owner == self.owner) {
+                return store.set(&key, b"", cas);
+            }
+        }
+        Ok(())
+    }
+
+    /// Publishes the local counts in our slot, verifying ownership; claims (or moves to) another
+    /// slot when we have none or lost ours.
+    fn sync(&mut self, store: &dyn SharedStore, now_ms: u64) -> Result<(), StoreError> {
+        let mut last = StoreError::CasMismatch;
+        for _ in 0..MAX_SYNC_ATTEMPTS {
+            let Some(k) = self.slot else {
+                return self.claim(store, now_ms);
+            };
+            let key = slot_key(k);
+            let Some((bytes, cas)) = store.get(&key)? else {
+                // Shared data has no delete; treat it as lost and claim again.
+                self.slot = None;
+                continue;
+            };
+            if decode_head(&bytes).is_none_or(|(owner, _, _, _)| owner != self.owner) {
+                // Another VM owns this slot now: move, with our full state.
+                self.slot = None;
+                continue;
+            }
+            match store.set(&key, &encode_record(self.owner, now_ms, &self.local, false), cas) {
+                Ok(()) => {
+                    self.last_beat_ms = now_ms;
+                    return Ok(());
+                }
+                Err(StoreError::CasMismatch) => last = StoreError::CasMismatch,
+                Err(e) => return Err(e),
+            }
+        }
+        Err(last)
+    }
+
+    /// Takes the lowest slot that is never written, free, garbled or stale, and writes our record
+    /// there.
+    fn claim(&mut self, store: &dyn SharedStore, now_ms: u64) -> Result<(), StoreError> {
+        let mine = encode_record(self.owner, now_ms, &self.local, false);
+        for k in 0..MAX_SLOTS {
+            let key = slot_key(k);
+            let written = match store.get(&key)? {
+                None => match store.set(&key, &mine, CREATE_CAS) {
+                    Ok(()) => true,
+                    Err(StoreError::CasMismatch) => false,
+                    Err(e) => return Err(e),
+                },
+                Some((bytes, cas)) => {
+                    let reusable = match decode(&bytes) {
+                        None => true,
+                        Some(r) => r.owner == self.owner || now_ms.saturating_sub(r.heartbeat_ms) > TTL_MS,
+                    };
+                    reusable
+                        && match store.set(&key, &mine, cas) {
+                            Ok(()) => true,
+                            Err(StoreError::CasMismatch) => false,
+                            Err(e) => return Err(e),
+                        }
+                }
+            };
+            if written {
+                self.slot = Some(k);
+                self.last_beat_ms = now_ms;
+                return Ok(());
+            }
+        }
+        Err(StoreError::Host(format!("all {MAX_SLOTS} in-flight slots are live")))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::base::ports::MemStore;
+    use std::cell::{Cell, RefCell};
+
+    const T0: u64 = 1_000_000;
+
+    #[test]
+    fn one_vm_counts_and_releases() {
+        let s = MemStore::new();
+        let mut a = InflightTable::new(0xA);
+        assert_eq!(a.adjust(&s, "10.0.0.1:8000", 1, T0).unwrap(), 1);
+        assert_eq!(a.adjust(&s, "10.0.0.1:8000", 1, T0).unwrap(), 2);
+        assert_eq!(a.adjust(&s, "10.0.0.2:8000", 1, T0).unwrap(), 1);
+        let mut reader = InflightTable::new(0xB);
+        let c = reader.read(&s, T0).unwrap();
+        assert_eq!((c.get("10.0.0.1:8000"), c.get("10.0.0.2:8000"), c.total()), (2, 1, 3));
+        assert_eq!(a.adjust(&s, "10.0.0.1:8000", -1, T0).unwrap(), 1);
+        assert_eq!(a.adjust(&s, "10.0.0.1:8000", -1, T0).unwrap(), 0);
+        // Releasing below zero saturates instead of wrapping.
+        assert_eq!(a.adjust(&s, "10.0.0.1:8000", -1, T0).unwrap(), 0);
+        assert_eq!(s.get(&slot_key(0)).unwrap().unwrap().0, b"i1 000000000000000a 1000000 10.0.0.2:8000=1");
+        assert_eq!(s.keys(), vec![slot_key(0)]);
+    }
+
+    #[test]
+    fn the_prefill_part_is_published_with_the_count_and_summed() {
+        let s = MemStore::new();
+        let mut a = InflightTable::new(0xA);
+        let mut b = InflightTable::new(0xB);
+        a.adjust_with_prefill(&s, "e", 1, (3000.0, 1), T0).unwrap();
+        a.adjust_with_prefill(&s, "e", 1, (5000.0, 2), T0).unwrap();
+        b.adjust_with_prefill(&s, "e", 1, (1000.0, 1), T0).unwrap();
+        let h = address_hash("e");
+        assert_eq!(a.read(&s, T0).unwrap().load_hashed(h, "e").prefill(), (6000.0, 3));
+        assert_eq!(b.read(&s, T0).unwrap().load_hashed(h, "e").prefill(), (6000.0, 3));
+        // A's first request produced its first byte: its prefill part shrinks, the count stays.
+        a.set_prefill(&s, "e", (2000.0, 1), T0).unwrap();
+        let c = b.read(&s, T0).unwrap();
+        assert_eq!((c.get("e"), c.load_hashed(h, "e").prefill()), (3, (3000.0, 2)));
+        // Ends: the prefill part never outlives the count.
+        a.adjust_with_prefill(&s, "e", -1, (2000.0, 1), T0).unwrap();
+        a.adjust_with_prefill(&s, "e", -1, (0.0, 0), T0).unwrap();
+        b.adjust(&s, "e", -1, T0).unwrap();
+        assert_eq!(b.read(&s, T0).unwrap().load_hashed(h, "e").prefill(), (0.0, 0));
+        // Nothing changed: set_prefill writes nothing (the CAS token is unchanged).
+        a.adjust_with_prefill(&s, "f", 1, (10.0, 1), T0).unwrap();
+        let before = s.get(&slot_key(a.slot().unwrap())).unwrap().unwrap().1;
+        a.set_prefill(&s, "f", (10.0, 1), T0).unwrap();
+        assert_eq!(s.get(&slot_key(a.slot().unwrap())).unwrap().unwrap().1, before);
+    }
+
+    #[test]
+    fn records_with_and_without_a_prefill_part_decode() {
+        let c = InflightCounts::decode(b"a:1=3/2/7000;b:1=1;c:1=2/5/9;d:1=2/1;e:1=0/0/0");
+        let pf = |a: &str| c.load_hashed(address_hash(a), a).prefill();
+        // The short form (and an older release's record) has no prefill part; a part beyond
+        // the count is garbled and dropped, the count kept; a malformed entry is skipped.
+        assert_eq!((c.get("a:1"), pf("a:1")), (3, (7000.0, 2)));
+        assert_eq!((c.get("b:1"), pf("b:1")), (1, (0.0, 0)));
+        assert_eq!((c.get("c:1"), pf("c:1")), (2, (0.0, 0)));
+        assert_eq!((c.get("d:1"), c.get("e:1")), (0, 0));
+        assert_eq!(InflightCounts::decode(&c.encode()), c);
+        assert_eq!(c.encode(), b"a:1=3/2/7000;b:1=1;c:1=2".to_vec());
+    }
+
+    #[test]
+    fn workers_have_their_own_slots_and_readers_sum_them() {
+        let s = MemStore::new();
+        let mut a = InflightTable::new(0xA);
+        let mut b = InflightTable::new(0xB);
+        a.adjust(&s, "e", 1, T0).unwrap();
+        b.adjust(&s, "e", 1, T0).unwrap();
+        b.adjust(&s, "f", 1, T0).unwrap();
+        assert_eq!((a.slot(), b.slot()), (Some(0), Some(1)));
+        // Each reads the other's slot and its own memory.
+        for t in [&mut a, &mut b] {
+            let c = t.read(&s, T0).unwrap();
+            assert_eq!((c.get("e"), c.get("f")), (2, 1));
+        }
+    }
+
+    #[test]
+    fn a_dead_vms_count_stops_counting_after_the_ttl_and_its_slot_is_reused() {
+        let s = MemStore::new();
+        let mut dead = InflightTable::new(0xD);
+        dead.adjust(&s, "e", 1, T0).unwrap(); // +1, then the VM dies: no -1 ever comes.
+        let mut live = InflightTable::new(0xA);
+        assert_eq!(live.read(&s, T0 + TTL_MS).unwrap().get("e"), 1);
+        assert_eq!(live.read(&s, T0 + TTL_MS + 1).unwrap().get("e"), 0);
+        // A new VM reuses the dead slot: keys stay bounded.
+        live.adjust(&s, "e", 1, T0 + TTL_MS + 1).unwrap();
+        assert_eq!(live.slot(), Some(0));
+        assert_eq!(s.key_count(), 1);
+    }
+
+    #[test]
+    fn heartbeats_keep_an_idle_holder_alive_and_release_frees_at_once() {
+        let s = MemStore::new();
+        let mut a = InflightTable::new(0xA);
+        let mut r = InflightTable::new(0xB);
+        a.adjust(&s, "e", 1, T0).unwrap();
+        // Ticks every 50 ms for 10 TTLs: the count stays visible.
+        let mut now = T0;
+        for _ in 0..(10 * TTL_MS / 50) {
+            now += 50;
+            a.tick(&s, now).unwrap();
+            assert_eq!(r.read(&s, now).unwrap().get("e"), 1);
+        }
+        a.release(&s).unwrap();
+        assert_eq!(r.read(&s, now).unwrap().get("e"), 0);
+        assert_eq!(s.get(&slot_key(0)).unwrap().unwrap().0, b"");
+        // The freed slot is taken again by the next VM at once.
+        r.adjust(&s, "e", 1, now).unwrap();
+        assert_eq!(r.slot(), Some(0));
+    }
+
+    type Other<'a> = Box<dyn FnOnce(&MemStore) + 'a>;
+
+    /// Runs `other` once, right after the next `get` of `key` (another VM interleaving).
+    struct Interleave<'a> {
+        inner: &'a MemStore,
+        key: String,
+        other: RefCell<Option<Other<'a>>>,
+    }
+    impl SharedStore for Interleave<'_> {
+        fn get(&self, key: &str) -> Result<Option<(Vec<u8>, u32)>, StoreError> {
+            let r = self.inner.get(key);
+            if key == self.key {
+                if let Some(f) = self.other.borrow_mut().take() {
+                    f(self.inner);
+                }
+            }
+            r
+        }
+        fn set(&self, key: &str, value: &[u8], cas: u32) -> Result<(), StoreError> {
+            self.inner.set(key, value, cas)
+        }
+    }
+
+    #[test]
+    fn two_first_creators_of_one_slot_end_in_two_slots_with_all_counts() {
+        let s = MemStore::new();
+        let b = RefCell::new(InflightTable::new(0xB));
+        // A reads slot 0 absent; before A writes, B claims slot 0 (B also saw it absent).
+        let racing = Interleave {
+            inner: &s,
+            key: slot_key(0),
+            other: RefCell::new(Some(Box::new(|st: &MemStore| {
+                b.borrow_mut().adjust(st, "e", 1, T0).unwrap();
+            }))),
+        };
+        let mut a = InflightTable::new(0xA);
+        a.adjust(&racing, "e", 1, T0).unwrap();
+        a.adjust(&racing, "e", 1, T0).unwrap();
+        assert_eq!(b.borrow().slot(), Some(0));
+        assert_eq!(a.slot(), Some(1));
+        let mut r = InflightTable::new(0xC);
+        assert_eq!(r.read(&s, T0).unwrap().get("e"), 3);
+    }
+
+    #[test]
+    fn a_clobbered_slot_is_detected_on_the_next_tick_and_the_loser_moves_with_its_state() {
+        // The residual case get_or_create cannot exclude (a token equal to CREATE_CAS), or any blind
+        // writer: B overwrites A's slot. A notices on its next tick and moves, keeping its counts.
+        let s = MemStore::new();
+        let mut a = InflightTable::new(0xA);
+        a.adjust(&s, "e", 2, T0).unwrap();
+        let mut b = InflightTable::new(0xB);
+        b.adjust(&s, "e", 1, T0).unwrap(); // slot 1
+        s.set(
+            &slot_key(0),
+            &encode(&SlotRecord {
+                owner: 0xB,
+                heartbeat_ms: T0,
+                counts: InflightCounts::decode(b"e=1"),
+                foreign: false,
+            }),
+            0,
+        )
+        .unwrap();
+        a.tick(&s, T0 + 50).unwrap();
+        assert_eq!(a.slot(), Some(2));
+        assert_eq!(decode(&s.get(&slot_key(2)).unwrap().unwrap().0).unwrap().counts.get("e"), 2);
+    }
+
+    #[test]
+    fn a_stalled_vm_whose_slot_was_reused_moves_and_loses_nothing() {
+        let s = MemStore::new();
+        let mut a = InflightTable::new(0xA);
+        a.adjust(&s, "e", 1, T0).unwrap();
+        // A stalls past the TTL; B takes slot 0 over.
+        let mut b = InflightTable::new(0xB);
+        b.adjust(&s, "e", 1, T0 + TTL_MS + 1).unwrap();
+        assert_eq!(b.slot(), Some(0));
+        // A wakes up and finishes its request: the -1 goes to its own new slot.
+        a.adjust(&s, "e", -1, T0 + TTL_MS + 2).unwrap();
+        assert_eq!(a.slot(), Some(1));
+        let mut r = InflightTable::new(0xC);
+        assert_eq!(r.read(&s, T0 + TTL_MS + 2).unwrap().get("e"), 1);
+    }
+
+    #[test]
+    fn records_round_trip_and_garbage_reads_as_free() {
+        let rec = SlotRecord {
+            owner: 7,
+            heartbeat_ms: 42,
+            counts: InflightCounts::decode(b"[fd00::1]:8000=3;a=1"),
+            foreign: false,
+        };
+        assert_eq!(decode(&encode(&rec)), Some(rec.clone()));
+        let foreign = SlotRecord { foreign: true, ..rec };
+        assert_eq!(decode(&encode(&foreign)), Some(foreign));
+        for junk in [
+            &b""[..],
+            b"\xff\xfe",
+            b"i1",
+            b"i1 0000000000000000 5 a=1",
+            b"i2 0000000000000001 5 ",
+            b"i1 1 5 a=1",
+            b"i1 0000000000000001 x a=1",
+        ] {
+            assert_eq!(decode(junk), None, "{junk:?}");
+        }
+        // A garbled slot is reusable, and its counts are never read.
+        let s = MemStore::new();
+        s.set(&slot_key(0), b"junk a=9", 0).unwrap();
+        let mut a = InflightTable::new(0xA);
+        assert_eq!(a.read(&s, T0).unwrap().total(), 0);
+        a.adjust(&s, "e", 1, T0).unwrap();
+        assert_eq!(a.slot(), Some(0));
+    }
+
+    #[test]
+    fn counts_parse_tolerates_garbage() {
+        let c = InflightCounts::decode(b"a=x;b=2;=3;c");
+        assert_eq!((c.get("a"), c.get("b"), c.total()), (0, 2, 2));
+        assert_eq!(InflightCounts::decode(b"\xff").total(), 0);
+    }
+
+    #[test]
+    fn reads_reuse_decoded_records_while_the_token_is_unchanged() {
+        let s = MemStore::new();
+        let mut a = InflightTable::new(0xA);
+        a.adjust(&s, "e", 1, T0).unwrap();
+        let gets = Cell::new(0);
+        struct Counting<'a>(&'a MemStore, &'a Cell<usize>);
+        impl SharedStore for Counting<'_> {
+            fn get(&self, key: &str) -> Result<Option<(Vec<u8>, u32)>, StoreError> {
+                self.1.set(self.1.get() + 1);
+                self.0.get(key)
+            }
+            fn set(&self, key: &str, value: &[u8], cas: u32) -> Result<(), StoreError> {
+                self.0.set(key, value, cas)
+            }
+        }
+        let mut r = InflightTable::new(0xB);
+        r.adjust(&s, "f", 1, T0).unwrap(); // r owns slot 1: its own slot is not read.
+        let c = Counting(&s, &gets);
+        assert_eq!(r.read(&c, T0).unwrap().total(), 2);
+        // One read for slot 0, one for the absent slot 2 that ends the scan.
+        assert_eq!(gets.get(), 2);
+        assert!(matches!(r.cache.first(), Some(Some((_, Some(_))))));
+    }
+
+    #[test]
+    fn a_full_table_keeps_counting_locally() {
+        let s = MemStore::new();
+        for k in 0..MAX_SLOTS {
+            s.set(
+                &slot_key(k),
+                &encode(&SlotRecord {
+                    owner: 1000 + k as u64,
+                    heartbeat_ms: T0,
+                    counts: InflightCounts::default(),
+                    foreign: false,
+                }),
+                0,
+            )
+            .unwrap();
+        }
+        let mut a = InflightTable::new(0xA);
+        assert!(a.adjust(&s, "e", 1, T0).is_err());
+        assert_eq!(a.local().get("e"), 1);
+        assert_eq!(s.key_count(), MAX_SLOTS);
+    }
+
+    fn peer_slots(s: &MemStore) -> usize {
+        (0..MAX_PEER_SLOTS).map_while(|k| s.get(&peer_slot_key(k)).unwrap()).count()
+    }
+
+    #[test]
+    fn a_peer_gateways_counts_are_read_by_every_vm_but_never_sent_on() {
+        let s = MemStore::new();
+        let mut a = InflightTable::new(0xA).with_peers(true);
+        let mut b = InflightTable::new(0xB).with_peers(true);
+        a.adjust(&s, "p", 1, T0).unwrap();
+        // Another gateway (nonce 0xF00) has 3 requests on p, 2 of them in prefill, and 1 on q.
+        let peer = InflightCounts::decode(b"p=3/2/9000;q=1");
+        assert_eq!(put_peer(&s, 0xF00, &peer, T0, 1).unwrap(), PeerPut::Applied);
+        // Every VM of this gateway reads them with its own and the other VMs' counts.
+        let seen = b.read(&s, T0).unwrap();
+        assert_eq!(seen.get("p"), 4);
+        assert_eq!(seen.get("q"), 1);
+        assert_eq!(seen.load_hashed(address_hash("p"), "p").prefill_tokens, 9000);
+        // A reader of a gateway without `peers` reads the VM slots only.
+        assert_eq!(InflightTable::new(0xC).read(&s, T0).unwrap().get("p"), 1);
+        // What this gateway sends to its peers: its own VMs' counts only.
+        let own = gateway_counts(&s, T0).unwrap();
+        assert_eq!((own.get("p"), own.get("q")), (1, 0));
+        // The peer's next report replaces its record in place (same slot), even an empty one.
+        put_peer(&s, 0xF00, &InflightCounts::decode(b"q=2"), T0 + 100, 1).unwrap();
+        put_peer(&s, 0xF00, &InflightCounts::default(), T0 + 200, 1).unwrap();
+        let seen = b.read(&s, T0 + 200).unwrap();
+        assert_eq!((seen.get("p"), seen.get("q")), (1, 0));
+        assert_eq!(peer_slots(&s), 1);
+        // The peer record never sits in a VM slot: a VM claiming one takes the next VM slot.
+        b.adjust(&s, "q", 1, T0 + 200).unwrap();
+        assert_eq!((a.slot(), b.slot()), (Some(0), Some(1)));
+        assert_eq!(a.read(&s, T0 + 200).unwrap().get("q"), 1);
+    }
+
+    #[test]
+    fn a_peer_that_stops_sending_ages_out_and_its_slot_is_reused() {
+        let s = MemStore::new();
+        put_peer(&s, 0xF00, &InflightCounts::decode(b"p=5"), T0, 1).unwrap();
+        let mut a = InflightTable::new(0xA).with_peers(true);
+        assert_eq!(a.read(&s, T0 + TTL_MS).unwrap().get("p"), 5);
+        assert_eq!(a.read(&s, T0 + TTL_MS + 1).unwrap().get("p"), 0);
+        // While it is live, a second sender does not fit a gateway with one peer.
+        assert_eq!(put_peer(&s, 0xF01, &InflightCounts::decode(b"p=1"), T0 + 1, 1).unwrap(), PeerPut::Full);
+        // Once it is stale its slot is free for another sender (a restarted peer's new nonce).
+        let put = put_peer(&s, 0xF01, &InflightCounts::decode(b"p=1"), T0 + TTL_MS + 1, 1).unwrap();
+        assert_eq!(put, PeerPut::Applied);
+        assert_eq!(peer_slots(&s), 1, "slot 0 was reused");
+        assert_eq!(a.read(&s, T0 + TTL_MS + 1).unwrap().get("p"), 1);
+    }
+
+    #[test]
+    fn a_flood_of_sender_ids_cannot_hide_the_workers_counts() {
+        // A peer holding the token invents 1,000 sender ids, each reporting load on "p".
+        let s = MemStore::new();
+        let mut applied = 0;
+        for id in 0..1_000u64 {
+            if put_peer(&s, 0x1_0000 + id, &InflightCounts::decode(b"p=1"), T0, 2).unwrap()
+                == PeerPut::Applied
+            {
+                applied += 1;
+            }
+        }
+        // Only as many as this gateway has peers are taken; the rest are refused.
+        assert_eq!((applied, peer_slots(&s)), (2, 2));
+        // Even with the largest limit, never more than the peer slots, and never a VM slot.
+        for id in 0..1_000u64 {
+            let _ = put_peer(&s, 0x2_0000 + id, &InflightCounts::decode(b"p=1"), T0, usize::MAX).unwrap();
+        }
+        assert_eq!(peer_slots(&s), MAX_PEER_SLOTS);
+        assert!(s.get(&slot_key(0)).unwrap().is_none(), "a peer record took a VM slot");
+        // The workers still claim their slots and see each other's counts.
+        let mut w1 = InflightTable::new(0xA).with_peers(true);
+        let mut w2 = InflightTable::new(0xB).with_peers(true);
+        w1.adjust(&s, "q", 1, T0).unwrap();
+        w2.adjust(&s, "q", 1, T0).unwrap();
+        assert_eq!((w1.slot(), w2.slot()), (Some(0), Some(1)));
+        assert_eq!(w1.read(&s, T0).unwrap().get("q"), 2);
+        assert_eq!(w2.read(&s, T0).unwrap().get("q"), 2);
+        // A known sender still updates its record while the table is full.
+        assert_eq!(put_peer(&s, 0x1_0000, &InflightCounts::decode(b"p=7"), T0, 2).unwrap(), PeerPut::Applied);
+    }
+
+    #[test]
+    fn records_an_older_release_wrote_as_foreign_in_the_vm_slots_are_read_but_not_reported() {
+        let s = MemStore::new();
+        let old = SlotRecord {
+            owner: 0xF00,
+            heartbeat_ms: T0,
+            counts: InflightCounts::decode(b"p=3"),
+            foreign: true,
+        };
+        s.set(&slot_key(0), &encode(&old), 0).unwrap();
+        let mut a = InflightTable::new(0xA);
+        a.adjust(&s, "p", 1, T0).unwrap();
+        assert_eq!(a.slot(), Some(1), "the live old record keeps its slot");
+        assert_eq!(a.read(&s, T0).unwrap().get("p"), 4);
+        assert_eq!(gateway_counts(&s, T0).unwrap().get("p"), 1);
+    }
+}
