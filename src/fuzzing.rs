@@ -29,7 +29,7 @@
 use std::collections::BTreeMap;
 
 use crate::base::ports::{MemStore, SharedStore};
-use crate::config::{parse_endpoint_address, Config, KubernetesDiscoveryConfig};
+use crate::config::{Config, KubernetesDiscoveryConfig};
 use crate::flow::{self, Admission, Capacity, FlowControlConfig, FlowQueue, Ticket};
 use crate::poll::discovery::{parse_pod_list, MAX_DISCOVERED_ENDPOINTS};
 use crate::poll::lease::{Lease, LeaseState, LEASE_KEY};
@@ -38,6 +38,7 @@ use crate::poll::scrape::prom::Samples;
 use crate::request::body::{parse_request, rewrite_model};
 use crate::scheduler::session::{parse_session_token, scores, SessionKeys};
 use crate::scheduler::Candidate;
+use crate::state::catalog::parse_endpoint_address;
 use crate::state::health::{self, HealthConfig, HealthView, Outcome, Recorder, HEALTH_KEY};
 use crate::state::inflight::{self, InflightCounts, InflightTable};
 use crate::state::prefix_shared::{self, SharedPrefix, RECORD_BYTES};
@@ -173,7 +174,7 @@ pub fn discovery(data: &[u8]) {
         token_env: None,
         refresh_ms: 5000,
         timeout_ms: 2000,
-        roles: crate::request::pd::RoleSelectors::default(),
+        roles: crate::poll::discovery::RoleSelectors::default(),
     };
     let Ok(d) = parse_pod_list(data, &cfg) else { return };
     assert!(d.endpoints.len() <= MAX_DISCOVERED_ENDPOINTS);
@@ -287,7 +288,7 @@ pub fn health(data: &[u8]) {
                 scraped_ms: now,
                 failures: 0,
                 inflight_at_scrape: None,
-                role: crate::request::pd::Role::Decode,
+                role: crate::state::catalog::Role::Decode,
                 poll_ms: 0,
             })
             .collect(),

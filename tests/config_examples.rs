@@ -48,7 +48,7 @@ fn three_sims_routes_as_make_run_expects() {
         ["127.0.0.1:8001", "127.0.0.1:8002", "127.0.0.1:8003"]
     );
     assert_eq!(serving("qwen"), ["127.0.0.1:8003"]);
-    let table = inference_picker::scheduler::models::ModelTable::new(&cfg);
+    let table = inference_picker::scheduler::models::ModelTable::new(&cfg.catalog(), &cfg.scheduler.rewrites);
     let lora = table.resolve("sql-lora", &Default::default()).unwrap();
     assert_eq!((lora.base, lora.adapter), ("meta-llama/Llama-3.1-8B-Instruct", Some("sql-lora")));
 }

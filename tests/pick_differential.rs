@@ -261,9 +261,17 @@ fn run_case(cfg: &Config, seed: u64) -> Vec<String> {
         let body = serde_json::to_vec(&body).unwrap();
         let inflight = table.read(&store, now_ms).unwrap_or_default();
         let inputs = BodyInputs { snapshot: &snapshot, inflight: &inflight, store: &store, now_ms };
-        let result =
-            request::prepare(cfg, &scheduler, &mut pick_rng, &head, &body, &snapshot).and_then(|prepared| {
-                request::pd::route(cfg, &mut scheduler, &mut pick_rng, &head, &prepared, &inputs, &health)
+        let result = request::prepare(&cfg.request(), &scheduler, &mut pick_rng, &head, &body, &snapshot)
+            .and_then(|prepared| {
+                request::pd::route(
+                    &cfg.request(),
+                    &mut scheduler,
+                    &mut pick_rng,
+                    &head,
+                    &prepared,
+                    &inputs,
+                    &health,
+                )
             });
         let (line, ticket) = outcome_of(result);
         if let Some(addr) = line.strip_prefix("ok ").and_then(|l| l.split(' ').next()) {
@@ -301,7 +309,7 @@ fn summary() -> (String, usize, usize) {
     let (mut oks, mut errs) = (0, 0);
     for (name, cfg) in configs() {
         for c in 0..CASES_PER_CONFIG {
-            let seed = fnv(&[name.clone()]) ^ c;
+            let seed = fnv(std::slice::from_ref(&name)) ^ c;
             let lines = run_case(&cfg, seed);
             oks += lines.iter().filter(|l| l.contains(": ok ")).count();
             errs += lines.iter().filter(|l| l.contains(": err ")).count();

@@ -37,28 +37,21 @@ use serde::Serialize;
 pub use crate::base::json::describe_errors;
 use crate::base::json::{self, ConfigError};
 
-pub use crate::scheduler::config::SchedulerConfig;
+pub use crate::poll::config::{
+    DiscoveryConfig, KubernetesDiscoveryConfig, PollerConfig, PollerMode, MAX_RESPONSE_BYTES_LIMIT,
+    MIN_INTERVAL_MS, MIN_RESPONSE_BYTES, MIN_TIMEOUT_MS,
+};
+pub use crate::request::config::{FilterConfig, MAX_BODY_BYTES_LIMIT};
+pub use crate::scheduler::config::{FailureMode, SchedulerConfig};
 
-use crate::flow::priority::{Criticality, PriorityConfig};
+use crate::flow::priority::PriorityConfig;
 use crate::flow::saturation::SaturationConfig;
 use crate::flow::FlowControlConfig;
+pub use crate::state::catalog::{parse_endpoint_address, Catalog, Criticality, EndpointConfig, ModelConfig};
 use crate::state::health::HealthConfig;
 
 /// The only configuration version this build understands.
 pub const CONFIG_VERSION: u32 = 1;
-/// Smallest `poller.interval_ms`: below this the poller itself becomes the load (llm-d #1842 saw
-/// vLLM slow down at 50 ms).
-pub const MIN_INTERVAL_MS: u64 = 10;
-/// Smallest `poller.timeout_ms`. Zero would mean "no timeout" to Envoy, leaving a hung scrape
-/// outstanding forever, so it is not allowed.
-pub const MIN_TIMEOUT_MS: u64 = 1;
-/// Largest `filter.max_body_bytes` (64 MiB). The filter buffers the whole body in every worker's
-/// VM; more than this is a misconfiguration, not a workload.
-pub const MAX_BODY_BYTES_LIMIT: usize = 64 * 1024 * 1024;
-/// Smallest `poller.max_response_bytes` (1 KiB): less cannot hold one engine's routing metrics.
-pub const MIN_RESPONSE_BYTES: usize = 1024;
-/// Largest `poller.max_response_bytes` (64 MiB).
-pub const MAX_RESPONSE_BYTES_LIMIT: usize = 64 * 1024 * 1024;
 
 /// Configuration of the inference-picker module: the same document for the HTTP filter and the
 /// poller.
@@ -131,342 +124,6 @@ pub struct Config {
     pub peers: Option<crate::poll::peers::PeersConfig>,
 }
 
-/// One model server.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
-#[serde(deny_unknown_fields)]
-pub struct EndpointConfig {
-    /// `ip:port` of the model server: an IPv4 address (`10.0.0.7:8000`) or a bracketed IPv6
-    /// address (`[fd00::7]:8000`), port 1-65535. No hostnames: the ORIGINAL_DST cluster routes to
-    /// the literal address in `x-gateway-destination-endpoint`. Unique across endpoints.
-    #[cfg_attr(feature = "schema", schemars(length(min = 1)))]
-    pub address: String,
-    /// Names of the base models (from `models[].name`, not adapters) this endpoint serves. At
-    /// least one.
-    #[cfg_attr(feature = "schema", schemars(length(min = 1), inner(length(min = 1))))]
-    pub models: Vec<String>,
-    /// Its role in a disaggregated prefill/decode pool (see `pd`): `decode`, `prefill` (never a
-    /// destination, only named in `x-prefiller-host-port`) or `both`. Read only when `pd` is
-    /// set. Default `decode`.
-    #[serde(
-        default = "crate::request::pd::Role::default",
-        skip_serializing_if = "crate::request::pd::Role::is_decode"
-    )]
-    pub role: crate::request::pd::Role,
-}
-
-/// One base model and its LoRA adapters.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
-#[serde(deny_unknown_fields)]
-pub struct ModelConfig {
-    /// The name clients put in the body's `model`, e.g. `meta-llama/Llama-3.1-8B-Instruct`.
-    /// Unique across models and adapters.
-    #[cfg_attr(feature = "schema", schemars(length(min = 1)))]
-    pub name: String,
-    /// LoRA adapters on this base model; a request naming one goes to an endpoint of this base.
-    /// Unique across all models. Default: none.
-    #[serde(default)]
-    #[cfg_attr(feature = "schema", schemars(inner(length(min = 1))))]
-    pub adapters: Vec<String>,
-    /// Default priority of this model's requests, through `priority.criticality`; a trusted
-    /// objective or tier header overrides it. Default `Standard`.
-    #[serde(default = "Criticality::default")]
-    pub criticality: Criticality,
-}
-
-/// The poller: the one VM that scrapes every endpoint's metrics and publishes the snapshot.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
-#[serde(deny_unknown_fields)]
-pub struct PollerConfig {
-    /// How often each endpoint's metrics are scraped, in ms. At least 10. Default 200: GIE polls
-    /// every 50 ms, but llm-d #1842 showed polling that fast slows vLLM itself; the router-local
-    /// in-flight count covers the gap between polls.
-    #[serde(default = "default_interval_ms")]
-    #[cfg_attr(feature = "schema", schemars(range(min = MIN_INTERVAL_MS)))]
-    pub interval_ms: u64,
-    /// Timeout of one scrape, in ms. At least 1. Default 1000. A scrape still outstanding is
-    /// never started again.
-    #[serde(default = "default_timeout_ms")]
-    #[cfg_attr(feature = "schema", schemars(range(min = MIN_TIMEOUT_MS)))]
-    pub timeout_ms: u64,
-    /// An endpoint whose last successful scrape is older than this, in ms, is stale. At least
-    /// `interval_ms`. Default 1000.
-    #[serde(default = "default_stale_after_ms")]
-    pub stale_after_ms: u64,
-    /// Name of the Envoy ORIGINAL_DST cluster (with `use_http_header`) that scrapes go through.
-    /// Default `inference_pool_metrics`.
-    #[serde(default = "default_metrics_cluster")]
-    #[cfg_attr(feature = "schema", schemars(length(min = 1)))]
-    pub cluster: String,
-    /// Path of the metrics endpoint on every model server; starts with `/`. Default `/metrics`.
-    #[serde(default = "default_metrics_path")]
-    #[cfg_attr(feature = "schema", schemars(regex(pattern = r"^/\S*$")))]
-    pub metrics_path: String,
-    /// Which root context polls. Default `singleton`. See [`PollerMode`].
-    #[serde(default = "default_poller_mode")]
-    pub mode: PollerMode,
-    /// `lease` mode only: how long one renewal of the poller lease is valid. Default 1000 ms. A
-    /// poller that stops renewing is replaced within `lease_ttl_ms + 2 × interval_ms`; a shorter
-    /// ttl replaces it sooner but a worker stalled for longer than the ttl loses the lease. Must
-    /// be at least twice `interval_ms` (the tick that renews it).
-    #[serde(default = "default_lease_ttl_ms")]
-    pub lease_ttl_ms: u64,
-    /// Largest callout response read, in bytes: a `/metrics` answer, and the Kubernetes pod list
-    /// when discovery is on. 1024 to 67108864. Default 4194304 (4 MiB). A larger response is not
-    /// read at all: the scrape (or pod list) counts as failed, with an error log and
-    /// `inference_picker_scrape_failures_total;reason=too_large` (or
-    /// `inference_picker_discovery_failures_total;reason=too_large`). It bounds the memory a
-    /// misbehaving server can make the poller allocate (in lease mode, inside a worker VM).
-    #[serde(default = "default_max_response_bytes")]
-    #[cfg_attr(feature = "schema", schemars(range(min = MIN_RESPONSE_BYTES, max = MAX_RESPONSE_BYTES_LIMIT)))]
-    pub max_response_bytes: usize,
-    /// The slowest an endpoint is scraped, in ms: one that is idle and unchanged (no request of
-    /// this gateway in flight there, the same queue, running and KV use as its previous scrape)
-    /// is scraped at twice its previous interval, up to this. Any change, a request of this
-    /// gateway, or a failure brings it back to `interval_ms`. At least `interval_ms`; equal to
-    /// it polls every endpoint every `interval_ms` as before. Default 5000 (an idle 1,024-pod
-    /// pool then costs about 200 scrapes/s). Load that other gateway replicas (or clients that
-    /// bypass the gateway) send to an idle pod is seen at most this late.
-    #[serde(default = "default_idle_interval_ms")]
-    pub idle_interval_ms: u64,
-    /// Upper bound on scrapes per second from this gateway. When the endpoints' intervals ask for
-    /// more, every interval is stretched by the same factor (and readers' staleness limits with
-    /// it). At least 1. Default 2000 (about 1,000 busy endpoints at 500 ms).
-    #[serde(default = "default_max_scrapes_per_s")]
-    #[cfg_attr(feature = "schema", schemars(range(min = 1)))]
-    pub max_scrapes_per_s: u32,
-    /// How many gateway replicas poll the same pods. Each replica scrapes an endpoint that it does
-    /// not send to at `replicas` times the interval (`interval_ms` when its load moves,
-    /// `idle_interval_ms` when idle), so the pods see about the scrape rate of one gateway
-    /// whatever the number of replicas; an endpoint a replica sends to is still scraped every
-    /// `interval_ms` by that replica, and its own in-flight estimate covers the gaps. It also
-    /// scales the rendezvous credit (`scheduler.predicted.rendezvous_credit`; none with 1), so
-    /// set it to the number of gateway replicas. 1 to 1000.
-    /// Default 1. On the whole replay traces (5 seeds) idle back-off ties fixed polling at 4
-    /// replicas too, but one LoRA seed in five was slower: where that spread matters, set
-    /// `idle_interval_ms` = `interval_ms`.
-    #[serde(default = "default_replicas")]
-    #[cfg_attr(feature = "schema", schemars(range(min = 1, max = 1000)))]
-    pub replicas: u32,
-}
-
-/// Which root context scrapes the endpoints and publishes the snapshot.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
-#[serde(rename_all = "snake_case")]
-pub enum PollerMode {
-    /// A `WasmService` with `singleton: true` (root id `inference-picker-poller`, same `vm_id`)
-    /// in Envoy's `bootstrap_extensions` polls; the filter's roots never do. Use it whenever you
-    /// control the bootstrap: plain Envoy, or an Istio sidecar or gateway pod whose bootstrap can
-    /// be overridden (`sidecar.istio.io/bootstrapOverride`).
-    Singleton,
-    /// The HTTP filter's own root contexts (main thread and every worker) elect one poller through
-    /// a lease in shared data (see `lease.rs`). Use it where no bootstrap singleton can be added:
-    /// Istio gateways deployed from Gateway API resources, or ECDS-only deployments.
-    Lease,
-}
-
-/// What the filter does when no endpoint of the requested model has fresh metrics.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
-pub enum FailureMode {
-    /// Route by the router-local in-flight count among the endpoints that serve the model.
-    FailOpen,
-    /// Answer 503.
-    FailClose,
-}
-
-/// The HTTP filter.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
-#[serde(deny_unknown_fields)]
-pub struct FilterConfig {
-    /// Largest request body buffered, in bytes; a larger one gets 413. 1 to 67108864 (64 MiB).
-    /// Default 4194304 (4 MiB). Envoy's `per_connection_buffer_limit_bytes` must be at least this,
-    /// or Envoy answers 413 itself first.
-    #[serde(default = "default_max_body_bytes")]
-    #[cfg_attr(feature = "schema", schemars(range(min = 1, max = MAX_BODY_BYTES_LIMIT)))]
-    pub max_body_bytes: usize,
-    /// What to do when no endpoint has fresh metrics. Default `FailClose` (503), as GIE.
-    #[serde(default = "default_failure_mode")]
-    pub failure_mode: FailureMode,
-    /// Path prefixes the filter lets through untouched: no body read, no endpoint picked, no
-    /// local answer; the route decides where they go (a route of their own to another cluster,
-    /// since the pool's ORIGINAL_DST cluster needs the destination header the filter did not
-    /// set). Every other path that is not an inference path, `/v1/models[/{id}]`, a health path
-    /// or a preflight gets a JSON 404. A prefix matches whole path segments (`/admin` matches
-    /// `/admin` and `/admin/x`, not `/administrator`) and wins over the local answers, so
-    /// `/v1/models` or `/healthz` can be sent on instead; it may not cover an inference path.
-    /// The client-chosen destination and priority headers are removed on these paths too.
-    /// Default: none.
-    #[serde(default)]
-    pub passthrough_prefixes: Vec<String>,
-    /// Add the response header `x-gateway-destination-endpoint-served` (the `ip:port` of the pod
-    /// that served). Off by default: it shows every client the pool's addresses (topology).
-    /// Default false.
-    #[serde(default)]
-    pub expose_served_endpoint: bool,
-    /// Add the `endpoint` tag to the filter's metrics (`inference_picker_requests_total` by
-    /// endpoint, and the per-endpoint `inference_picker_endpoint_inflight` gauge). Default false.
-    /// Envoy never deletes a stat, so with this on every pod address ever routed to stays a
-    /// metric name for the life of the process: the number of names grows without bound while
-    /// pods churn. Turn it on only for a fixed set of endpoints, or for debugging.
-    #[serde(default = "default_endpoint_metrics")]
-    pub endpoint_metrics: bool,
-    /// GIE conformance mode: honour the conformance suite's test header
-    /// `test-epp-endpoint-selection` (the request may only go to the listed `ip` or `ip:port`
-    /// endpoints; none matching is a 503) and answer `x-conformance-test-served-endpoint` with
-    /// the `ip:port` that served. Never turn it on for real traffic: the header lets a client
-    /// choose its pod. Off, the header is removed and ignored. Default false. See
-    /// `docs/conformance.md`.
-    #[serde(default)]
-    pub conformance_mode: bool,
-}
-
-fn default_interval_ms() -> u64 {
-    200
-}
-fn default_timeout_ms() -> u64 {
-    1000
-}
-fn default_stale_after_ms() -> u64 {
-    1000
-}
-fn default_metrics_cluster() -> String {
-    "inference_pool_metrics".to_string()
-}
-fn default_metrics_path() -> String {
-    "/metrics".to_string()
-}
-fn default_poller_mode() -> PollerMode {
-    PollerMode::Singleton
-}
-fn default_lease_ttl_ms() -> u64 {
-    1000
-}
-fn default_max_response_bytes() -> usize {
-    4 * 1024 * 1024
-}
-fn default_idle_interval_ms() -> u64 {
-    5000
-}
-fn default_max_scrapes_per_s() -> u32 {
-    2000
-}
-fn default_replicas() -> u32 {
-    1
-}
-fn default_endpoint_metrics() -> bool {
-    false
-}
-fn default_max_body_bytes() -> usize {
-    4 * 1024 * 1024
-}
-fn default_failure_mode() -> FailureMode {
-    FailureMode::FailClose
-}
-
-impl Default for PollerConfig {
-    fn default() -> Self {
-        Self {
-            interval_ms: default_interval_ms(),
-            timeout_ms: default_timeout_ms(),
-            stale_after_ms: default_stale_after_ms(),
-            cluster: default_metrics_cluster(),
-            metrics_path: default_metrics_path(),
-            mode: default_poller_mode(),
-            lease_ttl_ms: default_lease_ttl_ms(),
-            max_response_bytes: default_max_response_bytes(),
-            idle_interval_ms: default_idle_interval_ms(),
-            max_scrapes_per_s: default_max_scrapes_per_s(),
-            replicas: default_replicas(),
-        }
-    }
-}
-
-impl Default for FilterConfig {
-    fn default() -> Self {
-        Self {
-            max_body_bytes: default_max_body_bytes(),
-            failure_mode: default_failure_mode(),
-            passthrough_prefixes: Vec::new(),
-            expose_served_endpoint: false,
-            endpoint_metrics: default_endpoint_metrics(),
-            conformance_mode: false,
-        }
-    }
-}
-
-/// Endpoint discovery sources. Exactly one source for now.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
-#[serde(deny_unknown_fields)]
-pub struct DiscoveryConfig {
-    /// List the pool's pods from the Kubernetes API, like an InferencePool does.
-    pub kubernetes: KubernetesDiscoveryConfig,
-}
-
-/// Pod discovery through the Kubernetes API (`GET /api/v1/namespaces/NS/pods?labelSelector=...`),
-/// sent by the poller with `dispatch_http_call` through an Envoy cluster. See `discovery.rs`.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
-#[serde(deny_unknown_fields)]
-pub struct KubernetesDiscoveryConfig {
-    /// Namespace of the model-server pods (the InferencePool's namespace).
-    pub namespace: String,
-    /// Equality label selector (InferencePool `spec.selector.matchLabels`); at least one label.
-    pub selector: std::collections::BTreeMap<String, String>,
-    /// Ports on each pod (InferencePool `spec.targetPorts`), 1 to 8; each port is its own endpoint.
-    #[cfg_attr(feature = "schema", schemars(length(min = 1, max = crate::poll::discovery::MAX_TARGET_PORTS)))]
-    pub target_ports: Vec<u16>,
-    /// Base models (from `models`) every discovered endpoint serves. Default: all of `models`.
-    #[serde(default)]
-    pub models: Vec<String>,
-    /// The Envoy cluster that reaches the API server (TLS to kubernetes.default.svc:443).
-    #[serde(default = "default_api_cluster")]
-    pub api_cluster: String,
-    /// `:authority` of the API request. Default `kubernetes.default.svc`.
-    #[serde(default = "default_api_authority")]
-    pub api_authority: String,
-    /// Bearer token, inline. Prefer `token_env`. At most one of the two; neither sends no
-    /// `authorization` header (for an API proxy that adds it).
-    #[serde(default)]
-    pub token: Option<String>,
-    /// Name of a VM environment variable holding the bearer token (Envoy
-    /// `vm_config.environment_variables`, Istio `vmConfig.env`).
-    #[serde(default)]
-    pub token_env: Option<String>,
-    /// How often the pod list is fetched again, in ms. At least 1000. Default 5000.
-    #[serde(default = "default_refresh_ms")]
-    #[cfg_attr(feature = "schema", schemars(range(min = crate::poll::discovery::MIN_REFRESH_MS)))]
-    pub refresh_ms: u64,
-    /// Timeout of one list request, in ms: 1 to `refresh_ms`. Default 2000.
-    #[serde(default = "default_list_timeout_ms")]
-    pub timeout_ms: u64,
-    /// How a pod's role (for `pd`) is read from its labels. Default: llm-d's label
-    /// `llm-d.ai/role` with the values `prefill`, `decode`, `both` and `prefill-decode`.
-    #[serde(
-        default = "crate::request::pd::RoleSelectors::default",
-        skip_serializing_if = "crate::request::pd::RoleSelectors::is_default"
-    )]
-    pub roles: crate::request::pd::RoleSelectors,
-}
-
-fn default_api_cluster() -> String {
-    "kubernetes_api".to_string()
-}
-fn default_api_authority() -> String {
-    "kubernetes.default.svc".to_string()
-}
-fn default_refresh_ms() -> u64 {
-    5000
-}
-fn default_list_timeout_ms() -> u64 {
-    2000
-}
-
 // The readers of this file's types (`read.rs`): each field with its default, in declaration order.
 json::from_json_struct!(Config {
     version,
@@ -484,45 +141,6 @@ json::from_json_struct!(Config {
     pool = None,
     pd = None,
     peers = None,
-});
-json::from_json_struct!(EndpointConfig { address, models, role = crate::request::pd::Role::default() });
-json::from_json_struct!(ModelConfig { name, adapters = Vec::new(), criticality = Criticality::default() });
-json::from_json_struct!(PollerConfig {
-    interval_ms = default_interval_ms(),
-    timeout_ms = default_timeout_ms(),
-    stale_after_ms = default_stale_after_ms(),
-    cluster = default_metrics_cluster(),
-    metrics_path = default_metrics_path(),
-    mode = default_poller_mode(),
-    lease_ttl_ms = default_lease_ttl_ms(),
-    max_response_bytes = default_max_response_bytes(),
-    idle_interval_ms = default_idle_interval_ms(),
-    max_scrapes_per_s = default_max_scrapes_per_s(),
-    replicas = default_replicas(),
-});
-json::from_json_enum!(PollerMode { "singleton" => Singleton, "lease" => Lease });
-json::from_json_enum!(FailureMode { "FailOpen" => FailOpen, "FailClose" => FailClose });
-json::from_json_struct!(FilterConfig {
-    max_body_bytes = default_max_body_bytes(),
-    failure_mode = default_failure_mode(),
-    passthrough_prefixes = Vec::new(),
-    expose_served_endpoint = false,
-    endpoint_metrics = default_endpoint_metrics(),
-    conformance_mode = false,
-});
-json::from_json_struct!(DiscoveryConfig { kubernetes });
-json::from_json_struct!(KubernetesDiscoveryConfig {
-    namespace,
-    selector,
-    target_ports,
-    models = Vec::new(),
-    api_cluster = default_api_cluster(),
-    api_authority = default_api_authority(),
-    token = None,
-    token_env = None,
-    refresh_ms = default_refresh_ms(),
-    timeout_ms = default_list_timeout_ms(),
-    roles = crate::request::pd::RoleSelectors::default(),
 });
 
 /// `parent.name`, or `name` at the root.
@@ -571,7 +189,63 @@ impl Errors {
     }
 }
 
+impl<'a> From<&'a Config> for crate::poll::config::Setup<'a> {
+    fn from(cfg: &'a Config) -> Self {
+        crate::poll::config::Setup {
+            poller: &cfg.poller,
+            discovery: cfg.discovery.as_ref().map(|d| &d.kubernetes),
+            catalog: cfg.catalog(),
+        }
+    }
+}
+
+impl<'a> From<&'a Config> for crate::flow::admission::Setup<'a> {
+    fn from(cfg: &'a Config) -> Self {
+        crate::flow::admission::Setup {
+            flow: &cfg.flow_control,
+            saturation: &cfg.saturation,
+            stale_after_ms: cfg.poller.stale_after_ms,
+            startup_wait_ms: cfg.health.startup_wait_ms,
+        }
+    }
+}
+
+impl<'a> From<&'a Config> for crate::scheduler::config::Setup<'a> {
+    fn from(cfg: &'a Config) -> Self {
+        crate::scheduler::config::Setup {
+            scheduler: &cfg.scheduler,
+            catalog: cfg.catalog(),
+            stale_after_ms: cfg.poller.stale_after_ms,
+            replicas: cfg.poller.replicas,
+            failure_mode: cfg.filter.failure_mode,
+            health: &cfg.health,
+        }
+    }
+}
+
 impl Config {
+    /// What the request path reads.
+    pub fn request(&self) -> crate::request::config::Settings<'_> {
+        crate::request::config::Settings {
+            filter: &self.filter,
+            priority: &self.priority,
+            prefix: &self.scheduler.prefix,
+            pd: self.pd.as_ref(),
+            catalog: self.catalog(),
+        }
+    }
+
+    /// The catalog every wing reads: endpoints, models, and how pods' own model lists count.
+    pub fn catalog(&self) -> Catalog<'_> {
+        Catalog {
+            endpoints: &self.endpoints,
+            models: &self.models,
+            discovered_models: self.discovery.as_ref().map_or(&[], |d| d.kubernetes.models.as_slice()),
+            learn_models: self.pod_models.is_some(),
+            allow_listed: self.pod_models.as_ref().is_some_and(|p| p.allow_list),
+        }
+    }
+
     /// Parses and validates a configuration document. On failure, returns every error found: one
     /// for a document that cannot be read (bad syntax, an unknown field, a value of the wrong
     /// type; its path is that value's), or all that [`Config::validate`] finds.
@@ -886,27 +560,4 @@ fn name_problem(name: &str) -> Option<String> {
     } else {
         None
     }
-}
-
-/// Parses `ip:port` as the ORIGINAL_DST cluster needs it: a literal IPv4 or bracketed IPv6
-/// address, a port in 1-65535, no hostname, no IPv6 zone.
-pub fn parse_endpoint_address(s: &str) -> Result<SocketAddr, String> {
-    let addr: SocketAddr = s.parse().map_err(|_| {
-        format!(
-            "{s:?} is not ip:port (IPv4 like 10.0.0.7:8000 or IPv6 like [fd00::7]:8000); hostnames are not \
-             allowed because the ORIGINAL_DST cluster routes to the literal address"
-        )
-    })?;
-    if addr.port() == 0 {
-        return Err(format!("{s:?}: port must be in 1-65535"));
-    }
-    if addr.ip().is_unspecified() {
-        return Err(format!("{s:?}: the unspecified address cannot be routed to"));
-    }
-    if let SocketAddr::V6(v6) = addr {
-        if v6.scope_id() != 0 {
-            return Err(format!("{s:?}: IPv6 zone ids are not supported"));
-        }
-    }
-    Ok(addr)
 }

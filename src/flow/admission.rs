@@ -51,11 +51,13 @@ use std::rc::Rc;
 use crate::base::errors::Rejection;
 use crate::base::ports::{SharedStore, StoreError};
 use crate::base::telemetry;
-use crate::config::{Config, FailureMode};
 use crate::flow::priority::PriorityDecision;
+use crate::flow::saturation::SaturationConfig;
 use crate::flow::saturation::{is_stale, saturated, SaturationParams};
 use crate::flow::{self, Admission, Capacity, FlowControlConfig, FlowQueue, ReserveConfig, Ticket};
+use crate::scheduler::config::FailureMode;
 use crate::scheduler::filter::serves;
+use crate::state::catalog::EndpointConfig;
 use crate::state::inflight::InflightCounts;
 use crate::state::snapshot::{EndpointStatus, Snapshot};
 
@@ -115,15 +117,14 @@ pub fn metrics_not_ready() -> Rejection {
 /// What the scheduler may use before the metrics are ready: the published endpoints, or the
 /// configured ones while nothing is published (each with no scrape yet, so the scheduler fails
 /// open over them). Model names resolve against it too.
-pub fn startup_snapshot(cfg: &Config, snapshot: &Snapshot) -> Snapshot {
+pub fn startup_snapshot(endpoints: &[EndpointConfig], snapshot: &Snapshot) -> Snapshot {
     if !snapshot.endpoints.is_empty() {
         return snapshot.clone();
     }
     Snapshot {
         version: snapshot.version,
         published_ms: snapshot.published_ms,
-        endpoints: cfg
-            .endpoints
+        endpoints: endpoints
             .iter()
             .map(|e| EndpointStatus {
                 address: e.address.clone(),
@@ -141,14 +142,30 @@ pub fn startup_snapshot(cfg: &Config, snapshot: &Snapshot) -> Snapshot {
 
 /// The snapshot to route a request with now: `snapshot` itself when ready; before that, with
 /// `FailOpen`, [`startup_snapshot`]; with `FailClose`, [`metrics_not_ready`].
-pub fn routing_snapshot(cfg: &Config, snapshot: Rc<Snapshot>) -> Result<Rc<Snapshot>, Rejection> {
+pub fn routing_snapshot(
+    failure_mode: FailureMode,
+    endpoints: &[EndpointConfig],
+    snapshot: Rc<Snapshot>,
+) -> Result<Rc<Snapshot>, Rejection> {
     if snapshot_ready(&snapshot) {
         return Ok(snapshot);
     }
-    match cfg.filter.failure_mode {
-        FailureMode::FailOpen => Ok(Rc::new(startup_snapshot(cfg, &snapshot))),
+    match failure_mode {
+        FailureMode::FailOpen => Ok(Rc::new(startup_snapshot(endpoints, &snapshot))),
         FailureMode::FailClose => Err(metrics_not_ready()),
     }
+}
+
+/// What the gate reads: `flow_control`, `saturation` with the poller's staleness limit, and
+/// `health.startup_wait_ms`. `config` builds it (`From<&Config>`).
+#[derive(Debug, Clone, Copy)]
+pub struct Setup<'a> {
+    pub flow: &'a FlowControlConfig,
+    pub saturation: &'a SaturationConfig,
+    /// `poller.stale_after_ms`.
+    pub stale_after_ms: u64,
+    /// `health.startup_wait_ms`.
+    pub startup_wait_ms: u64,
 }
 
 /// The group's capacity now, or `None` when flow control must be skipped: no endpoint serves
@@ -275,17 +292,18 @@ pub struct Gate {
 
 impl Gate {
     /// `worker_id` must differ between the VMs that share the store (a random u64 per VM).
-    pub fn new(cfg: &Config, worker_id: u64) -> Self {
+    pub fn new<'a>(setup: impl Into<Setup<'a>>, worker_id: u64) -> Self {
+        let setup = setup.into();
         Self {
-            flow: cfg.flow_control.clone(),
-            sat: cfg.saturation.params(cfg.poller.stale_after_ms),
+            flow: setup.flow.clone(),
+            sat: setup.saturation.params(setup.stale_after_ms),
             worker_id,
             queues: BTreeMap::new(),
             held: HashMap::new(),
             evicted: BTreeMap::new(),
             fail_open: BTreeMap::new(),
             samples: Vec::new(),
-            startup_wait_ms: cfg.health.startup_wait_ms,
+            startup_wait_ms: setup.startup_wait_ms,
             startup: BTreeMap::new(),
         }
     }
@@ -516,6 +534,7 @@ impl Gate {
 mod tests {
     use super::*;
     use crate::base::ports::MemStore;
+    use crate::config::Config;
     use crate::flow::priority::PrioritySource;
     use crate::state::metrics::EndpointMetrics;
 
@@ -1005,18 +1024,21 @@ mod tests {
         assert!(snapshot_ready(&Snapshot { version: 3, ..Snapshot::default() }));
 
         // FailClose: an accurate 503.
-        let e = routing_snapshot(&c, Rc::new(empty.clone())).unwrap_err();
+        let e = routing_snapshot(c.filter.failure_mode, &c.endpoints, Rc::new(empty.clone())).unwrap_err();
         assert_eq!((e.status, e.code, e.retry_after_s), (503, "metrics_not_ready", Some(1)));
         assert!(e.message.contains("metrics"), "{}", e.message);
         // FailOpen: the configured endpoints stand in.
         let open = cfg(r#","filter":{"failure_mode":"FailOpen"}"#);
-        let s = routing_snapshot(&open, Rc::new(empty)).unwrap();
+        let s = routing_snapshot(open.filter.failure_mode, &open.endpoints, Rc::new(empty)).unwrap();
         let addrs: Vec<&str> = s.endpoints.iter().map(|e| e.address.as_str()).collect();
         assert_eq!(addrs, vec!["10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"]);
         assert!(s.endpoints.iter().all(|e| e.scraped_ms == 0 && e.models.len() == 1));
         // Ready: the snapshot itself.
         let ready = Rc::new(snap(2, 10));
-        assert!(Rc::ptr_eq(&routing_snapshot(&c, ready.clone()).unwrap(), &ready));
+        assert!(Rc::ptr_eq(
+            &routing_snapshot(c.filter.failure_mode, &c.endpoints, ready.clone()).unwrap(),
+            &ready
+        ));
     }
 
     #[test]

@@ -37,6 +37,7 @@ use std::collections::BTreeMap;
 use serde::Serialize;
 
 use crate::base::json::{self, ConfigError};
+use crate::state::catalog::Criticality;
 
 /// GIE request header naming an InferenceObjective.
 pub const OBJECTIVE_HEADER: &str = "x-gateway-inference-objective";
@@ -46,17 +47,6 @@ pub const FAIRNESS_HEADER: &str = "x-gateway-inference-fairness-id";
 pub const DEFAULT_FAIRNESS_ID: &str = "default-flow";
 /// Longer fairness ids are cut (at a character boundary) to this many bytes.
 pub const MAX_FAIRNESS_ID_BYTES: usize = 128;
-
-/// How important a model's traffic is (the older GIE InferenceModel `criticality`), mapped to a
-/// priority by `priority.criticality`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
-#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
-pub enum Criticality {
-    Critical,
-    #[default]
-    Standard,
-    Sheddable,
-}
 
 /// Where a request's priority comes from, and which priority headers are trusted.
 // `Default` equals the per-field serde defaults.
@@ -134,7 +124,6 @@ pub struct TierConfig {
 
 // The readers of this file's configuration types (`crate::base::json`), fields in declaration
 // order.
-json::from_json_enum!(Criticality { "Critical" => Critical, "Standard" => Standard, "Sheddable" => Sheddable });
 json::from_json_struct!(PriorityConfig {
     criticality = CriticalityPriorities::default(),
     objectives = Vec::new(),

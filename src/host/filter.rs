@@ -95,7 +95,7 @@ impl Filter {
         let worker = self.worker.clone();
         let cfg = &worker.cfg;
         if body_size > cfg.filter.max_body_bytes {
-            return self.reject(&request::too_large(cfg));
+            return self.reject(&request::too_large(&cfg.request()));
         }
         let body = timed!(
             "body_read",
@@ -104,8 +104,11 @@ impl Filter {
         let snapshot = timed!("snapshot", worker.snapshot());
         // Before the first metrics, model names resolve against the configured endpoints.
         let ready = admission::snapshot_ready(&snapshot);
-        let resolving =
-            if ready { snapshot.clone() } else { Rc::new(admission::startup_snapshot(cfg, &snapshot)) };
+        let resolving = if ready {
+            snapshot.clone()
+        } else {
+            Rc::new(admission::startup_snapshot(&cfg.endpoints, &snapshot))
+        };
         let prepared = timed!("prepare", {
             let scheduler = worker.scheduler.borrow();
             let mut rng = worker.rng.borrow_mut();
@@ -122,7 +125,7 @@ impl Filter {
                 }
                 prepared
             } else {
-                request::prepare(cfg, &scheduler, &mut *rng, &ex.head, &body, &resolving).map(Some)
+                request::prepare(&cfg.request(), &scheduler, &mut *rng, &ex.head, &body, &resolving).map(Some)
             }
         });
         let mut prepared = match prepared {
@@ -240,7 +243,7 @@ fn prepare_by_model(
         },
     };
     let prepared = match scheduler.route_model(&parsed.model, head.session_id.as_deref(), snapshot, rng) {
-        Ok(route) => request::prepare_routed(cfg, head, parsed, route, body).map(Some),
+        Ok(route) => request::prepare_routed(&cfg.request(), head, parsed, route, body).map(Some),
         Err(rej) if pools::passes_on(cfg.pool.as_ref(), &rej) => {
             if !reused {
                 // If this fails the next pool's filter parses the body itself.
@@ -290,7 +293,7 @@ fn go(
         timed!(
             "go.route",
             crate::request::pd::route(
-                &worker.cfg,
+                &worker.cfg.request(),
                 &mut scheduler,
                 &mut *rng,
                 &ex.head,
@@ -384,7 +387,11 @@ pub(crate) fn release_held(worker: &Worker, id: u32, waited_ms: u64, own_context
     // Fresh reads: earlier releases of this tick changed the in-flight counts. A request held
     // for the first metrics may still have none (its wait ran out): failure_mode decides.
     let store = io::HostStore;
-    let snapshot = match admission::routing_snapshot(&worker.cfg, worker.snapshot()) {
+    let snapshot = match admission::routing_snapshot(
+        worker.cfg.filter.failure_mode,
+        &worker.cfg.endpoints,
+        worker.snapshot(),
+    ) {
         Ok(s) => s,
         Err(rej) => {
             ex.answered = true;
@@ -468,7 +475,11 @@ impl Filter {
                 .count(telemetry::name(telemetry::STARTUP_REQUESTS, &[("outcome", "held")]));
             return Action::Pause;
         }
-        let snapshot = match admission::routing_snapshot(&worker.cfg, snapshot) {
+        let snapshot = match admission::routing_snapshot(
+            worker.cfg.filter.failure_mode,
+            &worker.cfg.endpoints,
+            snapshot,
+        ) {
             Ok(s) => s,
             Err(rej) => {
                 self.ex.borrow_mut().prepared = None;
@@ -681,14 +692,14 @@ impl Filter {
         }
         let priority = PriorityHeaders::read(&cfg.priority, &|h: &str| headers.get(h));
         let test_selection = request::conformance_selection(
-            cfg,
+            &cfg.request(),
             cfg.filter
                 .conformance_mode
                 .then(|| headers.get(request::CONFORMANCE_SELECTION_HEADER))
                 .flatten()
                 .as_deref(),
         );
-        for h in request::headers_to_remove(cfg) {
+        for h in request::headers_to_remove(&cfg.request()) {
             if headers.contains(h) {
                 io::set_request_header(h, None);
             }
@@ -702,8 +713,10 @@ impl Filter {
             priority,
             test_selection,
         };
-        let decision = match request::on_head(cfg, &head, end_of_stream) {
-            HeadDecision::Models { id } => request::models_reply(cfg, id.as_deref(), &worker.snapshot()),
+        let decision = match request::on_head(&cfg.request(), &head, end_of_stream) {
+            HeadDecision::Models { id } => {
+                request::models_reply(&cfg.request(), id.as_deref(), &worker.snapshot())
+            }
             d => d,
         };
         self.ex.borrow_mut().head = head;
@@ -891,7 +904,7 @@ impl Filter {
             return self.peer_body(body_size, end_of_stream);
         }
         if body_size > self.worker.cfg.filter.max_body_bytes {
-            return self.reject(&request::too_large(&self.worker.cfg));
+            return self.reject(&request::too_large(&self.worker.cfg.request()));
         }
         if !end_of_stream {
             return Action::Pause;

@@ -412,7 +412,7 @@ impl RootContext for Root {
                      built-in key and can be forged to pin requests to a chosen endpoint"
                 );
             }
-            let mut scheduler = Scheduler::new(&cfg);
+            let mut scheduler = Scheduler::new(&*cfg);
             scheduler.set_session_keys(session_keys);
             // One tick period per root: flow control's, or the poll interval when that is shorter
             // (lease mode polls from this root too).
@@ -429,7 +429,7 @@ impl RootContext for Root {
                 snapshots: RefCell::new(SnapshotCache::new()),
                 rng: RefCell::new(rng),
                 metrics: RefCell::new(metrics),
-                gate: RefCell::new(Gate::new(&cfg, worker_id)),
+                gate: RefCell::new(Gate::new(&*cfg, worker_id)),
                 pending: RefCell::new(HashMap::new()),
                 health: RefCell::new(Recorder::new()),
                 inflight: RefCell::new(

@@ -73,7 +73,7 @@ struct PeerSender {
 
 impl PollerRole {
     pub fn new(cfg: Rc<Config>) -> Self {
-        let core = Poller::with_seed(&cfg, io::entropy());
+        let core = Poller::with_seed(&*cfg, io::entropy());
         let read_peers = cfg.peers.is_some();
         let metrics = io::Metrics::with_suffix(crate::request::pools::metric_suffix(cfg.pool.as_ref()));
         let mut p = PollerRole {
@@ -114,7 +114,7 @@ impl PollerRole {
                 load_calls: HashMap::new(),
             }
         });
-        p.models = ModelsLearner::from_config(&p.cfg);
+        p.models = ModelsLearner::from_config(p.cfg.pod_models.as_ref());
         p.continue_versions();
         p
     }

@@ -29,10 +29,11 @@
 use std::collections::BTreeMap;
 use std::net::IpAddr;
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
-use crate::base::json::ConfigError;
-use crate::config::{EndpointConfig, KubernetesDiscoveryConfig, ModelConfig};
+use crate::base::json::{self, ConfigError};
+use crate::poll::config::KubernetesDiscoveryConfig;
+use crate::state::catalog::{EndpointConfig, ModelConfig, Role};
 
 /// Largest number of endpoints one discovery keeps.
 pub const MAX_DISCOVERED_ENDPOINTS: usize = 1024;
@@ -212,6 +213,101 @@ fn is_label_name(s: &str) -> bool {
         && s.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
 }
 
+/// The pod label llm-d puts the role in.
+pub const LLMD_ROLE_LABEL: &str = "llm-d.ai/role";
+
+json::from_json_struct!(RoleSelectors {
+    label = default_role_label(),
+    prefill = default_prefill_values(),
+    decode = default_decode_values(),
+    both = default_both_values(),
+});
+
+/// Label selectors per role for discovered pods (`discovery.kubernetes.roles`): a pod whose
+/// `label` has a value in `prefill`, `decode` or `both` gets that role; a pod without the label
+/// or with another value is `decode` (llm-d's decode filter also takes unlabelled pods).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
+#[serde(deny_unknown_fields)]
+pub struct RoleSelectors {
+    /// The pod label holding the role. Default `llm-d.ai/role`.
+    #[serde(default = "default_role_label")]
+    #[cfg_attr(feature = "schema", schemars(length(min = 1)))]
+    pub label: String,
+    /// Values meaning `prefill`. Default `["prefill"]`.
+    #[serde(default = "default_prefill_values")]
+    pub prefill: Vec<String>,
+    /// Values meaning `decode`. Default `["decode"]`.
+    #[serde(default = "default_decode_values")]
+    pub decode: Vec<String>,
+    /// Values meaning `both`. Default `["both", "prefill-decode"]`.
+    #[serde(default = "default_both_values")]
+    pub both: Vec<String>,
+}
+
+fn default_role_label() -> String {
+    LLMD_ROLE_LABEL.to_string()
+}
+fn default_prefill_values() -> Vec<String> {
+    vec!["prefill".into()]
+}
+fn default_decode_values() -> Vec<String> {
+    vec!["decode".into()]
+}
+fn default_both_values() -> Vec<String> {
+    vec!["both".into(), "prefill-decode".into()]
+}
+
+impl Default for RoleSelectors {
+    fn default() -> Self {
+        RoleSelectors {
+            label: default_role_label(),
+            prefill: default_prefill_values(),
+            decode: default_decode_values(),
+            both: default_both_values(),
+        }
+    }
+}
+
+impl RoleSelectors {
+    pub fn is_default(&self) -> bool {
+        *self == RoleSelectors::default()
+    }
+
+    /// The role of a pod whose role label has `value` (`None`: no such label).
+    pub fn role_of(&self, value: Option<&str>) -> Role {
+        let Some(v) = value else { return Role::Decode };
+        let has = |list: &[String]| list.iter().any(|x| x == v);
+        if has(&self.prefill) {
+            Role::Prefill
+        } else if has(&self.both) {
+            Role::Both
+        } else {
+            Role::Decode
+        }
+    }
+
+    pub fn validate(&self, path: &str, errs: &mut Vec<ConfigError>) {
+        if !is_label_key(&self.label) {
+            errs.push(ConfigError::new(format!("{path}.label"), "not a Kubernetes label key"));
+        }
+        let lists = [("prefill", &self.prefill), ("decode", &self.decode), ("both", &self.both)];
+        for (i, (name, list)) in lists.iter().enumerate() {
+            for (j, v) in list.iter().enumerate() {
+                let at = format!("{path}.{name}[{j}]");
+                if !is_label_value(v) || v.is_empty() {
+                    errs.push(ConfigError::new(at.clone(), "not a non-empty Kubernetes label value"));
+                }
+                if lists.iter().skip(i + 1).any(|(_, other)| other.contains(v))
+                    || list.iter().take(j).any(|x| x == v)
+                {
+                    errs.push(ConfigError::new(at, format!("`{v}` is listed twice")));
+                }
+            }
+        }
+    }
+}
+
 /// An optional DNS-subdomain prefix and `/`, then a name.
 pub(crate) fn is_label_key(s: &str) -> bool {
     match s.split_once('/') {
@@ -238,7 +334,7 @@ pub struct DiscoveredEndpoint {
     /// The pod's name, for logs.
     pub pod: String,
     /// From the pod's role label (`roles`); `decode` without one. Used only with `pd`.
-    pub role: crate::request::pd::Role,
+    pub role: crate::state::catalog::Role,
 }
 
 /// How many pods were left out, and why.
@@ -602,7 +698,7 @@ mod tests {
             vec![DiscoveredEndpoint {
                 address: "10.1.0.1:8000".into(),
                 pod: "a".into(),
-                role: crate::request::pd::Role::Decode
+                role: crate::state::catalog::Role::Decode
             }]
         );
         assert_eq!(d.skipped.duplicate, 1);
@@ -753,5 +849,39 @@ mod tests {
         )
         .unwrap();
         assert_eq!(c.discovery, None);
+    }
+
+    #[test]
+    fn role_selectors_map_labels_and_are_validated() {
+        let r = RoleSelectors::default();
+        assert_eq!(r.role_of(Some("prefill")), Role::Prefill);
+        assert_eq!(r.role_of(Some("decode")), Role::Decode);
+        assert_eq!(r.role_of(Some("both")), Role::Both);
+        assert_eq!(r.role_of(Some("prefill-decode")), Role::Both);
+        // llm-d's decode filter takes unlabelled pods.
+        assert_eq!(r.role_of(None), Role::Decode);
+        assert_eq!(r.role_of(Some("encode")), Role::Decode);
+
+        let mut errs = Vec::new();
+        let bad = RoleSelectors {
+            label: "not a key".into(),
+            prefill: vec!["p".into()],
+            decode: vec!["p".into(), "".into()],
+            both: vec![],
+        };
+        bad.validate("discovery.kubernetes.roles", &mut errs);
+        let paths: Vec<&str> = errs.iter().map(|e| e.path.as_str()).collect();
+        assert_eq!(
+            paths,
+            [
+                "discovery.kubernetes.roles.label",
+                "discovery.kubernetes.roles.prefill[0]",
+                "discovery.kubernetes.roles.decode[1]"
+            ],
+            "{errs:?}"
+        );
+        let mut errs = Vec::new();
+        RoleSelectors::default().validate("r", &mut errs);
+        assert!(errs.is_empty());
     }
 }

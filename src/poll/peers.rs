@@ -56,8 +56,8 @@ pub const MIN_INTERVAL_MS: u64 = 100;
 pub const MAX_INTERVAL_MS: u64 = 60_000;
 /// The shortest `load_interval_ms` (other than 0, off).
 pub const MIN_LOAD_INTERVAL_MS: u64 = 50;
-/// Most peers (a gateway's other replicas).
-pub const MAX_PEERS: usize = 64;
+/// Most peers (a gateway's other replicas): one peer record each in shared data.
+pub const MAX_PEERS: usize = crate::state::inflight::MAX_PEER_SLOTS;
 
 /// `peers` section of the configuration: the other replicas of this gateway, to which the
 /// poller sends its prefix table's new records, and the path on which the filter takes theirs.
@@ -76,7 +76,7 @@ pub struct PeersConfig {
     /// (its namespace and labels), `target_ports` = the listener port the exchange path is
     /// served on, `models` empty. Every `refresh_ms`; the first 64 Ready pods. Default: none.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub kubernetes: Option<crate::config::KubernetesDiscoveryConfig>,
+    pub kubernetes: Option<crate::poll::config::KubernetesDiscoveryConfig>,
     /// The exchange path. Requests to it are answered by the filter and never reach a model
     /// server. Default `/.inference-picker/v1/prefixes`.
     #[serde(default = "default_path")]
@@ -137,7 +137,8 @@ impl PeersConfig {
     pub fn validate(&self, at: &str, errs: &mut Vec<ConfigError>) {
         if let Some(k) = &self.kubernetes {
             // Its own rules, but `models`: peers serve none (said once, below).
-            let without_models = crate::config::KubernetesDiscoveryConfig { models: Vec::new(), ..k.clone() };
+            let without_models =
+                crate::poll::config::KubernetesDiscoveryConfig { models: Vec::new(), ..k.clone() };
             without_models.validate_into(&format!("{at}.kubernetes"), &[], errs);
             if !k.models.is_empty() {
                 errs.push(ConfigError::new(
@@ -154,7 +155,7 @@ impl PeersConfig {
             push("addresses", "list the peers, or find them with `kubernetes`".into());
         }
         for (i, a) in self.addresses.iter().enumerate() {
-            if let Err(e) = crate::config::parse_endpoint_address(a) {
+            if let Err(e) = crate::state::catalog::parse_endpoint_address(a) {
                 push(&format!("addresses[{i}]"), e);
             }
         }

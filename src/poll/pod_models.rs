@@ -31,8 +31,9 @@ use hashbrown::{HashMap, HashSet};
 use serde::{Deserialize, Serialize};
 
 use crate::base::json::{self, ConfigError};
-use crate::config::Config;
 use crate::poll::poller::LOST_CALL_GRACE_MS;
+#[cfg(test)]
+use crate::state::catalog::{is_running_adapter, learned_names};
 use crate::state::snapshot::Snapshot;
 
 /// Largest model-list response read (1 MiB). A larger one counts as a failed fetch.
@@ -226,8 +227,8 @@ pub struct ModelsLearner {
 
 impl ModelsLearner {
     /// `None` when `pod_models` is not configured.
-    pub fn from_config(cfg: &Config) -> Option<Self> {
-        cfg.pod_models.as_ref().map(|p| ModelsLearner {
+    pub fn from_config(cfg: Option<&PodModelsConfig>) -> Option<Self> {
+        cfg.map(|p| ModelsLearner {
             refresh_ms: p.refresh_ms,
             timeout_ms: p.timeout_ms,
             pods: HashMap::new(),
@@ -310,55 +311,6 @@ impl ModelsLearner {
             ep.models = names;
         }
     }
-}
-
-/// The model names the configuration mentions, for `pod_models.allow_list`: `None` when every
-/// name a pod reports may be routed (no `pod_models`, or `allow_list` off).
-pub fn allow_list(cfg: &Config) -> Option<HashSet<String>> {
-    if !cfg.pod_models.as_ref().is_some_and(|p| p.allow_list) {
-        return None;
-    }
-    let mut s: HashSet<String> = HashSet::new();
-    for m in &cfg.models {
-        s.insert(m.name.clone());
-        s.extend(m.adapters.iter().cloned());
-    }
-    for e in &cfg.endpoints {
-        s.extend(e.models.iter().cloned());
-    }
-    if let Some(d) = &cfg.discovery {
-        s.extend(d.kubernetes.models.iter().cloned());
-    }
-    Some(s)
-}
-
-/// Is `name` an adapter that some pod's LoRA metrics list as running or waiting? (Such a name
-/// gets the LoRA affinity scorer.)
-pub fn is_running_adapter(snapshot: &Snapshot, name: &str) -> bool {
-    snapshot
-        .endpoints
-        .iter()
-        .filter_map(|e| e.metrics.as_ref())
-        .any(|m| m.running_adapters.iter().chain(&m.waiting_adapters).any(|a| a == name))
-}
-
-/// Every model name some endpoint of the snapshot serves and the allow-list lets through,
-/// sorted, without the names in `except` (the configured ones, listed first by the caller).
-pub fn learned_names(
-    snapshot: &Snapshot,
-    allow: Option<&HashSet<String>>,
-    except: &HashSet<&str>,
-) -> Vec<String> {
-    let mut out: Vec<String> = snapshot
-        .endpoints
-        .iter()
-        .flat_map(|e| e.models.iter())
-        .filter(|n| !except.contains(n.as_str()) && allow.is_none_or(|a| a.contains(n.as_str())))
-        .cloned()
-        .collect();
-    crate::base::sorting::sort(&mut out);
-    out.dedup();
-    out
 }
 
 #[cfg(test)]

@@ -59,10 +59,10 @@
 use hashbrown::HashMap;
 
 use crate::base::ports::{Rng, SplitMix64};
-use crate::config::{Config, KubernetesDiscoveryConfig, PollerConfig, MIN_INTERVAL_MS};
+use crate::poll::config::{KubernetesDiscoveryConfig, PollerConfig, Setup, MIN_INTERVAL_MS};
 use crate::poll::discovery::{parse_pod_list_response, DiscoveryError};
 use crate::poll::scrape::parse_metrics;
-use crate::request::pd::Role;
+use crate::state::catalog::Role;
 use crate::state::metrics::EndpointMetrics;
 use crate::state::snapshot::{EndpointStatus, Snapshot};
 
@@ -251,19 +251,20 @@ pub struct Poller {
 
 impl Poller {
     /// A poller whose jitter comes from `seed` (the host passes entropy; tests a constant).
-    pub fn new(cfg: &Config) -> Self {
-        Self::with_seed(cfg, 0x5EED)
+    pub fn new<'a>(setup: impl Into<Setup<'a>>) -> Self {
+        Self::with_seed(setup, 0x5EED)
     }
 
-    pub fn with_seed(cfg: &Config, seed: u64) -> Self {
+    pub fn with_seed<'a>(setup: impl Into<Setup<'a>>, seed: u64) -> Self {
+        let setup = setup.into();
         let static_endpoints: Vec<(String, Vec<String>)> =
-            cfg.endpoints.iter().map(|e| (e.address.clone(), e.models.clone())).collect();
-        let k8s = cfg.discovery.as_ref().map(|d| &d.kubernetes);
+            setup.catalog.endpoints.iter().map(|e| (e.address.clone(), e.models.clone())).collect();
+        let k8s = setup.discovery;
         let discovered_models = match k8s {
             Some(k) if !k.models.is_empty() => k.models.clone(),
-            _ => cfg.models.iter().map(|m| m.name.clone()).collect(),
+            _ => setup.catalog.models.iter().map(|m| m.name.clone()).collect(),
         };
-        let pc = &cfg.poller;
+        let pc = setup.poller;
         let replicas = u64::from(pc.replicas.max(1));
         let fast_ms = pc.interval_ms.max(1);
         let shared_ms = fast_ms.saturating_mul(replicas);
@@ -293,7 +294,8 @@ impl Poller {
             discovery_outstanding_since: None,
             discovery_timeout_ms: k8s.map_or(0, |k| k.timeout_ms),
             lost: 0,
-            roles: cfg
+            roles: setup
+                .catalog
                 .endpoints
                 .iter()
                 .filter(|e| !e.role.is_decode())
@@ -664,6 +666,7 @@ impl Poller {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::Config;
 
     const VLLM: &[u8] = b"# TYPE vllm:num_requests_waiting gauge\n\
 vllm:num_requests_waiting{engine=\"0\",model_name=\"m\"} 3\n\
@@ -992,9 +995,9 @@ vllm:kv_cache_usage_perc{engine=\"0\",model_name=\"m\"} 0.25\n";
         assert!(signals_changed(&m, &EndpointMetrics { queue: Some(3.0), ..m.clone() }));
         assert!(signals_changed(&m, &EndpointMetrics { kv_usage: None, ..m.clone() }));
         assert!(signals_changed(&m, &EndpointMetrics { running_adapters: vec!["a".into()], ..m.clone() }));
-        let pc = crate::config::PollerConfig::default();
+        let pc = crate::poll::config::PollerConfig::default();
         assert_eq!(tick_period_ms(&pc), 50);
-        assert_eq!(tick_period_ms(&crate::config::PollerConfig { interval_ms: 10, ..pc }), 10);
+        assert_eq!(tick_period_ms(&crate::poll::config::PollerConfig { interval_ms: 10, ..pc }), 10);
     }
 
     fn k8s_cfg() -> Config {

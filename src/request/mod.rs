@@ -13,15 +13,17 @@
 //!    endpoint with the metrics and in-flight counts of *that* moment.
 
 pub mod body;
+pub mod config;
 pub mod pd;
 pub mod pools;
 
 use crate::base::errors::Rejection;
 use crate::base::ports::{Rng, SharedStore};
-use crate::config::Config;
-use crate::flow::priority::{self, Criticality, PriorityDecision, PriorityHeaders};
+use crate::flow::priority::{self, PriorityDecision, PriorityHeaders};
 use crate::request::body::{parse_request, rewrite_model};
+use crate::request::config::Settings;
 use crate::scheduler::{ModelRoute, Pick, PickRequest, Scheduler};
+use crate::state::catalog::Criticality;
 use crate::state::inflight::InflightCounts;
 use crate::state::snapshot::Snapshot;
 
@@ -68,8 +70,8 @@ pub const QUEUE_MS_HEADER: &str = "x-inference-picker-queue-ms";
 /// Every request header the filter removes before the request can go upstream, whatever the
 /// path: the client-chosen destination headers, and the priority headers
 /// (`priority::headers_to_strip`). The host reads the trusted priority headers first.
-pub fn headers_to_remove(cfg: &Config) -> impl Iterator<Item = &str> {
-    CLIENT_ROUTING_HEADERS.into_iter().chain(priority::headers_to_strip(&cfg.priority))
+pub fn headers_to_remove<'a>(cfg: &Settings<'a>) -> impl Iterator<Item = &'a str> {
+    CLIENT_ROUTING_HEADERS.into_iter().chain(priority::headers_to_strip(cfg.priority))
 }
 
 /// The inference paths the filter routes (POST only): OpenAI chat completions, completions,
@@ -112,7 +114,7 @@ pub struct RequestHead {
 /// The endpoints `test-epp-endpoint-selection` names, in conformance mode only: its value split
 /// on `,`, trimmed, empty entries dropped, at most [`MAX_SELECTION_ENTRIES`]. Outside conformance
 /// mode, or with no usable entry, `None`: the header is never trusted for real traffic.
-pub fn conformance_selection(cfg: &Config, value: Option<&str>) -> Option<Vec<String>> {
+pub fn conformance_selection(cfg: &Settings<'_>, value: Option<&str>) -> Option<Vec<String>> {
     if !cfg.filter.conformance_mode {
         return None;
     }
@@ -236,7 +238,7 @@ fn clip(s: &str) -> &str {
 /// 6. in conformance mode (`filter.conformance_mode`), a `POST` on any other path is an
 ///    inference request (the GIE suite uses paths of its own);
 /// 7. anything else: 404 `not_found` JSON. Nothing reaches a pod unless the filter picked it.
-pub fn on_head(cfg: &Config, head: &RequestHead, end_of_stream: bool) -> HeadDecision {
+pub fn on_head(cfg: &Settings<'_>, head: &RequestHead, end_of_stream: bool) -> HeadDecision {
     let raw = head.path.split(['?', '#']).next().unwrap_or("");
     let path = match raw.trim_end_matches('/') {
         "" => "/",
@@ -297,7 +299,7 @@ pub fn on_head(cfg: &Config, head: &RequestHead, end_of_stream: bool) -> HeadDec
 
 /// An inference `POST`: read the body, unless the declared length is over the limit or there is
 /// no body.
-fn inference_head(cfg: &Config, head: &RequestHead, end_of_stream: bool) -> HeadDecision {
+fn inference_head(cfg: &Settings<'_>, head: &RequestHead, end_of_stream: bool) -> HeadDecision {
     if let Some(len) = head.content_length {
         if len > cfg.filter.max_body_bytes as u64 {
             return HeadDecision::reject(too_large(cfg));
@@ -316,7 +318,7 @@ fn inference_head(cfg: &Config, head: &RequestHead, end_of_stream: bool) -> Head
 
 /// The answer to [`HeadDecision::Models`]: the model list, or one model (404 `model_not_found`
 /// when neither the configuration nor, with `pod_models`, a pod has it).
-pub fn models_reply(cfg: &Config, id: Option<&str>, snapshot: &Snapshot) -> HeadDecision {
+pub fn models_reply(cfg: &Settings<'_>, id: Option<&str>, snapshot: &Snapshot) -> HeadDecision {
     match id {
         None => HeadDecision::Local(LocalReply::json(200, model_list(cfg, snapshot))),
         Some(id) => match model_object(cfg, id, snapshot) {
@@ -354,7 +356,7 @@ fn percent_decode(s: &str) -> String {
 }
 
 /// The 413 for a body over the limit.
-pub fn too_large(cfg: &Config) -> Rejection {
+pub fn too_large(cfg: &Settings<'_>) -> Rejection {
     Rejection::new(
         413,
         "invalid_request_error",
@@ -402,9 +404,10 @@ pub struct Prepared {
 /// request is sent to after rewrites, else `Standard` (a discovered model has none configured).
 /// The client's name comes first because criticality describes the traffic clients send under
 /// that name (GIE's InferenceModel put it on the client-facing name, next to its rewrites).
-pub fn criticality_of(cfg: &Config, requested: &str, base: &str) -> Criticality {
+pub fn criticality_of(cfg: &Settings<'_>, requested: &str, base: &str) -> Criticality {
     let by_name = |name: &str| {
-        cfg.models
+        cfg.catalog
+            .models
             .iter()
             .find(|m| m.name == name || m.adapters.iter().any(|a| a == name))
             .map(|m| m.criticality)
@@ -415,7 +418,7 @@ pub fn criticality_of(cfg: &Config, requested: &str, base: &str) -> Criticality 
 /// Called with the complete body: parse, resolve the model (rewrite or split, base model),
 /// rewrite the body, resolve the priority. No endpoint is chosen here.
 pub fn prepare(
-    cfg: &Config,
+    cfg: &Settings<'_>,
     scheduler: &Scheduler,
     rng: &mut dyn Rng,
     head: &RequestHead,
@@ -435,7 +438,7 @@ pub fn prepare(
 /// (`crate::request::pools`) calls the steps separately, so that a body another pool's filter already
 /// parsed is not parsed again; `body` is read again only for a model rewrite.
 pub fn prepare_routed(
-    cfg: &Config,
+    cfg: &Settings<'_>,
     head: &RequestHead,
     parsed: crate::request::body::ParsedRequest,
     route: ModelRoute,
@@ -443,10 +446,10 @@ pub fn prepare_routed(
 ) -> Result<Prepared, Rejection> {
     let new_body = if route.model_rewritten { Some(rewrite_model(body, &route.target_model)?) } else { None };
     let criticality = criticality_of(cfg, &parsed.model, &route.base);
-    let priority = head.priority.resolve(&cfg.priority, criticality);
+    let priority = head.priority.resolve(cfg.priority, criticality);
     // A held request keeps only what the prefix scorer hashes (bounded memory per held request).
     let mut prompt = parsed.prompt;
-    let hashed = cfg.scheduler.prefix.block_chars.saturating_mul(cfg.scheduler.prefix.max_blocks);
+    let hashed = cfg.prefix.block_chars.saturating_mul(cfg.prefix.max_blocks);
     truncate_prompt(&mut prompt, hashed);
     Ok(Prepared {
         requested_model: parsed.model,
@@ -529,7 +532,7 @@ pub fn route(
 
 /// [`prepare`] then [`route`] at once, for a request that is never held.
 pub fn on_body(
-    cfg: &Config,
+    cfg: &Settings<'_>,
     scheduler: &mut Scheduler,
     rng: &mut dyn Rng,
     head: &RequestHead,
@@ -552,26 +555,27 @@ fn model_entry(id: &str, parent: Option<&str>) -> serde_json::Value {
 
 /// The names the pods reported (`pod_models`) that the configuration does not list, filtered by
 /// `pod_models.allow_list`, sorted. Empty without `pod_models`.
-fn learned_models(cfg: &Config, snapshot: &Snapshot) -> Vec<String> {
-    if cfg.pod_models.is_none() {
+fn learned_models(cfg: &Settings<'_>, snapshot: &Snapshot) -> Vec<String> {
+    if !cfg.catalog.learn_models {
         return Vec::new();
     }
     let configured: hashbrown::HashSet<&str> = cfg
+        .catalog
         .models
         .iter()
         .flat_map(|m| std::iter::once(&m.name).chain(&m.adapters))
         .map(String::as_str)
         .collect();
-    let allow = crate::poll::pod_models::allow_list(cfg);
-    crate::poll::pod_models::learned_names(snapshot, allow.as_ref(), &configured)
+    let allow = cfg.catalog.allow_list();
+    crate::state::catalog::learned_names(snapshot, allow.as_ref(), &configured)
 }
 
 /// OpenAI `GET /v1/models` for the whole pool: every base model and adapter in the config, then
 /// (with `pod_models`) every other name some pod reports, without `parent` (a pod's list names
 /// it, but the pool may not agree on one).
-pub fn model_list(cfg: &Config, snapshot: &Snapshot) -> Vec<u8> {
+pub fn model_list(cfg: &Settings<'_>, snapshot: &Snapshot) -> Vec<u8> {
     let mut data = Vec::new();
-    for m in &cfg.models {
+    for m in cfg.catalog.models {
         data.push(model_entry(&m.name, None));
         for a in &m.adapters {
             data.push(model_entry(a, Some(&m.name)));
@@ -585,8 +589,9 @@ pub fn model_list(cfg: &Config, snapshot: &Snapshot) -> Vec<u8> {
 
 /// OpenAI `GET /v1/models/{id}`: the configured base model or adapter named `id`, else (with
 /// `pod_models`) a name some pod reports.
-pub fn model_object(cfg: &Config, id: &str, snapshot: &Snapshot) -> Option<Vec<u8>> {
-    cfg.models
+pub fn model_object(cfg: &Settings<'_>, id: &str, snapshot: &Snapshot) -> Option<Vec<u8>> {
+    cfg.catalog
+        .models
         .iter()
         .find_map(|m| {
             if m.name == id {
@@ -602,6 +607,7 @@ pub fn model_object(cfg: &Config, id: &str, snapshot: &Snapshot) -> Option<Vec<u
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::Config;
 
     #[test]
     fn held_prompt_is_cut_to_what_the_prefix_scorer_hashes_with_the_same_hashes() {
@@ -625,9 +631,15 @@ mod tests {
         let mut rng = SplitMix64::new(1);
         let big = "x".repeat(1 << 20);
         let body = format!(r#"{{"model":"base-a","prompt":"{big}"}}"#);
-        let pr =
-            prepare(&c, &sched, &mut rng, &head(PriorityHeaders::default()), body.as_bytes(), &snapshot())
-                .unwrap();
+        let pr = prepare(
+            &c.request(),
+            &sched,
+            &mut rng,
+            &head(PriorityHeaders::default()),
+            body.as_bytes(),
+            &snapshot(),
+        )
+        .unwrap();
         let cap = c.scheduler.prefix.block_chars * c.scheduler.prefix.max_blocks;
         assert!(pr.prompt.len() <= cap + 3 && pr.prompt.len() >= cap, "{}", pr.prompt.len());
         assert!(pr.prompt.capacity() <= cap + 3);
@@ -688,7 +700,7 @@ mod tests {
     #[test]
     fn removes_destination_and_every_priority_header() {
         let c = cfg();
-        let names: Vec<&str> = headers_to_remove(&c).collect();
+        let names: Vec<&str> = headers_to_remove(&c.request()).collect();
         assert_eq!(
             names,
             vec![
@@ -709,12 +721,12 @@ mod tests {
     fn criticality_follows_the_name_the_client_used() {
         let c = cfg();
         // A configured base, and an adapter of it: that base's criticality.
-        assert_eq!(criticality_of(&c, "base-a", "base-b"), Criticality::Critical);
-        assert_eq!(criticality_of(&c, "lora-a", "base-a"), Criticality::Critical);
+        assert_eq!(criticality_of(&c.request(), "base-a", "base-b"), Criticality::Critical);
+        assert_eq!(criticality_of(&c.request(), "lora-a", "base-a"), Criticality::Critical);
         // An alias that is only a rewrite source: the criticality of where it is sent.
-        assert_eq!(criticality_of(&c, "alias", "base-b"), Criticality::Sheddable);
+        assert_eq!(criticality_of(&c.request(), "alias", "base-b"), Criticality::Sheddable);
         // A discovered model nobody configured: Standard.
-        assert_eq!(criticality_of(&c, "found", "found"), Criticality::Standard);
+        assert_eq!(criticality_of(&c.request(), "found", "found"), Criticality::Standard);
     }
 
     #[test]
@@ -724,7 +736,8 @@ mod tests {
         let mut rng = SplitMix64::new(1);
         let body = br#"{"model":"base-a","prompt":"hi"}"#;
         // base-a is rewritten to base-b (group base-b), but keeps base-a's Critical priority (10).
-        let p = prepare(&c, &sched, &mut rng, &head(PriorityHeaders::default()), body, &snapshot()).unwrap();
+        let p = prepare(&c.request(), &sched, &mut rng, &head(PriorityHeaders::default()), body, &snapshot())
+            .unwrap();
         assert_eq!((p.route.base.as_str(), p.route.model_rewritten), ("base-b", true));
         assert_eq!(p.new_body.as_deref(), Some(&br#"{"model":"base-b","prompt":"hi"}"#[..]));
         assert_eq!((p.priority.priority, p.priority.source), (10, PrioritySource::Model));
@@ -732,12 +745,19 @@ mod tests {
         // A trusted objective wins over the model; the untrusted tier value was never read
         // (PriorityHeaders::read would not fill it), and here it is absent anyway.
         let h = PriorityHeaders { objective: Some("batch".into()), tier: None, fairness_id: None };
-        let p = prepare(&c, &sched, &mut rng, &head(h), br#"{"model":"alias","prompt":"x"}"#, &snapshot())
-            .unwrap();
+        let p = prepare(
+            &c.request(),
+            &sched,
+            &mut rng,
+            &head(h),
+            br#"{"model":"alias","prompt":"x"}"#,
+            &snapshot(),
+        )
+        .unwrap();
         assert_eq!((p.priority.priority, p.priority.source), (-20, PrioritySource::Objective));
         // Unknown model: 404 before any admission.
         let e = prepare(
-            &c,
+            &c.request(),
             &sched,
             &mut rng,
             &head(PriorityHeaders::default()),
@@ -753,7 +773,9 @@ mod tests {
         let mut sched = Scheduler::new(&c);
         let mut rng = SplitMix64::new(7);
         let h = head(PriorityHeaders::default());
-        let p = prepare(&c, &sched, &mut rng, &h, br#"{"model":"alias","prompt":"x"}"#, &snapshot()).unwrap();
+        let p =
+            prepare(&c.request(), &sched, &mut rng, &h, br#"{"model":"alias","prompt":"x"}"#, &snapshot())
+                .unwrap();
         let store = MemStore::new();
         let counts = InflightCounts::default();
         let snap = snapshot();
@@ -762,7 +784,9 @@ mod tests {
         // Only 10.0.0.2 serves base-b; the target model is the rewrite's.
         assert_eq!((pick.primary.as_str(), pick.target_model.as_str()), ("10.0.0.2:8000", "base-b"));
         // on_body (prepare + route at once) agrees.
-        let r = on_body(&c, &mut sched, &mut rng, &h, br#"{"model":"alias","prompt":"x"}"#, &inputs).unwrap();
+        let r =
+            on_body(&c.request(), &mut sched, &mut rng, &h, br#"{"model":"alias","prompt":"x"}"#, &inputs)
+                .unwrap();
         assert_eq!((r.pick.primary.as_str(), r.requested_model.as_str()), ("10.0.0.2:8000", "alias"));
     }
 
@@ -772,8 +796,8 @@ mod tests {
 
     /// `on_head`, with the model list answered from an empty snapshot, as the host does.
     fn answer(c: &Config, h: &RequestHead, eos: bool) -> HeadDecision {
-        match on_head(c, h, eos) {
-            HeadDecision::Models { id } => models_reply(c, id.as_deref(), &Snapshot::default()),
+        match on_head(&c.request(), h, eos) {
+            HeadDecision::Models { id } => models_reply(&c.request(), id.as_deref(), &Snapshot::default()),
             d => d,
         }
     }
@@ -790,13 +814,16 @@ mod tests {
     fn only_the_inference_paths_are_routed() {
         let c = cfg();
         for p in INFERENCE_PATHS {
-            assert_eq!(on_head(&c, &head_of("POST", p), false), HeadDecision::ReadBody, "{p}");
+            assert_eq!(on_head(&c.request(), &head_of("POST", p), false), HeadDecision::ReadBody, "{p}");
             // Query string and a trailing slash do not change the path.
-            assert_eq!(on_head(&c, &head_of("POST", &format!("{p}/?x=1")), false), HeadDecision::ReadBody);
+            assert_eq!(
+                on_head(&c.request(), &head_of("POST", &format!("{p}/?x=1")), false),
+                HeadDecision::ReadBody
+            );
             // A body is required.
-            assert_eq!(status(&on_head(&c, &head_of("POST", p), true)), 400);
+            assert_eq!(status(&on_head(&c.request(), &head_of("POST", p), true)), 400);
             // Wrong method: 405 with an allow header.
-            match on_head(&c, &head_of("GET", p), true) {
+            match on_head(&c.request(), &head_of("GET", p), true) {
                 HeadDecision::Reject { rejection, allow } => {
                     assert_eq!(
                         (rejection.status, rejection.code, allow),
@@ -816,7 +843,7 @@ mod tests {
             ("GET", "/"),
             ("POST", ""),
         ] {
-            let d = on_head(&c, &head_of(m, p), false);
+            let d = on_head(&c.request(), &head_of(m, p), false);
             match &d {
                 HeadDecision::Reject { rejection, allow: None } => {
                     assert_eq!((rejection.status, rejection.code), (404, "not_found"), "{m} {p}")
@@ -827,7 +854,7 @@ mod tests {
         // A content-length over the limit: 413 before the body.
         let mut h = head_of("POST", "/v1/completions");
         h.content_length = Some(c.filter.max_body_bytes as u64 + 1);
-        assert_eq!(status(&on_head(&c, &h, false)), 413);
+        assert_eq!(status(&on_head(&c.request(), &h, false)), 413);
     }
 
     #[test]
@@ -852,15 +879,15 @@ mod tests {
             }
             d => panic!("{d:?}"),
         }
-        assert_eq!(status(&on_head(&c, &head_of("POST", "/v1/models"), false)), 405);
+        assert_eq!(status(&on_head(&c.request(), &head_of("POST", "/v1/models"), false)), 405);
         for p in HEALTH_PATHS {
-            let (st, v) = body(on_head(&c, &head_of("GET", p), true));
+            let (st, v) = body(on_head(&c.request(), &head_of("GET", p), true));
             assert_eq!((st, v.unwrap()["status"].as_str()), (200, Some("ok")));
-            assert_eq!(status(&on_head(&c, &head_of("DELETE", p), true)), 405);
+            assert_eq!(status(&on_head(&c.request(), &head_of("DELETE", p), true)), 405);
         }
         // Preflight on any path: 204, no CORS grant.
         for p in ["/v1/chat/completions", "/anything"] {
-            match on_head(&c, &head_of("OPTIONS", p), true) {
+            match on_head(&c.request(), &head_of("OPTIONS", p), true) {
                 HeadDecision::Local(r) => {
                     assert_eq!(r.status, 204);
                     assert!(r.body.is_empty());
@@ -877,14 +904,14 @@ mod tests {
         let mut c = cfg();
         c.filter.passthrough_prefixes = vec!["/admin".into(), "/v1/models".into(), "/static/".into()];
         for p in ["/admin", "/admin/", "/admin/x?y", "/v1/models", "/v1/models/x", "/static/a.js"] {
-            assert_eq!(on_head(&c, &head_of("GET", p), true), HeadDecision::PassThrough, "{p}");
+            assert_eq!(on_head(&c.request(), &head_of("GET", p), true), HeadDecision::PassThrough, "{p}");
         }
-        assert_eq!(on_head(&c, &head_of("OPTIONS", "/admin/x"), true), HeadDecision::PassThrough);
+        assert_eq!(on_head(&c.request(), &head_of("OPTIONS", "/admin/x"), true), HeadDecision::PassThrough);
         for p in ["/administrator", "/static"] {
-            assert_eq!(status(&on_head(&c, &head_of("GET", p), true)), 404, "{p}");
+            assert_eq!(status(&on_head(&c.request(), &head_of("GET", p), true)), 404, "{p}");
         }
         // Inference paths are still routed.
-        assert_eq!(on_head(&c, &head_of("POST", "/v1/completions"), false), HeadDecision::ReadBody);
+        assert_eq!(on_head(&c.request(), &head_of("POST", "/v1/completions"), false), HeadDecision::ReadBody);
         assert!(prefix_matches("/v1/", "/v1/completions") && !prefix_matches("/v1/c", "/v1/completions"));
     }
 
@@ -907,7 +934,7 @@ mod tests {
             ..Default::default()
         };
         let ids = |c: &Config| -> Vec<String> {
-            match models_reply(c, None, &snap) {
+            match models_reply(&c.request(), None, &snap) {
                 HeadDecision::Local(r) => serde_json::from_slice::<serde_json::Value>(&r.body).unwrap()
                     ["data"]
                     .as_array()
@@ -922,39 +949,45 @@ mod tests {
         assert_eq!(ids(&c), ["base-a", "lora-a", "base-b"]);
         c.pod_models = Some(crate::config::read_json("{}").unwrap());
         assert_eq!(ids(&c), ["base-a", "lora-a", "base-b", "runtime-lora"]);
-        assert_eq!(status(&models_reply(&c, Some("runtime-lora"), &snap)), 200);
+        assert_eq!(status(&models_reply(&c.request(), Some("runtime-lora"), &snap)), 200);
         c.pod_models = Some(crate::config::read_json(r#"{"allow_list":true}"#).unwrap());
         assert_eq!(ids(&c), ["base-a", "lora-a", "base-b"]);
-        assert_eq!(status(&models_reply(&c, Some("runtime-lora"), &snap)), 404);
+        assert_eq!(status(&models_reply(&c.request(), Some("runtime-lora"), &snap)), 404);
     }
 
     #[test]
     fn conformance_mode_reads_a_post_on_any_path_as_inference() {
         let mut c = cfg();
-        assert_eq!(status(&on_head(&c, &head_of("POST", "/primary-gateway-test"), false)), 404);
+        assert_eq!(status(&on_head(&c.request(), &head_of("POST", "/primary-gateway-test"), false)), 404);
         c.filter.conformance_mode = true;
-        assert_eq!(on_head(&c, &head_of("POST", "/primary-gateway-test"), false), HeadDecision::ReadBody);
-        assert_eq!(status(&on_head(&c, &head_of("POST", "/primary-gateway-test"), true)), 400);
+        assert_eq!(
+            on_head(&c.request(), &head_of("POST", "/primary-gateway-test"), false),
+            HeadDecision::ReadBody
+        );
+        assert_eq!(status(&on_head(&c.request(), &head_of("POST", "/primary-gateway-test"), true)), 400);
         // Other methods, health and the model list keep their answers.
-        assert_eq!(status(&on_head(&c, &head_of("GET", "/primary-gateway-test"), true)), 404);
+        assert_eq!(status(&on_head(&c.request(), &head_of("GET", "/primary-gateway-test"), true)), 404);
         assert_eq!(status(&answer(&c, &head_of("GET", "/healthz"), true)), 200);
     }
 
     #[test]
     fn conformance_selection_is_read_only_in_conformance_mode() {
         let mut c = cfg();
-        assert_eq!(conformance_selection(&c, Some("10.0.0.1")), None);
+        assert_eq!(conformance_selection(&c.request(), Some("10.0.0.1")), None);
         c.filter.conformance_mode = true;
-        assert_eq!(conformance_selection(&c, None), None);
-        assert_eq!(conformance_selection(&c, Some(" , ")), None);
+        assert_eq!(conformance_selection(&c.request(), None), None);
+        assert_eq!(conformance_selection(&c.request(), Some(" , ")), None);
         assert_eq!(
-            conformance_selection(&c, Some("10.0.0.1, 10.0.0.2:8000,")),
+            conformance_selection(&c.request(), Some("10.0.0.1, 10.0.0.2:8000,")),
             Some(vec!["10.0.0.1".to_string(), "10.0.0.2:8000".to_string()])
         );
         let many = vec!["10.0.0.1"; 500].join(",");
-        assert_eq!(conformance_selection(&c, Some(&many)).map(|v| v.len()), Some(MAX_SELECTION_ENTRIES));
+        assert_eq!(
+            conformance_selection(&c.request(), Some(&many)).map(|v| v.len()),
+            Some(MAX_SELECTION_ENTRIES)
+        );
         // The header is removed from every request, whatever the mode.
-        assert!(headers_to_remove(&c).any(|h| h == CONFORMANCE_SELECTION_HEADER));
+        assert!(headers_to_remove(&c.request()).any(|h| h == CONFORMANCE_SELECTION_HEADER));
     }
 
     #[test]
@@ -994,7 +1027,9 @@ mod tests {
         let mut rng = SplitMix64::new(3);
         let mut h = head(PriorityHeaders::default());
         // base-b is served only by 10.0.0.2; a selection naming 10.0.0.1 leaves nothing.
-        let p = prepare(&c, &sched, &mut rng, &h, br#"{"model":"alias","prompt":"x"}"#, &snapshot()).unwrap();
+        let p =
+            prepare(&c.request(), &sched, &mut rng, &h, br#"{"model":"alias","prompt":"x"}"#, &snapshot())
+                .unwrap();
         let store = MemStore::new();
         let counts = InflightCounts::default();
         let snap = snapshot();

@@ -9,6 +9,8 @@ use std::collections::BTreeMap;
 use serde::Serialize;
 
 use crate::base::json::{self, ConfigError};
+use crate::state::catalog::Catalog;
+use crate::state::health::HealthConfig;
 
 #[derive(Debug, Clone, PartialEq, Serialize)]
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
@@ -714,4 +716,31 @@ impl SchedulerConfig {
         }
         errs
     }
+}
+
+/// What the filter does when no endpoint of the requested model has fresh metrics.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
+pub enum FailureMode {
+    /// Route by the router-local in-flight count among the endpoints that serve the model.
+    FailOpen,
+    /// Answer 503.
+    FailClose,
+}
+json::from_json_enum!(FailureMode { "FailOpen" => FailOpen, "FailClose" => FailClose });
+
+/// Everything the scheduler reads: its own section and, from the rest of the document, the
+/// catalog, the poller's staleness limit and replica count, the failure mode and passive health.
+/// `config` builds it (`From<&Config>`).
+#[derive(Debug, Clone, Copy)]
+pub struct Setup<'a> {
+    pub scheduler: &'a SchedulerConfig,
+    pub catalog: Catalog<'a>,
+    /// `poller.stale_after_ms`.
+    pub stale_after_ms: u64,
+    /// `poller.replicas`: gateway replicas polling the same pods.
+    pub replicas: u32,
+    /// `filter.failure_mode`.
+    pub failure_mode: FailureMode,
+    pub health: &'a HealthConfig,
 }

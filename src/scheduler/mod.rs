@@ -55,7 +55,7 @@ use hashbrown::HashMap;
 
 use crate::base::errors::Rejection;
 use crate::base::ports::{Rng, SharedStore};
-use crate::config::{Config, FailureMode};
+use crate::scheduler::config::FailureMode;
 use crate::state::health::{HealthConfig, HealthView};
 use crate::state::inflight::InflightCounts;
 use crate::state::metrics::EndpointMetrics;
@@ -289,16 +289,17 @@ pub struct Scheduler {
 }
 
 impl Scheduler {
-    pub fn new(cfg: &Config) -> Scheduler {
-        let sc = cfg.scheduler.clone();
+    pub fn new<'a>(setup: impl Into<config::Setup<'a>>) -> Scheduler {
+        let setup = setup.into();
+        let sc = setup.scheduler.clone();
         let model_weights =
             sc.model_weights.iter().map(|(k, o)| (k.clone(), sc.weights.overridden(o))).collect();
         Scheduler {
-            stale_after_ms: cfg.poller.stale_after_ms,
-            gateways: cfg.poller.replicas.max(1),
-            failure_mode: cfg.filter.failure_mode,
-            health: cfg.health.clone(),
-            models: ModelTable::new(cfg),
+            stale_after_ms: setup.stale_after_ms,
+            gateways: setup.replicas.max(1),
+            failure_mode: setup.failure_mode,
+            health: setup.health.clone(),
+            models: ModelTable::new(&setup.catalog, &sc.rewrites),
             model_weights,
             local: LocalIndex::default(),
             shared: SharedPrefix::new(sc.prefix.shared_shards, sc.prefix.shared_entries_per_shard),

@@ -21,7 +21,8 @@
 use hashbrown::{HashMap, HashSet};
 
 use crate::base::ports::Rng;
-use crate::config::Config;
+use crate::scheduler::config::RewriteRule;
+use crate::state::catalog::Catalog;
 use crate::state::snapshot::Snapshot;
 
 /// Seed for the session → split-target hash. Any fixed value; it must never change between
@@ -58,22 +59,22 @@ pub struct ModelTable {
 }
 
 impl ModelTable {
-    pub fn new(cfg: &Config) -> ModelTable {
+    pub fn new(catalog: &Catalog<'_>, rewrites: &[RewriteRule]) -> ModelTable {
         let mut t = ModelTable {
-            allow: crate::poll::pod_models::allow_list(cfg),
-            learning: cfg.pod_models.is_some(),
+            allow: catalog.allow_list(),
+            learning: catalog.learn_models,
             ..ModelTable::default()
         };
-        for m in &cfg.models {
+        for m in catalog.models {
             for a in &m.adapters {
                 t.known.entry(a.clone()).or_insert_with(|| (m.name.clone(), Some(a.clone())));
             }
         }
         // Base names win over an adapter of the same name.
-        for m in &cfg.models {
+        for m in catalog.models {
             t.known.insert(m.name.clone(), (m.name.clone(), None));
         }
-        for (i, rule) in cfg.scheduler.rewrites.iter().enumerate() {
+        for (i, rule) in rewrites.iter().enumerate() {
             let targets: Vec<(String, u64)> = rule
                 .targets
                 .iter()
@@ -125,7 +126,7 @@ impl ModelTable {
             return None;
         }
         let adapter =
-            (self.learning && crate::poll::pod_models::is_running_adapter(snapshot, name)).then_some(name);
+            (self.learning && crate::state::catalog::is_running_adapter(snapshot, name)).then_some(name);
         Some(Resolved { base: name, adapter })
     }
 }
@@ -134,10 +135,15 @@ impl ModelTable {
 mod tests {
     use super::*;
     use crate::base::ports::SplitMix64;
+    use crate::config::Config;
     use crate::state::snapshot::EndpointStatus;
 
     fn cfg(json: &str) -> Config {
         Config::from_json(json.as_bytes()).unwrap()
+    }
+
+    fn table(c: &Config) -> ModelTable {
+        ModelTable::new(&c.catalog(), &c.scheduler.rewrites)
     }
 
     const BASE: &str = r#""version":1,"endpoints":[{"address":"10.0.0.1:8000","models":["llama"]}],
@@ -145,7 +151,7 @@ mod tests {
 
     #[test]
     fn resolves_base_adapter_discovered_and_unknown() {
-        let t = ModelTable::new(&cfg(&format!("{{{BASE}}}")));
+        let t = table(&cfg(&format!("{{{BASE}}}")));
         let snap = Snapshot {
             endpoints: vec![EndpointStatus { models: vec!["mistral".into()], ..Default::default() }],
             ..Default::default()
@@ -170,7 +176,7 @@ mod tests {
             }],
             ..Default::default()
         };
-        let t = ModelTable::new(&cfg(&format!(r#"{{{BASE},"pod_models":{{}}}}"#)));
+        let t = table(&cfg(&format!(r#"{{{BASE},"pod_models":{{}}}}"#)));
         // A name the pods run as an adapter gets the LoRA scorer; an idle one is just a name.
         assert_eq!(
             t.resolve("runtime-lora", &snap),
@@ -181,18 +187,18 @@ mod tests {
         // Configured names resolve as before.
         assert_eq!(t.resolve("sql-lora", &snap), Some(Resolved { base: "llama", adapter: Some("sql-lora") }));
         // Allow-list: only what the configuration mentions.
-        let t = ModelTable::new(&cfg(&format!(r#"{{{BASE},"pod_models":{{"allow_list":true}}}}"#)));
+        let t = table(&cfg(&format!(r#"{{{BASE},"pod_models":{{"allow_list":true}}}}"#)));
         assert_eq!(t.resolve("runtime-lora", &snap), None);
         assert_eq!(t.resolve("mistral", &snap), None);
         assert_eq!(t.resolve("llama", &snap), Some(Resolved { base: "llama", adapter: None }));
         // Without pod_models, discovery keeps its old meaning (no adapter detection).
-        let t = ModelTable::new(&cfg(&format!("{{{BASE}}}")));
+        let t = table(&cfg(&format!("{{{BASE}}}")));
         assert_eq!(t.resolve("runtime-lora", &snap), Some(Resolved { base: "runtime-lora", adapter: None }));
     }
 
     #[test]
     fn exact_beats_catch_all_and_weights_are_relative() {
-        let t = ModelTable::new(&cfg(&format!(
+        let t = table(&cfg(&format!(
             r#"{{{BASE},"scheduler":{{"rewrites":[
                 {{"targets":[{{"model_rewrite":"qwen"}}]}},
                 {{"matches":[{{"model":{{"value":"llama"}}}}],
@@ -217,7 +223,7 @@ mod tests {
 
     #[test]
     fn no_rule_no_rewrite_and_sessions_are_sticky() {
-        let t = ModelTable::new(&cfg(&format!(
+        let t = table(&cfg(&format!(
             r#"{{{BASE},"scheduler":{{"rewrites":[{{"matches":[{{"model":{{"value":"llama"}}}}],
                 "targets":[{{"model_rewrite":"sql-lora"}},{{"model_rewrite":"chat-lora"}}]}}]}}}}"#
         )));
@@ -246,7 +252,7 @@ mod tests {
             assert!(e.iter().any(|e| e.path == "scheduler.rewrites[0].targets[1].model_rewrite"), "{e:?}");
         }
         let c = cfg(&format!(r#"{{{BASE},{rule},"pod_models":{{}}}}"#));
-        let t = ModelTable::new(&c);
+        let t = table(&c);
         let mut rng = SplitMix64::new(5);
         let canary = (0..1000).filter(|_| t.rewrite("llama", None, &mut rng) == Some("canary-lora")).count();
         // Seeded: 10 % of 1000 expected; the band documents the weight.

@@ -4,6 +4,7 @@ use proptest::prelude::*;
 
 use super::*;
 use crate::base::ports::{MemStore, SplitMix64};
+use crate::config::Config;
 use crate::state::metrics::EndpointMetrics;
 use crate::state::prefix_shared;
 

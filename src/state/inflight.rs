@@ -333,8 +333,9 @@ pub fn gateway_counts(store: &dyn SharedStore, now_ms: u64) -> Result<InflightCo
 /// `0..MAX_PEER_SLOTS`. Peers' records live here, apart from the VMs' slots, so no number of
 /// peer reports can take a slot a worker needs ([`put_peer`]).
 pub const PEER_SLOT_KEY_PREFIX: &str = "inference-picker/inflight-peer/";
-/// Most peer records ever written: one per peer gateway (`crate::poll::peers::MAX_PEERS`).
-pub const MAX_PEER_SLOTS: usize = crate::poll::peers::MAX_PEERS;
+/// Most peer gateways (a gateway's other replicas, `peers.addresses`), and so most peer records
+/// ever written: one per peer.
+pub const MAX_PEER_SLOTS: usize = 64;
 
 /// The shared-data key of peer slot `k`.
 pub fn peer_slot_key(k: usize) -> String {

@@ -3,6 +3,7 @@
 //! lookups over them.
 
 pub mod by_address;
+pub mod catalog;
 pub mod health;
 pub mod inflight;
 pub mod load;

@@ -54,8 +54,8 @@ pub struct EndpointStatus {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub inflight_at_scrape: Option<u32>,
     /// Its prefill/decode role (`crate::request::pd`), from the configuration or discovery.
-    #[serde(default, skip_serializing_if = "crate::request::pd::Role::is_decode")]
-    pub role: crate::request::pd::Role,
+    #[serde(default, skip_serializing_if = "crate::state::catalog::Role::is_decode")]
+    pub role: crate::state::catalog::Role,
     /// The interval at which the poller scrapes this endpoint now (ms; `crate::poll::poller`): longer
     /// for an idle, unchanged endpoint. 0 = not said (an older poller). It extends the staleness
     /// limit, see [`EndpointStatus::stale_limit_ms`].
@@ -200,9 +200,9 @@ fn put_endpoint(out: &mut Vec<u8>, e: &EndpointStatus) {
         e;
     put_str(out, address);
     out.push(match role {
-        crate::request::pd::Role::Decode => 0,
-        crate::request::pd::Role::Prefill => 1,
-        crate::request::pd::Role::Both => 2,
+        crate::state::catalog::Role::Decode => 0,
+        crate::state::catalog::Role::Prefill => 1,
+        crate::state::catalog::Role::Both => 2,
     });
     put_strs(out, models);
     out.extend_from_slice(&scraped_ms.to_le_bytes());
@@ -300,9 +300,9 @@ impl<'a> Reader<'a> {
     fn endpoint(&mut self) -> Option<EndpointStatus> {
         let address = self.string()?;
         let role = match self.u8()? {
-            0 => crate::request::pd::Role::Decode,
-            1 => crate::request::pd::Role::Prefill,
-            2 => crate::request::pd::Role::Both,
+            0 => crate::state::catalog::Role::Decode,
+            1 => crate::state::catalog::Role::Prefill,
+            2 => crate::state::catalog::Role::Both,
             _ => return None,
         };
         let models = self.strings()?;
@@ -446,7 +446,7 @@ mod tests {
             scraped_ms: 0,
             failures: 4,
             inflight_at_scrape: None,
-            role: crate::request::pd::Role::Prefill,
+            role: crate::state::catalog::Role::Prefill,
             poll_ms: 5000,
         });
         s
@@ -521,7 +521,7 @@ mod tests {
         assert!(s.endpoints[1].metrics.is_none());
         assert_eq!(
             (s.endpoints[0].role, s.endpoints[1].role),
-            (crate::request::pd::Role::Decode, crate::request::pd::Role::Both)
+            (crate::state::catalog::Role::Decode, crate::state::catalog::Role::Both)
         );
     }
 

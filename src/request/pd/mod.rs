@@ -41,12 +41,12 @@
 //! routing sidecar on the decode pod. A client-sent one is always removed
 //! (`request::CLIENT_ROUTING_HEADERS`).
 
-use serde::{Deserialize, Serialize};
+use serde::Serialize;
 
 use crate::base::errors::Rejection;
 use crate::base::json::{self, ConfigError};
 use crate::base::ports::{Rng, SharedStore};
-use crate::config::Config;
+use crate::request::config::Settings;
 use crate::request::{BodyInputs, Prepared, RequestHead};
 use crate::scheduler::config::Weights;
 use crate::scheduler::{ModelRoute, Pick, PickRequest, PickScope, Scheduler};
@@ -59,45 +59,8 @@ pub const PREFILLER_HEADER: &str = "x-prefiller-host-port";
 /// The prefill header of older llm-d routing sidecars (a URL). The filter never sets it, and
 /// removes a client-sent one.
 pub const LEGACY_PREFILLER_HEADER: &str = "x-prefiller-url";
-/// The pod label llm-d puts the role in.
-pub const LLMD_ROLE_LABEL: &str = "llm-d.ai/role";
 /// Largest `pd.pd_threshold_tokens` (a prompt longer than this is beyond any model's context).
 pub const MAX_THRESHOLD_TOKENS: u64 = 10_000_000;
-
-/// What an endpoint may do in a P/D pool.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default, Serialize, Deserialize)]
-#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
-#[serde(rename_all = "snake_case")]
-pub enum Role {
-    /// Serves requests (the destination) and prefills them itself when no prefiller is named.
-    /// The role of an endpoint without one.
-    #[default]
-    Decode,
-    /// Only prefills for a decode pod; never a destination.
-    Prefill,
-    /// Either (llm-d's `both` or `prefill-decode`).
-    #[serde(alias = "prefill-decode")]
-    Both,
-}
-
-impl Role {
-    pub fn decodes(self) -> bool {
-        matches!(self, Role::Decode | Role::Both)
-    }
-    pub fn prefills(self) -> bool {
-        matches!(self, Role::Prefill | Role::Both)
-    }
-    pub fn is_decode(&self) -> bool {
-        *self == Role::Decode
-    }
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Role::Decode => "decode",
-            Role::Prefill => "prefill",
-            Role::Both => "both",
-        }
-    }
-}
 
 /// The `pd` section: disaggregated prefill/decode. Absent: roles are ignored and no request is
 /// split.
@@ -139,19 +102,12 @@ pub struct PdConfig {
 }
 
 // The readers of this file's configuration types (`crate::base::json`), fields in declaration
-// order. `Role` keeps its serde derive too: snapshots carry it.
-json::from_json_enum!(Role { "decode" => Decode, "prefill" => Prefill, "both" => Both, "prefill-decode" => Both });
+// order.
 json::from_json_struct!(PdConfig {
     pd_threshold_tokens = default_threshold(),
     decode_prefix_factor = default_decode_prefix_factor(),
     prefill_busy_factor = default_prefill_busy_factor(),
     transfer_ms_per_1k_tokens = default_transfer_ms_per_1k_tokens(),
-});
-json::from_json_struct!(RoleSelectors {
-    label = default_role_label(),
-    prefill = default_prefill_values(),
-    decode = default_decode_values(),
-    both = default_both_values(),
 });
 
 fn default_threshold() -> u64 {
@@ -201,91 +157,6 @@ impl PdConfig {
                 format!("{path}.transfer_ms_per_1k_tokens"),
                 "must be between 0 and 60000",
             ));
-        }
-    }
-}
-
-/// Label selectors per role for discovered pods (`discovery.kubernetes.roles`): a pod whose
-/// `label` has a value in `prefill`, `decode` or `both` gets that role; a pod without the label
-/// or with another value is `decode` (llm-d's decode filter also takes unlabelled pods).
-#[derive(Debug, Clone, PartialEq, Serialize)]
-#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
-#[serde(deny_unknown_fields)]
-pub struct RoleSelectors {
-    /// The pod label holding the role. Default `llm-d.ai/role`.
-    #[serde(default = "default_role_label")]
-    #[cfg_attr(feature = "schema", schemars(length(min = 1)))]
-    pub label: String,
-    /// Values meaning `prefill`. Default `["prefill"]`.
-    #[serde(default = "default_prefill_values")]
-    pub prefill: Vec<String>,
-    /// Values meaning `decode`. Default `["decode"]`.
-    #[serde(default = "default_decode_values")]
-    pub decode: Vec<String>,
-    /// Values meaning `both`. Default `["both", "prefill-decode"]`.
-    #[serde(default = "default_both_values")]
-    pub both: Vec<String>,
-}
-
-fn default_role_label() -> String {
-    LLMD_ROLE_LABEL.to_string()
-}
-fn default_prefill_values() -> Vec<String> {
-    vec!["prefill".into()]
-}
-fn default_decode_values() -> Vec<String> {
-    vec!["decode".into()]
-}
-fn default_both_values() -> Vec<String> {
-    vec!["both".into(), "prefill-decode".into()]
-}
-
-impl Default for RoleSelectors {
-    fn default() -> Self {
-        RoleSelectors {
-            label: default_role_label(),
-            prefill: default_prefill_values(),
-            decode: default_decode_values(),
-            both: default_both_values(),
-        }
-    }
-}
-
-impl RoleSelectors {
-    pub fn is_default(&self) -> bool {
-        *self == RoleSelectors::default()
-    }
-
-    /// The role of a pod whose role label has `value` (`None`: no such label).
-    pub fn role_of(&self, value: Option<&str>) -> Role {
-        let Some(v) = value else { return Role::Decode };
-        let has = |list: &[String]| list.iter().any(|x| x == v);
-        if has(&self.prefill) {
-            Role::Prefill
-        } else if has(&self.both) {
-            Role::Both
-        } else {
-            Role::Decode
-        }
-    }
-
-    pub fn validate(&self, path: &str, errs: &mut Vec<ConfigError>) {
-        if !crate::poll::discovery::is_label_key(&self.label) {
-            errs.push(ConfigError::new(format!("{path}.label"), "not a Kubernetes label key"));
-        }
-        let lists = [("prefill", &self.prefill), ("decode", &self.decode), ("both", &self.both)];
-        for (i, (name, list)) in lists.iter().enumerate() {
-            for (j, v) in list.iter().enumerate() {
-                let at = format!("{path}.{name}[{j}]");
-                if !crate::poll::discovery::is_label_value(v) || v.is_empty() {
-                    errs.push(ConfigError::new(at.clone(), "not a non-empty Kubernetes label value"));
-                }
-                if lists.iter().skip(i + 1).any(|(_, other)| other.contains(v))
-                    || list.iter().take(j).any(|x| x == v)
-                {
-                    errs.push(ConfigError::new(at, format!("`{v}` is listed twice")));
-                }
-            }
         }
     }
 }
@@ -376,7 +247,7 @@ pub fn should_split(threshold: u64, uncached: u64) -> bool {
 /// exactly `Scheduler::pick_for_with`.
 #[allow(clippy::too_many_arguments)]
 pub fn pick(
-    cfg: &Config,
+    cfg: &Settings<'_>,
     scheduler: &mut Scheduler,
     route: &ModelRoute,
     req: &PickRequest<'_>,
@@ -387,7 +258,7 @@ pub fn pick(
     rng: &mut dyn Rng,
     now_ms: u64,
 ) -> Result<PdPick, Rejection> {
-    let Some(pd) = &cfg.pd else {
+    let Some(pd) = cfg.pd else {
         let pick = scheduler.pick_for_with(route, req, snapshot, inflight, health, store, rng, now_ms)?;
         return Ok(PdPick { pick, prefiller: None, decision: Decision::Off, uncached_tokens: 0 });
     };
@@ -396,7 +267,7 @@ pub fn pick(
     let decode_weights = move |w: Weights| Weights { prefix: w.prefix * factor, ..w };
     let scope = PickScope { allow: Some(&decodes), weights: Some(&decode_weights), ..Default::default() };
     let pick = scheduler.pick_scoped(route, req, snapshot, inflight, health, store, rng, now_ms, &scope)?;
-    let pc = &cfg.scheduler.prefix;
+    let pc = cfg.prefix;
     let uncached = uncached_tokens(
         req.prompt.len(),
         pick.prefix_score,
@@ -465,7 +336,7 @@ pub fn pick(
 /// [`pick`] for a prepared request, with the inputs of the moment it goes on: what the filter
 /// calls instead of `request::route_with`.
 pub fn route(
-    cfg: &Config,
+    cfg: &Settings<'_>,
     scheduler: &mut Scheduler,
     rng: &mut dyn Rng,
     head: &RequestHead,

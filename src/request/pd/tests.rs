@@ -2,6 +2,8 @@
 
 use super::*;
 use crate::base::ports::{MemStore, SplitMix64};
+use crate::config::Config;
+use crate::state::catalog::Role;
 use crate::state::metrics::EndpointMetrics;
 
 const NOW: u64 = 1_000_000;
@@ -77,7 +79,7 @@ impl Run {
         let req = PickRequest { model: "llama", prompt: text, ..Default::default() };
         let route = self.sched.route_model("llama", None, sn, &mut SplitMix64::new(seed)).unwrap();
         pick(
-            &self.cfg,
+            &self.cfg.request(),
             &mut self.sched,
             &route,
             &req,
@@ -305,40 +307,6 @@ fn config_reads_roles_and_reports_bad_pd_fields_with_their_paths() {
     assert!(e[0].path.starts_with("pd") && e[0].reason.contains("threshold"), "{e:?}");
     let e = bad("", r#"{"address":"10.0.0.1:8000","models":["llama"],"role":"encode"}"#);
     assert!(e[0].path.starts_with("endpoints[0].role"), "{e:?}");
-}
-
-#[test]
-fn role_selectors_map_labels_and_are_validated() {
-    let r = RoleSelectors::default();
-    assert_eq!(r.role_of(Some("prefill")), Role::Prefill);
-    assert_eq!(r.role_of(Some("decode")), Role::Decode);
-    assert_eq!(r.role_of(Some("both")), Role::Both);
-    assert_eq!(r.role_of(Some("prefill-decode")), Role::Both);
-    // llm-d's decode filter takes unlabelled pods.
-    assert_eq!(r.role_of(None), Role::Decode);
-    assert_eq!(r.role_of(Some("encode")), Role::Decode);
-
-    let mut errs = Vec::new();
-    let bad = RoleSelectors {
-        label: "not a key".into(),
-        prefill: vec!["p".into()],
-        decode: vec!["p".into(), "".into()],
-        both: vec![],
-    };
-    bad.validate("discovery.kubernetes.roles", &mut errs);
-    let paths: Vec<&str> = errs.iter().map(|e| e.path.as_str()).collect();
-    assert_eq!(
-        paths,
-        [
-            "discovery.kubernetes.roles.label",
-            "discovery.kubernetes.roles.prefill[0]",
-            "discovery.kubernetes.roles.decode[1]"
-        ],
-        "{errs:?}"
-    );
-    let mut errs = Vec::new();
-    RoleSelectors::default().validate("r", &mut errs);
-    assert!(errs.is_empty());
 }
 
 fn k8s_config(roles: &str) -> Config {

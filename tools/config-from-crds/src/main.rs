@@ -12,7 +12,7 @@ use std::process::ExitCode;
 
 use clap::{Parser, ValueEnum};
 use config_from_crds::{convert, parse_documents, parse_model_arg, Options};
-use inference_picker::config::PollerMode;
+use inference_picker::poll::config::PollerMode;
 
 #[derive(Clone, Copy, ValueEnum)]
 enum Mode {

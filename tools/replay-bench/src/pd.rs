@@ -315,8 +315,8 @@ pub fn run(trace: &Trace, run: &PdRun) -> Result<PdResult, String> {
             let now_ms = EPOCH_MS + ta as u64;
             let counts = counts_of(&addresses, &inflight);
             let inputs = BodyInputs { snapshot: &snapshot, inflight: &counts, store: &store, now_ms };
-            let routed = prepare(&cfg, &sched, &mut rng, &head, &body, &snapshot).and_then(|p| {
-                pd::route(&cfg, &mut sched, &mut rng, &head, &p, &inputs, &HealthView::default())
+            let routed = prepare(&cfg.request(), &sched, &mut rng, &head, &body, &snapshot).and_then(|p| {
+                pd::route(&cfg.request(), &mut sched, &mut rng, &head, &p, &inputs, &HealthView::default())
             });
             let Ok(pick) = routed else {
                 rejected += 1;

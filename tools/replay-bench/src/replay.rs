@@ -33,12 +33,13 @@ use std::rc::Rc;
 
 use inference_picker::base::ports::{MemStore, Rng, SplitMix64};
 use inference_picker::config::Config;
-use inference_picker::flow::priority::{resolve_priority, Criticality};
+use inference_picker::flow::priority::resolve_priority;
 use inference_picker::flow::saturation::{saturated, SaturationParams};
 use inference_picker::flow::{Action, Admission, Capacity, FlowQueue, Ticket};
 use inference_picker::poll::poller::{Poller, ScrapeResult};
 use inference_picker::request::{on_body, BodyInputs, RequestHead};
 use inference_picker::scheduler::Scheduler;
+use inference_picker::state::catalog::Criticality;
 use inference_picker::state::inflight;
 use inference_picker::state::snapshot::{publish, EndpointStatus, Snapshot, SnapshotCache};
 use model_server_sim::{Engine, Event, RenderInfo, Server, ServerConfig, SimRequest};
@@ -730,7 +731,7 @@ impl Sim<'_> {
                     (Some(s), Some(snap)) => {
                         let inputs =
                             BodyInputs { snapshot: &snap, inflight: &counts, store: &rep.store, now_ms };
-                        match on_body(&self.cfg, s, &mut w.rng, &self.head, &body, &inputs) {
+                        match on_body(&self.cfg.request(), s, &mut w.rng, &self.head, &body, &inputs) {
                             Ok(routed) => {
                                 self.live[idx].worker = wi;
                                 self.live[idx].ticket = routed.pick.ticket;

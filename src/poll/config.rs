@@ -1,0 +1,288 @@
+//! The poller's sections of the configuration: `poller` (the schedule, the scrape, the lease)
+//! and `discovery` (Kubernetes pod discovery). `config` reads them from the document and checks
+//! them; the poller role reads nothing else but the catalog.
+
+use serde::Serialize;
+
+use crate::base::json;
+use crate::state::catalog::Catalog;
+
+/// Smallest `poller.interval_ms`: below this the poller itself becomes the load (llm-d #1842 saw
+/// vLLM slow down at 50 ms).
+pub const MIN_INTERVAL_MS: u64 = 10;
+
+/// Smallest `poller.timeout_ms`. Zero would mean "no timeout" to Envoy, leaving a hung scrape
+/// outstanding forever, so it is not allowed.
+pub const MIN_TIMEOUT_MS: u64 = 1;
+
+/// Smallest `poller.max_response_bytes` (1 KiB): less cannot hold one engine's routing metrics.
+pub const MIN_RESPONSE_BYTES: usize = 1024;
+
+/// Largest `poller.max_response_bytes` (64 MiB).
+pub const MAX_RESPONSE_BYTES_LIMIT: usize = 64 * 1024 * 1024;
+
+/// The poller: the one VM that scrapes every endpoint's metrics and publishes the snapshot.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
+#[serde(deny_unknown_fields)]
+pub struct PollerConfig {
+    /// How often each endpoint's metrics are scraped, in ms. At least 10. Default 200: GIE polls
+    /// every 50 ms, but llm-d #1842 showed polling that fast slows vLLM itself; the router-local
+    /// in-flight count covers the gap between polls.
+    #[serde(default = "default_interval_ms")]
+    #[cfg_attr(feature = "schema", schemars(range(min = MIN_INTERVAL_MS)))]
+    pub interval_ms: u64,
+    /// Timeout of one scrape, in ms. At least 1. Default 1000. A scrape still outstanding is
+    /// never started again.
+    #[serde(default = "default_timeout_ms")]
+    #[cfg_attr(feature = "schema", schemars(range(min = MIN_TIMEOUT_MS)))]
+    pub timeout_ms: u64,
+    /// An endpoint whose last successful scrape is older than this, in ms, is stale. At least
+    /// `interval_ms`. Default 1000.
+    #[serde(default = "default_stale_after_ms")]
+    pub stale_after_ms: u64,
+    /// Name of the Envoy ORIGINAL_DST cluster (with `use_http_header`) that scrapes go through.
+    /// Default `inference_pool_metrics`.
+    #[serde(default = "default_metrics_cluster")]
+    #[cfg_attr(feature = "schema", schemars(length(min = 1)))]
+    pub cluster: String,
+    /// Path of the metrics endpoint on every model server; starts with `/`. Default `/metrics`.
+    #[serde(default = "default_metrics_path")]
+    #[cfg_attr(feature = "schema", schemars(regex(pattern = r"^/\S*$")))]
+    pub metrics_path: String,
+    /// Which root context polls. Default `singleton`. See [`PollerMode`].
+    #[serde(default = "default_poller_mode")]
+    pub mode: PollerMode,
+    /// `lease` mode only: how long one renewal of the poller lease is valid. Default 1000 ms. A
+    /// poller that stops renewing is replaced within `lease_ttl_ms + 2 × interval_ms`; a shorter
+    /// ttl replaces it sooner but a worker stalled for longer than the ttl loses the lease. Must
+    /// be at least twice `interval_ms` (the tick that renews it).
+    #[serde(default = "default_lease_ttl_ms")]
+    pub lease_ttl_ms: u64,
+    /// Largest callout response read, in bytes: a `/metrics` answer, and the Kubernetes pod list
+    /// when discovery is on. 1024 to 67108864. Default 4194304 (4 MiB). A larger response is not
+    /// read at all: the scrape (or pod list) counts as failed, with an error log and
+    /// `inference_picker_scrape_failures_total;reason=too_large` (or
+    /// `inference_picker_discovery_failures_total;reason=too_large`). It bounds the memory a
+    /// misbehaving server can make the poller allocate (in lease mode, inside a worker VM).
+    #[serde(default = "default_max_response_bytes")]
+    #[cfg_attr(feature = "schema", schemars(range(min = MIN_RESPONSE_BYTES, max = MAX_RESPONSE_BYTES_LIMIT)))]
+    pub max_response_bytes: usize,
+    /// The slowest an endpoint is scraped, in ms: one that is idle and unchanged (no request of
+    /// this gateway in flight there, the same queue, running and KV use as its previous scrape)
+    /// is scraped at twice its previous interval, up to this. Any change, a request of this
+    /// gateway, or a failure brings it back to `interval_ms`. At least `interval_ms`; equal to
+    /// it polls every endpoint every `interval_ms` as before. Default 5000 (an idle 1,024-pod
+    /// pool then costs about 200 scrapes/s). Load that other gateway replicas (or clients that
+    /// bypass the gateway) send to an idle pod is seen at most this late.
+    #[serde(default = "default_idle_interval_ms")]
+    pub idle_interval_ms: u64,
+    /// Upper bound on scrapes per second from this gateway. When the endpoints' intervals ask for
+    /// more, every interval is stretched by the same factor (and readers' staleness limits with
+    /// it). At least 1. Default 2000 (about 1,000 busy endpoints at 500 ms).
+    #[serde(default = "default_max_scrapes_per_s")]
+    #[cfg_attr(feature = "schema", schemars(range(min = 1)))]
+    pub max_scrapes_per_s: u32,
+    /// How many gateway replicas poll the same pods. Each replica scrapes an endpoint that it does
+    /// not send to at `replicas` times the interval (`interval_ms` when its load moves,
+    /// `idle_interval_ms` when idle), so the pods see about the scrape rate of one gateway
+    /// whatever the number of replicas; an endpoint a replica sends to is still scraped every
+    /// `interval_ms` by that replica, and its own in-flight estimate covers the gaps. It also
+    /// scales the rendezvous credit (`scheduler.predicted.rendezvous_credit`; none with 1), so
+    /// set it to the number of gateway replicas. 1 to 1000.
+    /// Default 1. On the whole replay traces (5 seeds) idle back-off ties fixed polling at 4
+    /// replicas too, but one LoRA seed in five was slower: where that spread matters, set
+    /// `idle_interval_ms` = `interval_ms`.
+    #[serde(default = "default_replicas")]
+    #[cfg_attr(feature = "schema", schemars(range(min = 1, max = 1000)))]
+    pub replicas: u32,
+}
+
+/// Which root context scrapes the endpoints and publishes the snapshot.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
+#[serde(rename_all = "snake_case")]
+pub enum PollerMode {
+    /// A `WasmService` with `singleton: true` (root id `inference-picker-poller`, same `vm_id`)
+    /// in Envoy's `bootstrap_extensions` polls; the filter's roots never do. Use it whenever you
+    /// control the bootstrap: plain Envoy, or an Istio sidecar or gateway pod whose bootstrap can
+    /// be overridden (`sidecar.istio.io/bootstrapOverride`).
+    Singleton,
+    /// The HTTP filter's own root contexts (main thread and every worker) elect one poller through
+    /// a lease in shared data (see `lease.rs`). Use it where no bootstrap singleton can be added:
+    /// Istio gateways deployed from Gateway API resources, or ECDS-only deployments.
+    Lease,
+}
+
+fn default_interval_ms() -> u64 {
+    200
+}
+
+fn default_timeout_ms() -> u64 {
+    1000
+}
+
+fn default_stale_after_ms() -> u64 {
+    1000
+}
+
+fn default_metrics_cluster() -> String {
+    "inference_pool_metrics".to_string()
+}
+
+fn default_metrics_path() -> String {
+    "/metrics".to_string()
+}
+
+fn default_poller_mode() -> PollerMode {
+    PollerMode::Singleton
+}
+
+fn default_lease_ttl_ms() -> u64 {
+    1000
+}
+
+fn default_max_response_bytes() -> usize {
+    4 * 1024 * 1024
+}
+
+fn default_idle_interval_ms() -> u64 {
+    5000
+}
+
+fn default_max_scrapes_per_s() -> u32 {
+    2000
+}
+
+fn default_replicas() -> u32 {
+    1
+}
+
+impl Default for PollerConfig {
+    fn default() -> Self {
+        Self {
+            interval_ms: default_interval_ms(),
+            timeout_ms: default_timeout_ms(),
+            stale_after_ms: default_stale_after_ms(),
+            cluster: default_metrics_cluster(),
+            metrics_path: default_metrics_path(),
+            mode: default_poller_mode(),
+            lease_ttl_ms: default_lease_ttl_ms(),
+            max_response_bytes: default_max_response_bytes(),
+            idle_interval_ms: default_idle_interval_ms(),
+            max_scrapes_per_s: default_max_scrapes_per_s(),
+            replicas: default_replicas(),
+        }
+    }
+}
+
+/// Endpoint discovery sources. Exactly one source for now.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
+#[serde(deny_unknown_fields)]
+pub struct DiscoveryConfig {
+    /// List the pool's pods from the Kubernetes API, like an InferencePool does.
+    pub kubernetes: KubernetesDiscoveryConfig,
+}
+
+/// Pod discovery through the Kubernetes API (`GET /api/v1/namespaces/NS/pods?labelSelector=...`),
+/// sent by the poller with `dispatch_http_call` through an Envoy cluster. See `discovery.rs`.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
+#[serde(deny_unknown_fields)]
+pub struct KubernetesDiscoveryConfig {
+    /// Namespace of the model-server pods (the InferencePool's namespace).
+    pub namespace: String,
+    /// Equality label selector (InferencePool `spec.selector.matchLabels`); at least one label.
+    pub selector: std::collections::BTreeMap<String, String>,
+    /// Ports on each pod (InferencePool `spec.targetPorts`), 1 to 8; each port is its own endpoint.
+    #[cfg_attr(feature = "schema", schemars(length(min = 1, max = crate::poll::discovery::MAX_TARGET_PORTS)))]
+    pub target_ports: Vec<u16>,
+    /// Base models (from `models`) every discovered endpoint serves. Default: all of `models`.
+    #[serde(default)]
+    pub models: Vec<String>,
+    /// The Envoy cluster that reaches the API server (TLS to kubernetes.default.svc:443).
+    #[serde(default = "default_api_cluster")]
+    pub api_cluster: String,
+    /// `:authority` of the API request. Default `kubernetes.default.svc`.
+    #[serde(default = "default_api_authority")]
+    pub api_authority: String,
+    /// Bearer token, inline. Prefer `token_env`. At most one of the two; neither sends no
+    /// `authorization` header (for an API proxy that adds it).
+    #[serde(default)]
+    pub token: Option<String>,
+    /// Name of a VM environment variable holding the bearer token (Envoy
+    /// `vm_config.environment_variables`, Istio `vmConfig.env`).
+    #[serde(default)]
+    pub token_env: Option<String>,
+    /// How often the pod list is fetched again, in ms. At least 1000. Default 5000.
+    #[serde(default = "default_refresh_ms")]
+    #[cfg_attr(feature = "schema", schemars(range(min = crate::poll::discovery::MIN_REFRESH_MS)))]
+    pub refresh_ms: u64,
+    /// Timeout of one list request, in ms: 1 to `refresh_ms`. Default 2000.
+    #[serde(default = "default_list_timeout_ms")]
+    pub timeout_ms: u64,
+    /// How a pod's role (for `pd`) is read from its labels. Default: llm-d's label
+    /// `llm-d.ai/role` with the values `prefill`, `decode`, `both` and `prefill-decode`.
+    #[serde(
+        default = "crate::poll::discovery::RoleSelectors::default",
+        skip_serializing_if = "crate::poll::discovery::RoleSelectors::is_default"
+    )]
+    pub roles: crate::poll::discovery::RoleSelectors,
+}
+
+fn default_api_cluster() -> String {
+    "kubernetes_api".to_string()
+}
+
+fn default_api_authority() -> String {
+    "kubernetes.default.svc".to_string()
+}
+
+fn default_refresh_ms() -> u64 {
+    5000
+}
+
+fn default_list_timeout_ms() -> u64 {
+    2000
+}
+
+// The readers of these types (`crate::base::json`): each field with its default, in declaration
+// order.
+json::from_json_struct!(PollerConfig {
+    interval_ms = default_interval_ms(),
+    timeout_ms = default_timeout_ms(),
+    stale_after_ms = default_stale_after_ms(),
+    cluster = default_metrics_cluster(),
+    metrics_path = default_metrics_path(),
+    mode = default_poller_mode(),
+    lease_ttl_ms = default_lease_ttl_ms(),
+    max_response_bytes = default_max_response_bytes(),
+    idle_interval_ms = default_idle_interval_ms(),
+    max_scrapes_per_s = default_max_scrapes_per_s(),
+    replicas = default_replicas(),
+});
+json::from_json_enum!(PollerMode { "singleton" => Singleton, "lease" => Lease });
+json::from_json_struct!(DiscoveryConfig { kubernetes });
+json::from_json_struct!(KubernetesDiscoveryConfig {
+    namespace,
+    selector,
+    target_ports,
+    models = Vec::new(),
+    api_cluster = default_api_cluster(),
+    api_authority = default_api_authority(),
+    token = None,
+    token_env = None,
+    refresh_ms = default_refresh_ms(),
+    timeout_ms = default_list_timeout_ms(),
+    roles = crate::poll::discovery::RoleSelectors::default(),
+});
+
+/// What the poller role reads: `poller`, Kubernetes discovery when configured, and the catalog.
+/// `config` builds it (`From<&Config>`).
+#[derive(Debug, Clone, Copy)]
+pub struct Setup<'a> {
+    pub poller: &'a PollerConfig,
+    pub discovery: Option<&'a KubernetesDiscoveryConfig>,
+    pub catalog: Catalog<'a>,
+}
