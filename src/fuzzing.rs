@@ -174,7 +174,7 @@ pub fn discovery(data: &[u8]) {
         token_env: None,
         refresh_ms: 5000,
         timeout_ms: 2000,
-        roles: crate::poll::discovery::RoleSelectors::default(),
+        roles: crate::poll::config::RoleSelectors::default(),
     };
     let Ok(d) = parse_pod_list(data, &cfg) else { return };
     assert!(d.endpoints.len() <= MAX_DISCOVERED_ENDPOINTS);

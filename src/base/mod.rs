@@ -3,6 +3,7 @@
 
 pub mod errors;
 pub mod json;
+pub mod labels;
 pub mod ports;
 pub mod sorting;
 pub mod telemetry;

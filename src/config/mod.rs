@@ -117,7 +117,7 @@ pub struct Config {
     /// Disaggregated prefill/decode, llm-d's protocol (see `crate::request::pd` and `docs/pd.md`).
     /// Default: none (endpoint roles are ignored and no request is split).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub pd: Option<crate::request::pd::PdConfig>,
+    pub pd: Option<crate::request::config::PdConfig>,
     /// The other replicas of this gateway, with which it exchanges its prefix table (see
     /// `crate::poll::peers`). Default: none (replicas share nothing).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -330,7 +330,12 @@ impl Config {
         }
         if let Some(p) = &self.peers {
             p.validate("peers", &mut errs.0);
-            if self.filter.passthrough_prefixes.iter().any(|x| crate::request::prefix_matches(x, &p.path)) {
+            if self
+                .filter
+                .passthrough_prefixes
+                .iter()
+                .any(|x| crate::request::protocol::prefix_matches(x, &p.path))
+            {
                 errs.push("peers.path", format!("{:?} is covered by filter.passthrough_prefixes", p.path));
             }
         }
@@ -529,8 +534,9 @@ impl FilterConfig {
                     path,
                     format!("must be a path without query, whitespace or control characters, got {prefix:?}"),
                 );
-            } else if let Some(p) =
-                crate::request::INFERENCE_PATHS.iter().find(|p| crate::request::prefix_matches(prefix, p))
+            } else if let Some(p) = crate::request::protocol::INFERENCE_PATHS
+                .iter()
+                .find(|p| crate::request::protocol::prefix_matches(prefix, p))
             {
                 errs.push(
                     path,

@@ -936,7 +936,7 @@ fn check_defaults(
     // A section the serialiser leaves out when it is its default (`skip_serializing_if`).
     let skipped_default = match def {
         "RoleSelectors" if applied.is_null() => {
-            Some(serde_json::to_value(crate::poll::discovery::RoleSelectors::default()).unwrap())
+            Some(serde_json::to_value(crate::poll::config::RoleSelectors::default()).unwrap())
         }
         _ => None,
     };

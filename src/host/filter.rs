@@ -23,10 +23,11 @@ use crate::flow::admission::{self, Decision};
 use crate::flow::priority::PriorityHeaders;
 use crate::poll::peers;
 use crate::request::pools::{self, Claim, HeadStep};
-use crate::request::{
-    self, BodyInputs, HeadDecision, Prepared, RequestHead, DEBUG_SCORES_HEADER, DESTINATION_HEADER,
-    MAX_RETRIES_HEADER, ORIGINAL_DST_HEADER, QUEUE_MS_HEADER, SERVED_HEADER,
+use crate::request::protocol::{
+    DEBUG_SCORES_HEADER, DESTINATION_HEADER, MAX_RETRIES_HEADER, ORIGINAL_DST_HEADER, QUEUE_MS_HEADER,
+    SERVED_HEADER,
 };
+use crate::request::{self, BodyInputs, HeadDecision, Prepared, RequestHead};
 use crate::state::health::{self, HealthView};
 use crate::state::inflight;
 
@@ -304,7 +305,7 @@ fn go(
         )?
     };
     if let Some(prefiller) = &pick.prefiller {
-        io::set_request_header(crate::request::pd::PREFILLER_HEADER, Some(prefiller));
+        io::set_request_header(crate::request::protocol::PREFILLER_HEADER, Some(prefiller));
         if let Err(e) = worker.inflight.borrow_mut().adjust(inputs.store, prefiller, 1, inputs.now_ms) {
             warn!("inference-picker: publishing the prefill in-flight increment failed: {e:?}");
         }
@@ -695,7 +696,7 @@ impl Filter {
             &cfg.request(),
             cfg.filter
                 .conformance_mode
-                .then(|| headers.get(request::CONFORMANCE_SELECTION_HEADER))
+                .then(|| headers.get(request::protocol::CONFORMANCE_SELECTION_HEADER))
                 .flatten()
                 .as_deref(),
         );
@@ -938,7 +939,7 @@ impl Filter {
                     timed!("rsp.served_header", io::set_response_header(SERVED_HEADER, &served));
                 }
                 if self.worker.cfg.filter.conformance_mode {
-                    io::set_response_header(request::CONFORMANCE_SERVED_HEADER, &served);
+                    io::set_response_header(request::protocol::CONFORMANCE_SERVED_HEADER, &served);
                 }
                 if ex.session_token.is_some() {
                     let token =

@@ -4,9 +4,16 @@
 
 use serde::Serialize;
 
-use crate::base::json;
+use crate::base::json::{self, ConfigError};
+use crate::base::labels::{is_label_key, is_label_value};
 use crate::state::catalog::Catalog;
+use crate::state::catalog::Role;
 
+/// InferencePool allows at most 8 target ports.
+pub const MAX_TARGET_PORTS: usize = 8;
+/// Shortest allowed `refresh_ms`: listing pods more often than once a second only loads the API
+/// server, since readiness probes run every few seconds anyway.
+pub const MIN_REFRESH_MS: u64 = 1000;
 /// Smallest `poller.interval_ms`: below this the poller itself becomes the load (llm-d #1842 saw
 /// vLLM slow down at 50 ms).
 pub const MIN_INTERVAL_MS: u64 = 10;
@@ -196,7 +203,7 @@ pub struct KubernetesDiscoveryConfig {
     /// Equality label selector (InferencePool `spec.selector.matchLabels`); at least one label.
     pub selector: std::collections::BTreeMap<String, String>,
     /// Ports on each pod (InferencePool `spec.targetPorts`), 1 to 8; each port is its own endpoint.
-    #[cfg_attr(feature = "schema", schemars(length(min = 1, max = crate::poll::discovery::MAX_TARGET_PORTS)))]
+    #[cfg_attr(feature = "schema", schemars(length(min = 1, max = MAX_TARGET_PORTS)))]
     pub target_ports: Vec<u16>,
     /// Base models (from `models`) every discovered endpoint serves. Default: all of `models`.
     #[serde(default)]
@@ -217,18 +224,15 @@ pub struct KubernetesDiscoveryConfig {
     pub token_env: Option<String>,
     /// How often the pod list is fetched again, in ms. At least 1000. Default 5000.
     #[serde(default = "default_refresh_ms")]
-    #[cfg_attr(feature = "schema", schemars(range(min = crate::poll::discovery::MIN_REFRESH_MS)))]
+    #[cfg_attr(feature = "schema", schemars(range(min = MIN_REFRESH_MS)))]
     pub refresh_ms: u64,
     /// Timeout of one list request, in ms: 1 to `refresh_ms`. Default 2000.
     #[serde(default = "default_list_timeout_ms")]
     pub timeout_ms: u64,
     /// How a pod's role (for `pd`) is read from its labels. Default: llm-d's label
     /// `llm-d.ai/role` with the values `prefill`, `decode`, `both` and `prefill-decode`.
-    #[serde(
-        default = "crate::poll::discovery::RoleSelectors::default",
-        skip_serializing_if = "crate::poll::discovery::RoleSelectors::is_default"
-    )]
-    pub roles: crate::poll::discovery::RoleSelectors,
+    #[serde(default = "RoleSelectors::default", skip_serializing_if = "RoleSelectors::is_default")]
+    pub roles: RoleSelectors,
 }
 
 fn default_api_cluster() -> String {
@@ -275,7 +279,7 @@ json::from_json_struct!(KubernetesDiscoveryConfig {
     token_env = None,
     refresh_ms = default_refresh_ms(),
     timeout_ms = default_list_timeout_ms(),
-    roles = crate::poll::discovery::RoleSelectors::default(),
+    roles = RoleSelectors::default(),
 });
 
 /// What the poller role reads: `poller`, Kubernetes discovery when configured, and the catalog.
@@ -285,4 +289,99 @@ pub struct Setup<'a> {
     pub poller: &'a PollerConfig,
     pub discovery: Option<&'a KubernetesDiscoveryConfig>,
     pub catalog: Catalog<'a>,
+}
+
+/// The pod label llm-d puts the role in.
+pub const LLMD_ROLE_LABEL: &str = "llm-d.ai/role";
+
+json::from_json_struct!(RoleSelectors {
+    label = default_role_label(),
+    prefill = default_prefill_values(),
+    decode = default_decode_values(),
+    both = default_both_values(),
+});
+
+/// Label selectors per role for discovered pods (`discovery.kubernetes.roles`): a pod whose
+/// `label` has a value in `prefill`, `decode` or `both` gets that role; a pod without the label
+/// or with another value is `decode` (llm-d's decode filter also takes unlabelled pods).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
+#[serde(deny_unknown_fields)]
+pub struct RoleSelectors {
+    /// The pod label holding the role. Default `llm-d.ai/role`.
+    #[serde(default = "default_role_label")]
+    #[cfg_attr(feature = "schema", schemars(length(min = 1)))]
+    pub label: String,
+    /// Values meaning `prefill`. Default `["prefill"]`.
+    #[serde(default = "default_prefill_values")]
+    pub prefill: Vec<String>,
+    /// Values meaning `decode`. Default `["decode"]`.
+    #[serde(default = "default_decode_values")]
+    pub decode: Vec<String>,
+    /// Values meaning `both`. Default `["both", "prefill-decode"]`.
+    #[serde(default = "default_both_values")]
+    pub both: Vec<String>,
+}
+
+fn default_role_label() -> String {
+    LLMD_ROLE_LABEL.to_string()
+}
+fn default_prefill_values() -> Vec<String> {
+    vec!["prefill".into()]
+}
+fn default_decode_values() -> Vec<String> {
+    vec!["decode".into()]
+}
+fn default_both_values() -> Vec<String> {
+    vec!["both".into(), "prefill-decode".into()]
+}
+
+impl Default for RoleSelectors {
+    fn default() -> Self {
+        RoleSelectors {
+            label: default_role_label(),
+            prefill: default_prefill_values(),
+            decode: default_decode_values(),
+            both: default_both_values(),
+        }
+    }
+}
+
+impl RoleSelectors {
+    pub fn is_default(&self) -> bool {
+        *self == RoleSelectors::default()
+    }
+
+    /// The role of a pod whose role label has `value` (`None`: no such label).
+    pub fn role_of(&self, value: Option<&str>) -> Role {
+        let Some(v) = value else { return Role::Decode };
+        let has = |list: &[String]| list.iter().any(|x| x == v);
+        if has(&self.prefill) {
+            Role::Prefill
+        } else if has(&self.both) {
+            Role::Both
+        } else {
+            Role::Decode
+        }
+    }
+
+    pub fn validate(&self, path: &str, errs: &mut Vec<ConfigError>) {
+        if !is_label_key(&self.label) {
+            errs.push(ConfigError::new(format!("{path}.label"), "not a Kubernetes label key"));
+        }
+        let lists = [("prefill", &self.prefill), ("decode", &self.decode), ("both", &self.both)];
+        for (i, (name, list)) in lists.iter().enumerate() {
+            for (j, v) in list.iter().enumerate() {
+                let at = format!("{path}.{name}[{j}]");
+                if !is_label_value(v) || v.is_empty() {
+                    errs.push(ConfigError::new(at.clone(), "not a non-empty Kubernetes label value"));
+                }
+                if lists.iter().skip(i + 1).any(|(_, other)| other.contains(v))
+                    || list.iter().take(j).any(|x| x == v)
+                {
+                    errs.push(ConfigError::new(at, format!("`{v}` is listed twice")));
+                }
+            }
+        }
+    }
 }

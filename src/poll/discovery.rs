@@ -29,19 +29,15 @@
 use std::collections::BTreeMap;
 use std::net::IpAddr;
 
-use serde::{Deserialize, Serialize};
+use serde::Deserialize;
 
-use crate::base::json::{self, ConfigError};
-use crate::poll::config::KubernetesDiscoveryConfig;
-use crate::state::catalog::{EndpointConfig, ModelConfig, Role};
+use crate::base::json::ConfigError;
+use crate::base::labels::{is_dns_label, is_label_key, is_label_value};
+use crate::poll::config::{KubernetesDiscoveryConfig, MAX_TARGET_PORTS, MIN_REFRESH_MS};
+use crate::state::catalog::{EndpointConfig, ModelConfig};
 
 /// Largest number of endpoints one discovery keeps.
 pub const MAX_DISCOVERED_ENDPOINTS: usize = 1024;
-/// InferencePool allows at most 8 target ports.
-pub const MAX_TARGET_PORTS: usize = 8;
-/// Shortest allowed `refresh_ms`: listing pods more often than once a second only loads the API
-/// server, since readiness probes run every few seconds anyway.
-pub const MIN_REFRESH_MS: u64 = 1000;
 
 /// Where the bearer token comes from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -194,136 +190,6 @@ pub fn percent_encode(s: &str) -> String {
 /// Upper-case hex digit of a nibble (0..=15).
 fn hex_digit(nibble: u8) -> char {
     char::from_digit(u32::from(nibble & 0x0f), 16).map_or('0', |c| c.to_ascii_uppercase())
-}
-
-fn is_dns_label(s: &str) -> bool {
-    !s.is_empty()
-        && s.len() <= 63
-        && s.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
-        && !s.starts_with('-')
-        && !s.ends_with('-')
-}
-
-/// Kubernetes label name part: up to 63 characters, alphanumeric at both ends, `-_.` inside.
-fn is_label_name(s: &str) -> bool {
-    let bytes = s.as_bytes();
-    let alnum_ends = matches!((bytes.first(), bytes.last()), (Some(a), Some(b)) if a.is_ascii_alphanumeric() && b.is_ascii_alphanumeric());
-    s.len() <= 63
-        && alnum_ends
-        && s.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
-}
-
-/// The pod label llm-d puts the role in.
-pub const LLMD_ROLE_LABEL: &str = "llm-d.ai/role";
-
-json::from_json_struct!(RoleSelectors {
-    label = default_role_label(),
-    prefill = default_prefill_values(),
-    decode = default_decode_values(),
-    both = default_both_values(),
-});
-
-/// Label selectors per role for discovered pods (`discovery.kubernetes.roles`): a pod whose
-/// `label` has a value in `prefill`, `decode` or `both` gets that role; a pod without the label
-/// or with another value is `decode` (llm-d's decode filter also takes unlabelled pods).
-#[derive(Debug, Clone, PartialEq, Serialize)]
-#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
-#[serde(deny_unknown_fields)]
-pub struct RoleSelectors {
-    /// The pod label holding the role. Default `llm-d.ai/role`.
-    #[serde(default = "default_role_label")]
-    #[cfg_attr(feature = "schema", schemars(length(min = 1)))]
-    pub label: String,
-    /// Values meaning `prefill`. Default `["prefill"]`.
-    #[serde(default = "default_prefill_values")]
-    pub prefill: Vec<String>,
-    /// Values meaning `decode`. Default `["decode"]`.
-    #[serde(default = "default_decode_values")]
-    pub decode: Vec<String>,
-    /// Values meaning `both`. Default `["both", "prefill-decode"]`.
-    #[serde(default = "default_both_values")]
-    pub both: Vec<String>,
-}
-
-fn default_role_label() -> String {
-    LLMD_ROLE_LABEL.to_string()
-}
-fn default_prefill_values() -> Vec<String> {
-    vec!["prefill".into()]
-}
-fn default_decode_values() -> Vec<String> {
-    vec!["decode".into()]
-}
-fn default_both_values() -> Vec<String> {
-    vec!["both".into(), "prefill-decode".into()]
-}
-
-impl Default for RoleSelectors {
-    fn default() -> Self {
-        RoleSelectors {
-            label: default_role_label(),
-            prefill: default_prefill_values(),
-            decode: default_decode_values(),
-            both: default_both_values(),
-        }
-    }
-}
-
-impl RoleSelectors {
-    pub fn is_default(&self) -> bool {
-        *self == RoleSelectors::default()
-    }
-
-    /// The role of a pod whose role label has `value` (`None`: no such label).
-    pub fn role_of(&self, value: Option<&str>) -> Role {
-        let Some(v) = value else { return Role::Decode };
-        let has = |list: &[String]| list.iter().any(|x| x == v);
-        if has(&self.prefill) {
-            Role::Prefill
-        } else if has(&self.both) {
-            Role::Both
-        } else {
-            Role::Decode
-        }
-    }
-
-    pub fn validate(&self, path: &str, errs: &mut Vec<ConfigError>) {
-        if !is_label_key(&self.label) {
-            errs.push(ConfigError::new(format!("{path}.label"), "not a Kubernetes label key"));
-        }
-        let lists = [("prefill", &self.prefill), ("decode", &self.decode), ("both", &self.both)];
-        for (i, (name, list)) in lists.iter().enumerate() {
-            for (j, v) in list.iter().enumerate() {
-                let at = format!("{path}.{name}[{j}]");
-                if !is_label_value(v) || v.is_empty() {
-                    errs.push(ConfigError::new(at.clone(), "not a non-empty Kubernetes label value"));
-                }
-                if lists.iter().skip(i + 1).any(|(_, other)| other.contains(v))
-                    || list.iter().take(j).any(|x| x == v)
-                {
-                    errs.push(ConfigError::new(at, format!("`{v}` is listed twice")));
-                }
-            }
-        }
-    }
-}
-
-/// An optional DNS-subdomain prefix and `/`, then a name.
-pub(crate) fn is_label_key(s: &str) -> bool {
-    match s.split_once('/') {
-        Some((prefix, name)) => {
-            !prefix.is_empty()
-                && prefix.len() <= 253
-                && prefix.split('.').all(is_dns_label)
-                && is_label_name(name)
-        }
-        None => is_label_name(s),
-    }
-}
-
-/// Empty, or a label name.
-pub(crate) fn is_label_value(s: &str) -> bool {
-    s.is_empty() || is_label_name(s)
 }
 
 /// One discovered `ip:port`.
@@ -558,6 +424,8 @@ fn saturating_u32(n: usize) -> u32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::poll::config::RoleSelectors;
+    use crate::state::catalog::Role;
 
     const NAMESPACE_LIST: &str = include_str!(concat!(
         env!("CARGO_MANIFEST_DIR"),

@@ -166,8 +166,13 @@ impl PeersConfig {
             || p.bytes().any(|b| !b.is_ascii_graphic())
         {
             push("path", format!("must be an absolute path of printable ASCII without a query, got {p:?}"));
-        } else if crate::request::INFERENCE_PATHS.iter().any(|i| crate::request::prefix_matches(p, i))
-            || [crate::request::MODELS_PATH].iter().chain(crate::request::HEALTH_PATHS.iter()).any(|x| x == p)
+        } else if crate::request::protocol::INFERENCE_PATHS
+            .iter()
+            .any(|i| crate::request::protocol::prefix_matches(p, i))
+            || [crate::request::protocol::MODELS_PATH]
+                .iter()
+                .chain(crate::request::protocol::HEALTH_PATHS.iter())
+                .any(|x| x == p)
         {
             push("path", format!("{p:?} is a path the filter serves itself"));
         }

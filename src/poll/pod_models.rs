@@ -32,9 +32,9 @@ use serde::{Deserialize, Serialize};
 
 use crate::base::json::{self, ConfigError};
 use crate::poll::poller::LOST_CALL_GRACE_MS;
-#[cfg(test)]
-use crate::state::catalog::{is_running_adapter, learned_names};
 use crate::state::snapshot::Snapshot;
+#[cfg(test)]
+use crate::state::snapshot::{is_running_adapter, learned_names};
 
 /// Largest model-list response read (1 MiB). A larger one counts as a failed fetch.
 pub const MAX_RESPONSE_BYTES: usize = 1024 * 1024;

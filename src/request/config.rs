@@ -3,7 +3,7 @@
 
 use serde::Serialize;
 
-use crate::base::json;
+use crate::base::json::{self, ConfigError};
 use crate::flow::priority::PriorityConfig;
 use crate::scheduler::config::{FailureMode, PrefixConfig};
 use crate::state::catalog::Catalog;
@@ -94,6 +94,108 @@ json::from_json_struct!(FilterConfig {
     conformance_mode = false,
 });
 
+/// Largest `pd.pd_threshold_tokens` (a prompt longer than this is beyond any model's context).
+pub const MAX_THRESHOLD_TOKENS: u64 = 10_000_000;
+
+/// The `pd` section: disaggregated prefill/decode. Absent: roles are ignored and no request is
+/// split.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
+#[serde(deny_unknown_fields)]
+pub struct PdConfig {
+    /// Split a request (name a prefill pod) when the part of its prompt the chosen decode pod
+    /// does not hold is at least this many tokens; 0 splits every request that has a prefill
+    /// candidate. llm-d's `nonCachedTokens` (`pdThreshold` before): default 0, as there.
+    /// At most 10000000.
+    #[serde(default = "default_threshold")]
+    #[cfg_attr(feature = "schema", schemars(range(max = MAX_THRESHOLD_TOKENS)))]
+    pub pd_threshold_tokens: u64,
+    /// Factor on the prefix weight for the decode pick, 0 to 1. Default 0.5.
+    #[serde(default = "default_decode_prefix_factor")]
+    #[cfg_attr(feature = "schema", schemars(range(min = 0.0, max = 1.0)))]
+    pub decode_prefix_factor: f64,
+    /// Prefill-busy guard (objective `predicted_ttft` only): a split the threshold allows is
+    /// not made when the prefill path's predicted TTFT (the prefill pod's work ahead and this
+    /// prompt at its rate, plus the KV transfer) exceeds this factor times the decode pod's
+    /// predicted TTFT prefilling the prompt itself; the decode pod prefills it (decision
+    /// `prefill_busy`). P/D trades some TTFT for steadier decoding, so an idle pool, where both
+    /// paths cost about the same, still splits; saturated prefill pods do not make every request
+    /// wait behind them.
+    /// 0 disables the guard (llm-d's rule alone). 0 or 1 to 1000; default 0 (off): in the P/D
+    /// replay it rescued prefill-bound pools (2 prefill + 6 decode) but made a pool whose decode
+    /// pods then prefilled long prompts (4 + 4) collapse at some loads (docs/pd.md); enable it,
+    /// 2 to 8, where the prefill pods are the bottleneck.
+    #[serde(default = "default_prefill_busy_factor")]
+    #[cfg_attr(feature = "schema", schemars(range(min = 0.0, max = 1000.0)))]
+    pub prefill_busy_factor: f64,
+    /// KV transfer time per 1,000 prompt tokens, in ms, added to the prefill path by the
+    /// prefill-busy guard. Default 5 (Llama-3-8B fp16, 128 KiB a token, over 25 GB/s); 0 to
+    /// 60000.
+    #[serde(default = "default_transfer_ms_per_1k_tokens")]
+    #[cfg_attr(feature = "schema", schemars(range(min = 0.0, max = 60000.0)))]
+    pub transfer_ms_per_1k_tokens: f64,
+}
+
+// The readers of this file's configuration types (`crate::base::json`), fields in declaration
+// order.
+json::from_json_struct!(PdConfig {
+    pd_threshold_tokens = default_threshold(),
+    decode_prefix_factor = default_decode_prefix_factor(),
+    prefill_busy_factor = default_prefill_busy_factor(),
+    transfer_ms_per_1k_tokens = default_transfer_ms_per_1k_tokens(),
+});
+
+fn default_threshold() -> u64 {
+    0
+}
+fn default_decode_prefix_factor() -> f64 {
+    0.5
+}
+fn default_prefill_busy_factor() -> f64 {
+    0.0
+}
+fn default_transfer_ms_per_1k_tokens() -> f64 {
+    5.0
+}
+
+impl Default for PdConfig {
+    fn default() -> Self {
+        PdConfig {
+            pd_threshold_tokens: default_threshold(),
+            decode_prefix_factor: default_decode_prefix_factor(),
+            prefill_busy_factor: default_prefill_busy_factor(),
+            transfer_ms_per_1k_tokens: default_transfer_ms_per_1k_tokens(),
+        }
+    }
+}
+
+impl PdConfig {
+    pub fn validate(&self, path: &str, errs: &mut Vec<ConfigError>) {
+        if self.pd_threshold_tokens > MAX_THRESHOLD_TOKENS {
+            errs.push(ConfigError::new(
+                format!("{path}.pd_threshold_tokens"),
+                format!("must be at most {MAX_THRESHOLD_TOKENS}"),
+            ));
+        }
+        if !(0.0..=1.0).contains(&self.decode_prefix_factor) {
+            errs.push(ConfigError::new(format!("{path}.decode_prefix_factor"), "must be between 0 and 1"));
+        }
+        let f = self.prefill_busy_factor;
+        if !(f == 0.0 || (1.0..=1000.0).contains(&f)) {
+            errs.push(ConfigError::new(
+                format!("{path}.prefill_busy_factor"),
+                "must be 0 (off) or between 1 and 1000",
+            ));
+        }
+        if !(0.0..=60000.0).contains(&self.transfer_ms_per_1k_tokens) {
+            errs.push(ConfigError::new(
+                format!("{path}.transfer_ms_per_1k_tokens"),
+                "must be between 0 and 60000",
+            ));
+        }
+    }
+}
+
 /// What the request path reads of the configuration: the `filter` section, the priority
 /// headers, the prefix scorer's hashing limits (a held prompt keeps only what it hashes) and the
 /// catalog.
@@ -104,6 +206,6 @@ pub struct Settings<'a> {
     /// `scheduler.prefix`.
     pub prefix: &'a PrefixConfig,
     /// `pd`: disaggregated prefill/decode; `None` when off.
-    pub pd: Option<&'a crate::request::pd::PdConfig>,
+    pub pd: Option<&'a PdConfig>,
     pub catalog: Catalog<'a>,
 }

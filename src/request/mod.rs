@@ -16,83 +16,27 @@ pub mod body;
 pub mod config;
 pub mod pd;
 pub mod pools;
+pub mod protocol;
 
 use crate::base::errors::Rejection;
 use crate::base::ports::{Rng, SharedStore};
 use crate::flow::priority::{self, PriorityDecision, PriorityHeaders};
 use crate::request::body::{parse_request, rewrite_model};
 use crate::request::config::Settings;
+use crate::request::protocol::{
+    prefix_matches, CLIENT_ROUTING_HEADERS, CONFORMANCE_SELECTION_HEADER, HEALTH_PATHS, INFERENCE_PATHS,
+    MAX_SELECTION_ENTRIES, MODELS_PATH,
+};
 use crate::scheduler::{ModelRoute, Pick, PickRequest, Scheduler};
 use crate::state::catalog::Criticality;
 use crate::state::inflight::InflightCounts;
 use crate::state::snapshot::Snapshot;
-
-/// GIE conformance suite: the request header with the endpoints the test wants (comma-separated
-/// `ip` or `ip:port`). Honoured only with `filter.conformance_mode`.
-pub const CONFORMANCE_SELECTION_HEADER: &str = "test-epp-endpoint-selection";
-/// GIE conformance suite: the response header naming the `ip:port` that served. Set only with
-/// `filter.conformance_mode`.
-pub const CONFORMANCE_SERVED_HEADER: &str = "x-conformance-test-served-endpoint";
-/// Most entries read from the conformance selection header.
-pub const MAX_SELECTION_ENTRIES: usize = 64;
-/// Request headers a client could use to choose the destination (or, through llm-d's routing
-/// sidecar, the prefill pod: `crate::request::pd::PREFILLER_HEADER`, and `x-prefiller-url`, which older
-/// sidecars read) itself. Removed from every request before anything else happens; only the
-/// filter sets them. The conformance test header is among them: in conformance mode the host
-/// reads it first (see [`conformance_selection`]).
-pub const CLIENT_ROUTING_HEADERS: [&str; 5] = [
-    "x-gateway-destination-endpoint",
-    "x-envoy-original-dst-host",
-    CONFORMANCE_SELECTION_HEADER,
-    crate::request::pd::PREFILLER_HEADER,
-    crate::request::pd::LEGACY_PREFILLER_HEADER,
-];
-
-/// GIE destination header: primary first, then fallbacks.
-pub const DESTINATION_HEADER: &str = "x-gateway-destination-endpoint";
-/// Envoy's router header that sets the number of retries of this request, overriding the
-/// route's `num_retries`. The filter sets it to the number of fallbacks it listed: one try per
-/// listed pod, never a try with no listed pod left (the `override_host` policy would then find
-/// no host and Envoy would answer `503 no healthy upstream` in place of the last pod's own error).
-/// Whatever a client sent is overwritten.
-pub const MAX_RETRIES_HEADER: &str = "x-envoy-max-retries";
-/// The header the ORIGINAL_DST cluster reads (the primary only).
-pub const ORIGINAL_DST_HEADER: &str = "x-envoy-original-dst-host";
-/// Response header naming the endpoint that served.
-pub const SERVED_HEADER: &str = "x-gateway-destination-endpoint-served";
-/// Opt-in response header with the per-endpoint scores of the decision
-/// (`scheduler.debug_scores`).
-pub const DEBUG_SCORES_HEADER: &str = "x-inference-picker-scores";
-/// Response header with the time, in whole milliseconds, the request was held by flow control
-/// before it went upstream (0 when it was not held). Also on flow-control rejections.
-pub const QUEUE_MS_HEADER: &str = "x-inference-picker-queue-ms";
 
 /// Every request header the filter removes before the request can go upstream, whatever the
 /// path: the client-chosen destination headers, and the priority headers
 /// (`priority::headers_to_strip`). The host reads the trusted priority headers first.
 pub fn headers_to_remove<'a>(cfg: &Settings<'a>) -> impl Iterator<Item = &'a str> {
     CLIENT_ROUTING_HEADERS.into_iter().chain(priority::headers_to_strip(cfg.priority))
-}
-
-/// The inference paths the filter routes (POST only): OpenAI chat completions, completions,
-/// responses and embeddings. Matched exactly on the path without its query (a trailing `/` is
-/// ignored).
-pub const INFERENCE_PATHS: [&str; 4] =
-    ["/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings"];
-/// Answered locally: the pool's model list, and one model by id (`/v1/models/{id}`).
-pub const MODELS_PATH: &str = "/v1/models";
-/// Health checks answered locally with 200 `{"status":"ok"}`: the gateway (this filter) is up.
-/// They say nothing about the pool's pods (the poller's metrics do).
-pub const HEALTH_PATHS: [&str; 4] = ["/health", "/healthz", "/readyz", "/livez"];
-
-/// True when `prefix` (a `filter.passthrough_prefixes` entry) covers `path`: equal, or followed
-/// by a `/` in `path` (whole segments: `/admin` covers `/admin/x`, not `/administrator`). A prefix
-/// ending in `/` covers everything below it.
-pub fn prefix_matches(prefix: &str, path: &str) -> bool {
-    match path.strip_prefix(prefix) {
-        Some(rest) => rest.is_empty() || rest.starts_with('/') || prefix.ends_with('/'),
-        None => false,
-    }
 }
 
 /// What the filter learned from the request headers. A header whose value is not UTF-8 reads as
@@ -567,7 +511,7 @@ fn learned_models(cfg: &Settings<'_>, snapshot: &Snapshot) -> Vec<String> {
         .map(String::as_str)
         .collect();
     let allow = cfg.catalog.allow_list();
-    crate::state::catalog::learned_names(snapshot, allow.as_ref(), &configured)
+    crate::state::snapshot::learned_names(snapshot, allow.as_ref(), &configured)
 }
 
 /// OpenAI `GET /v1/models` for the whole pool: every base model and adapter in the config, then

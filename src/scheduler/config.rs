@@ -641,7 +641,7 @@ impl SchedulerConfig {
         );
         check_header(&mut errs, "scheduler.session.header", &self.session.header);
         check_header(&mut errs, "scheduler.session.token_header", &self.session.token_header);
-        super::session::validate_secrets(&self.session, &mut |path, reason| err(&mut errs, path, reason));
+        validate_secrets(&self.session, &mut |path, reason| err(&mut errs, path, reason));
         let pr = &self.predicted;
         if !pr.affinity_slack.is_finite() || !(0.0..=10.0).contains(&pr.affinity_slack) {
             err(&mut errs, "scheduler.predicted.affinity_slack".into(), "must be a number in 0..=10");
@@ -743,4 +743,42 @@ pub struct Setup<'a> {
     /// `filter.failure_mode`.
     pub failure_mode: FailureMode,
     pub health: &'a HealthConfig,
+}
+
+/// Shortest secret accepted, in bytes (the key is 128 bits; a shorter secret is guessable).
+pub const MIN_SECRET_BYTES: usize = 16;
+
+/// Static checks of the secret fields (the environment is read later, at configure).
+pub fn validate_secrets(cfg: &SessionConfig, err: &mut dyn FnMut(String, String)) {
+    let at = "scheduler.session";
+    for (name, inline, env) in [
+        ("secret", &cfg.secret, &cfg.secret_env),
+        ("previous_secret", &cfg.previous_secret, &cfg.previous_secret_env),
+    ] {
+        if inline.is_some() && env.is_some() {
+            err(format!("{at}.{name}"), format!("set `{name}` or `{name}_env`, not both"));
+        }
+        if let Some(s) = inline {
+            if s.len() < MIN_SECRET_BYTES {
+                err(
+                    format!("{at}.{name}"),
+                    format!("must be at least {MIN_SECRET_BYTES} bytes, got {}", s.len()),
+                );
+            }
+        }
+        if let Some(e) = env {
+            if e.is_empty() || e.contains(['=', '\0']) {
+                err(format!("{at}.{name}_env"), format!("{e:?} is not an environment variable name"));
+            }
+        }
+    }
+    if (cfg.previous_secret.is_some() || cfg.previous_secret_env.is_some())
+        && cfg.secret.is_none()
+        && cfg.secret_env.is_none()
+    {
+        err(
+            format!("{at}.previous_secret"),
+            "a previous secret needs a current one (`secret` or `secret_env`)".into(),
+        );
+    }
 }

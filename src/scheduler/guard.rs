@@ -17,7 +17,7 @@
 //! Both conditions are needed: the absolute gap ignores noise at low load, the ratio ignores a
 //! constant gap at high load.
 
-use super::Candidate;
+use super::candidate::Candidate;
 use crate::scheduler::config::GuardConfig;
 
 pub fn load(c: &Candidate<'_>) -> f64 {

@@ -19,7 +19,7 @@
 //! replay benchmark measured lower TTFT p90 on every workload with these weights than with GIE's
 //! 2/2/1 (tools/replay-bench/FINDINGS.md).
 
-use super::Candidate;
+use super::candidate::Candidate;
 
 pub fn scores(cands: &[Candidate<'_>]) -> Vec<f64> {
     let min = cands.iter().map(|c| c.inflight).min().unwrap_or(0);

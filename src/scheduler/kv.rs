@@ -5,13 +5,13 @@
 //! Input: `EndpointMetrics::kv_usage` in [0, 1] (vLLM `kv_cache_usage_perc` /
 //! `gpu_cache_usage_perc`, SGLang `token_usage`, trtllm `kv_cache_utilization`).
 //!
-//! Missing signal: the neutral score `min(0.5, lowest known score)` (`super::neutral_fill`).
+//! Missing signal: the neutral score `min(0.5, lowest known score)` (`super::candidate::neutral_fill`).
 //! Stale endpoints never reach the scorer (filtered). Not min-max normalised on purpose: KV
 //! usage is already on an absolute scale, and 0.40 vs 0.41 should not look like 1 vs 0.
 //!
 //! Default weight 0.5 (GIE: 2; see `inflight.rs` for why).
 
-use super::{neutral_fill, Candidate};
+use super::candidate::{neutral_fill, Candidate};
 
 pub fn scores(cands: &[Candidate<'_>]) -> Vec<f64> {
     let raw: Vec<Option<f64>> = cands.iter().map(free).collect();

@@ -17,7 +17,7 @@
 //!
 //! Default weight 2.
 
-use super::{neutral_fill, Candidate};
+use super::candidate::{neutral_fill, Candidate};
 
 pub fn scores(adapter: Option<&str>, cands: &[Candidate<'_>]) -> Vec<f64> {
     let Some(a) = adapter else {

@@ -35,6 +35,7 @@
 //! in-flight count is never missing, so between polls and with partial metrics the load view
 //! is still live. See `docs/scheduler.md` for the full description and measurements.
 
+pub mod candidate;
 pub mod config;
 pub mod filter;
 pub mod guard;
@@ -58,7 +59,6 @@ use crate::base::ports::{Rng, SharedStore};
 use crate::scheduler::config::FailureMode;
 use crate::state::health::{HealthConfig, HealthView};
 use crate::state::inflight::InflightCounts;
-use crate::state::metrics::EndpointMetrics;
 use crate::state::snapshot::{EndpointStatus, Snapshot};
 
 use self::config::{Objective, SchedulerConfig, Weights};
@@ -67,6 +67,7 @@ use self::prefix::LocalIndex;
 use crate::state::by_address::address_hash;
 use crate::state::prefix_shared::{endpoint_key, endpoint_key_of_hash, SharedPrefix};
 
+pub use self::candidate::{neutral_fill, neutral_score, Candidate};
 pub use self::session::{keys_from_config as session_keys_from_config, parse_session_token, SessionKeys};
 
 /// Most endpoints listed in the debug score header, best first (bounds the header size).
@@ -187,19 +188,6 @@ impl PickScope<'_> {
     }
 }
 
-/// One healthy endpoint as the scorers see it.
-#[derive(Debug, Clone, Copy)]
-pub struct Candidate<'a> {
-    pub address: &'a str,
-    pub metrics: Option<&'a EndpointMetrics>,
-    /// Router-local in-flight count (all workers).
-    pub inflight: u32,
-    /// The live queue estimate (`crate::state::load`): the scraped queue corrected by what this
-    /// gateway sent there since the scrape and has not seen finish. `None` when the engine
-    /// reports no queue.
-    pub queue: Option<f64>,
-}
-
 /// Per-candidate scores, each in [0, 1], and the weighted total.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct Breakdown {
@@ -242,22 +230,6 @@ struct Prediction {
     uncached: f64,
     /// The KV scorer's score before the neutral fill (`kv::free`), for the KV congestion factor.
     kv_free: Option<f64>,
-}
-
-/// Replaces missing scores by the neutral `min(0.5, lowest known)`; 0.5 when none is known.
-pub fn neutral_fill(raw: &[Option<f64>]) -> Vec<f64> {
-    let neutral = neutral_score(raw.iter().flatten().copied().fold(f64::INFINITY, f64::min));
-    raw.iter().map(|s| s.unwrap_or(neutral)).collect()
-}
-
-/// The score [`neutral_fill`] gives a missing signal, from the lowest known score
-/// (`f64::INFINITY` when none is known).
-pub fn neutral_score(lowest: f64) -> f64 {
-    if lowest.is_finite() {
-        lowest.min(0.5)
-    } else {
-        0.5
-    }
 }
 
 /// The scheduler of one worker VM. Built once per configuration; holds the worker-local state

@@ -126,7 +126,7 @@ impl ModelTable {
             return None;
         }
         let adapter =
-            (self.learning && crate::state::catalog::is_running_adapter(snapshot, name)).then_some(name);
+            (self.learning && crate::state::snapshot::is_running_adapter(snapshot, name)).then_some(name);
         Some(Resolved { base: name, adapter })
     }
 }

@@ -15,14 +15,14 @@
 //! Saturation always reads the estimate.
 //!
 //! Missing signal (an engine that does not report it): the neutral score
-//! `min(0.5, lowest known score)` (see `super::neutral_fill`), so an endpoint we know nothing
+//! `min(0.5, lowest known score)` (see `super::candidate::neutral_fill`), so an endpoint we know nothing
 //! about never beats one we know is good. Stale endpoints never get here: the filter removed
 //! them. Min-max is scale-free (a gap of 1 counts as much as a gap of 100); the in-flight scorer
 //! and the hot-spot guard supply the absolute view.
 //!
 //! Default weight 0.5 (GIE: 2; see `inflight.rs` for why).
 
-use super::{neutral_fill, Candidate};
+use super::candidate::{neutral_fill, Candidate};
 
 pub fn scores(cands: &[Candidate<'_>]) -> Vec<f64> {
     let raw: Vec<Option<f64>> = cands.iter().map(|c| c.queue.filter(|q| q.is_finite())).collect();

@@ -35,13 +35,12 @@ use siphasher::sip::SipHasher24;
 use std::hash::Hasher;
 use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
 
-use super::Candidate;
+use super::candidate::Candidate;
+use super::config::MIN_SECRET_BYTES;
 
 const TOKEN_PREFIX: &str = "v2.";
 /// The key used when no secret is configured. Public: tokens keyed with it can be forged.
 pub const DEFAULT_SECRET: &str = "inference-picker default session key: set scheduler.session.secret_env";
-/// Shortest secret accepted, in bytes (the key is 128 bits; a shorter secret is guessable).
-pub const MIN_SECRET_BYTES: usize = 16;
 
 /// A 128-bit SipHash key.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -166,41 +165,6 @@ pub fn keys_from_config(
     let current = secret_of(&cfg.secret, &cfg.secret_env, env, "secret")?;
     let previous = secret_of(&cfg.previous_secret, &cfg.previous_secret_env, env, "previous_secret")?;
     SessionKeys::from_secrets(current.as_deref(), previous.as_deref())
-}
-
-/// Static checks of the secret fields (the environment is read later, at configure).
-pub fn validate_secrets(cfg: &super::config::SessionConfig, err: &mut dyn FnMut(String, String)) {
-    let at = "scheduler.session";
-    for (name, inline, env) in [
-        ("secret", &cfg.secret, &cfg.secret_env),
-        ("previous_secret", &cfg.previous_secret, &cfg.previous_secret_env),
-    ] {
-        if inline.is_some() && env.is_some() {
-            err(format!("{at}.{name}"), format!("set `{name}` or `{name}_env`, not both"));
-        }
-        if let Some(s) = inline {
-            if s.len() < MIN_SECRET_BYTES {
-                err(
-                    format!("{at}.{name}"),
-                    format!("must be at least {MIN_SECRET_BYTES} bytes, got {}", s.len()),
-                );
-            }
-        }
-        if let Some(e) = env {
-            if e.is_empty() || e.contains(['=', '\0']) {
-                err(format!("{at}.{name}_env"), format!("{e:?} is not an environment variable name"));
-            }
-        }
-    }
-    if (cfg.previous_secret.is_some() || cfg.previous_secret_env.is_some())
-        && cfg.secret.is_none()
-        && cfg.secret_env.is_none()
-    {
-        err(
-            format!("{at}.previous_secret"),
-            "a previous secret needs a current one (`secret` or `secret_env`)".into(),
-        );
-    }
 }
 
 /// Parses a token into its tag; `None` when malformed.
@@ -332,14 +296,14 @@ mod tests {
             previous_secret_env: Some("X".into()),
             ..SessionConfig::default()
         };
-        validate_secrets(&bad, &mut |p, r| errs.push(format!("{p}: {r}")));
+        super::super::config::validate_secrets(&bad, &mut |p, r| errs.push(format!("{p}: {r}")));
         assert_eq!(errs.len(), 3, "{errs:?}");
         assert!(errs[0].starts_with("scheduler.session.secret: set `secret` or `secret_env`"));
         assert!(errs[1].contains("at least 16 bytes"));
         assert!(errs[2].starts_with("scheduler.session.secret_env:"));
         let mut errs = Vec::new();
         let orphan = SessionConfig { previous_secret: Some(OTHER.into()), ..SessionConfig::default() };
-        validate_secrets(&orphan, &mut |p, r| errs.push(format!("{p}: {r}")));
+        super::super::config::validate_secrets(&orphan, &mut |p, r| errs.push(format!("{p}: {r}")));
         assert_eq!(errs, ["scheduler.session.previous_secret: a previous secret needs a current one (`secret` or `secret_env`)"]);
     }
 

@@ -1,7 +1,6 @@
 //! The pool's catalog: what the configuration (or discovery) says exists. The endpoints and
-//! their roles, the models with their adapters and criticality, and the names the pods
-//! themselves report (read from the snapshot). Every wing above reads these; they read nothing
-//! but the ground.
+//! their roles, the models with their adapters and criticality. Every wing above reads these;
+//! they read nothing but the ground.
 
 use std::net::SocketAddr;
 
@@ -9,7 +8,6 @@ use hashbrown::HashSet;
 use serde::{Deserialize, Serialize};
 
 use crate::base::json;
-use crate::state::snapshot::Snapshot;
 
 /// What an endpoint may do in a P/D pool.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default, Serialize, Deserialize)]
@@ -126,35 +124,6 @@ pub fn parse_endpoint_address(s: &str) -> Result<SocketAddr, String> {
         }
     }
     Ok(addr)
-}
-
-/// Is `name` an adapter that some pod's LoRA metrics list as running or waiting? (Such a name
-/// gets the LoRA affinity scorer.)
-pub fn is_running_adapter(snapshot: &Snapshot, name: &str) -> bool {
-    snapshot
-        .endpoints
-        .iter()
-        .filter_map(|e| e.metrics.as_ref())
-        .any(|m| m.running_adapters.iter().chain(&m.waiting_adapters).any(|a| a == name))
-}
-
-/// Every model name some endpoint of the snapshot serves and the allow-list lets through,
-/// sorted, without the names in `except` (the configured ones, listed first by the caller).
-pub fn learned_names(
-    snapshot: &Snapshot,
-    allow: Option<&HashSet<String>>,
-    except: &HashSet<&str>,
-) -> Vec<String> {
-    let mut out: Vec<String> = snapshot
-        .endpoints
-        .iter()
-        .flat_map(|e| e.models.iter())
-        .filter(|n| !except.contains(n.as_str()) && allow.is_none_or(|a| a.contains(n.as_str())))
-        .cloned()
-        .collect();
-    crate::base::sorting::sort(&mut out);
-    out.dedup();
-    out
 }
 
 /// The catalog as the wings read it: borrowed from the configuration (`config` builds it), never

@@ -374,6 +374,35 @@ impl EndpointStatus {
     }
 }
 
+/// Is `name` an adapter that some pod's LoRA metrics list as running or waiting? (Such a name
+/// gets the LoRA affinity scorer.)
+pub fn is_running_adapter(snapshot: &Snapshot, name: &str) -> bool {
+    snapshot
+        .endpoints
+        .iter()
+        .filter_map(|e| e.metrics.as_ref())
+        .any(|m| m.running_adapters.iter().chain(&m.waiting_adapters).any(|a| a == name))
+}
+
+/// Every model name some endpoint of the snapshot serves and the allow-list lets through,
+/// sorted, without the names in `except` (the configured ones, listed first by the caller).
+pub fn learned_names(
+    snapshot: &Snapshot,
+    allow: Option<&hashbrown::HashSet<String>>,
+    except: &hashbrown::HashSet<&str>,
+) -> Vec<String> {
+    let mut out: Vec<String> = snapshot
+        .endpoints
+        .iter()
+        .flat_map(|e| e.models.iter())
+        .filter(|n| !except.contains(n.as_str()) && allow.is_none_or(|a| a.contains(n.as_str())))
+        .cloned()
+        .collect();
+    crate::base::sorting::sort(&mut out);
+    out.dedup();
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
