@@ -1,0 +1,381 @@
+//! Tests of `inflight`.
+
+use super::*;
+use crate::base::ports::MemStore;
+use std::cell::{Cell, RefCell};
+
+const T0: u64 = 1_000_000;
+
+#[test]
+fn one_vm_counts_and_releases() {
+    let s = MemStore::new();
+    let mut a = InflightTable::new(0xA);
+    assert_eq!(a.adjust(&s, "10.0.0.1:8000", 1, T0).unwrap(), 1);
+    assert_eq!(a.adjust(&s, "10.0.0.1:8000", 1, T0).unwrap(), 2);
+    assert_eq!(a.adjust(&s, "10.0.0.2:8000", 1, T0).unwrap(), 1);
+    let mut reader = InflightTable::new(0xB);
+    let c = reader.read(&s, T0).unwrap();
+    assert_eq!((c.get("10.0.0.1:8000"), c.get("10.0.0.2:8000"), c.total()), (2, 1, 3));
+    assert_eq!(a.adjust(&s, "10.0.0.1:8000", -1, T0).unwrap(), 1);
+    assert_eq!(a.adjust(&s, "10.0.0.1:8000", -1, T0).unwrap(), 0);
+    // Releasing below zero saturates instead of wrapping.
+    assert_eq!(a.adjust(&s, "10.0.0.1:8000", -1, T0).unwrap(), 0);
+    assert_eq!(s.get(&slot_key(0)).unwrap().unwrap().0, b"i1 000000000000000a 1000000 10.0.0.2:8000=1");
+    assert_eq!(s.keys(), vec![slot_key(0)]);
+}
+
+#[test]
+fn the_prefill_part_is_published_with_the_count_and_summed() {
+    let s = MemStore::new();
+    let mut a = InflightTable::new(0xA);
+    let mut b = InflightTable::new(0xB);
+    a.adjust_with_prefill(&s, "e", 1, (3000.0, 1), T0).unwrap();
+    a.adjust_with_prefill(&s, "e", 1, (5000.0, 2), T0).unwrap();
+    b.adjust_with_prefill(&s, "e", 1, (1000.0, 1), T0).unwrap();
+    let h = address_hash("e");
+    assert_eq!(a.read(&s, T0).unwrap().load_hashed(h, "e").prefill(), (6000.0, 3));
+    assert_eq!(b.read(&s, T0).unwrap().load_hashed(h, "e").prefill(), (6000.0, 3));
+    // A's first request produced its first byte: its prefill part shrinks, the count stays.
+    a.set_prefill(&s, "e", (2000.0, 1), T0).unwrap();
+    let c = b.read(&s, T0).unwrap();
+    assert_eq!((c.get("e"), c.load_hashed(h, "e").prefill()), (3, (3000.0, 2)));
+    // Ends: the prefill part never outlives the count.
+    a.adjust_with_prefill(&s, "e", -1, (2000.0, 1), T0).unwrap();
+    a.adjust_with_prefill(&s, "e", -1, (0.0, 0), T0).unwrap();
+    b.adjust(&s, "e", -1, T0).unwrap();
+    assert_eq!(b.read(&s, T0).unwrap().load_hashed(h, "e").prefill(), (0.0, 0));
+    // Nothing changed: set_prefill writes nothing (the CAS token is unchanged).
+    a.adjust_with_prefill(&s, "f", 1, (10.0, 1), T0).unwrap();
+    let before = s.get(&slot_key(a.slot().unwrap())).unwrap().unwrap().1;
+    a.set_prefill(&s, "f", (10.0, 1), T0).unwrap();
+    assert_eq!(s.get(&slot_key(a.slot().unwrap())).unwrap().unwrap().1, before);
+}
+
+#[test]
+fn records_with_and_without_a_prefill_part_decode() {
+    let c = InflightCounts::decode(b"a:1=3/2/7000;b:1=1;c:1=2/5/9;d:1=2/1;e:1=0/0/0");
+    let pf = |a: &str| c.load_hashed(address_hash(a), a).prefill();
+    // The short form (and an older release's record) has no prefill part; a part beyond
+    // the count is garbled and dropped, the count kept; a malformed entry is skipped.
+    assert_eq!((c.get("a:1"), pf("a:1")), (3, (7000.0, 2)));
+    assert_eq!((c.get("b:1"), pf("b:1")), (1, (0.0, 0)));
+    assert_eq!((c.get("c:1"), pf("c:1")), (2, (0.0, 0)));
+    assert_eq!((c.get("d:1"), c.get("e:1")), (0, 0));
+    assert_eq!(InflightCounts::decode(&c.encode()), c);
+    assert_eq!(c.encode(), b"a:1=3/2/7000;b:1=1;c:1=2".to_vec());
+}
+
+#[test]
+fn workers_have_their_own_slots_and_readers_sum_them() {
+    let s = MemStore::new();
+    let mut a = InflightTable::new(0xA);
+    let mut b = InflightTable::new(0xB);
+    a.adjust(&s, "e", 1, T0).unwrap();
+    b.adjust(&s, "e", 1, T0).unwrap();
+    b.adjust(&s, "f", 1, T0).unwrap();
+    assert_eq!((a.slot(), b.slot()), (Some(0), Some(1)));
+    // Each reads the other's slot and its own memory.
+    for t in [&mut a, &mut b] {
+        let c = t.read(&s, T0).unwrap();
+        assert_eq!((c.get("e"), c.get("f")), (2, 1));
+    }
+}
+
+#[test]
+fn a_dead_vms_count_stops_counting_after_the_ttl_and_its_slot_is_reused() {
+    let s = MemStore::new();
+    let mut dead = InflightTable::new(0xD);
+    dead.adjust(&s, "e", 1, T0).unwrap(); // +1, then the VM dies: no -1 ever comes.
+    let mut live = InflightTable::new(0xA);
+    assert_eq!(live.read(&s, T0 + TTL_MS).unwrap().get("e"), 1);
+    assert_eq!(live.read(&s, T0 + TTL_MS + 1).unwrap().get("e"), 0);
+    // A new VM reuses the dead slot: keys stay bounded.
+    live.adjust(&s, "e", 1, T0 + TTL_MS + 1).unwrap();
+    assert_eq!(live.slot(), Some(0));
+    assert_eq!(s.key_count(), 1);
+}
+
+#[test]
+fn heartbeats_keep_an_idle_holder_alive_and_release_frees_at_once() {
+    let s = MemStore::new();
+    let mut a = InflightTable::new(0xA);
+    let mut r = InflightTable::new(0xB);
+    a.adjust(&s, "e", 1, T0).unwrap();
+    // Ticks every 50 ms for 10 TTLs: the count stays visible.
+    let mut now = T0;
+    for _ in 0..(10 * TTL_MS / 50) {
+        now += 50;
+        a.tick(&s, now).unwrap();
+        assert_eq!(r.read(&s, now).unwrap().get("e"), 1);
+    }
+    a.release(&s).unwrap();
+    assert_eq!(r.read(&s, now).unwrap().get("e"), 0);
+    assert_eq!(s.get(&slot_key(0)).unwrap().unwrap().0, b"");
+    // The freed slot is taken again by the next VM at once.
+    r.adjust(&s, "e", 1, now).unwrap();
+    assert_eq!(r.slot(), Some(0));
+}
+
+type Other<'a> = Box<dyn FnOnce(&MemStore) + 'a>;
+
+/// Runs `other` once, right after the next `get` of `key` (another VM interleaving).
+struct Interleave<'a> {
+    inner: &'a MemStore,
+    key: String,
+    other: RefCell<Option<Other<'a>>>,
+}
+impl SharedStore for Interleave<'_> {
+    fn get(&self, key: &str) -> Result<Option<(Vec<u8>, u32)>, StoreError> {
+        let r = self.inner.get(key);
+        if key == self.key {
+            if let Some(f) = self.other.borrow_mut().take() {
+                f(self.inner);
+            }
+        }
+        r
+    }
+    fn set(&self, key: &str, value: &[u8], cas: u32) -> Result<(), StoreError> {
+        self.inner.set(key, value, cas)
+    }
+}
+
+#[test]
+fn two_first_creators_of_one_slot_end_in_two_slots_with_all_counts() {
+    let s = MemStore::new();
+    let b = RefCell::new(InflightTable::new(0xB));
+    // A reads slot 0 absent; before A writes, B claims slot 0 (B also saw it absent).
+    let racing = Interleave {
+        inner: &s,
+        key: slot_key(0),
+        other: RefCell::new(Some(Box::new(|st: &MemStore| {
+            b.borrow_mut().adjust(st, "e", 1, T0).unwrap();
+        }))),
+    };
+    let mut a = InflightTable::new(0xA);
+    a.adjust(&racing, "e", 1, T0).unwrap();
+    a.adjust(&racing, "e", 1, T0).unwrap();
+    assert_eq!(b.borrow().slot(), Some(0));
+    assert_eq!(a.slot(), Some(1));
+    let mut r = InflightTable::new(0xC);
+    assert_eq!(r.read(&s, T0).unwrap().get("e"), 3);
+}
+
+#[test]
+fn a_clobbered_slot_is_detected_on_the_next_tick_and_the_loser_moves_with_its_state() {
+    // The residual case get_or_create cannot exclude (a token equal to CREATE_CAS), or any blind
+    // writer: B overwrites A's slot. A notices on its next tick and moves, keeping its counts.
+    let s = MemStore::new();
+    let mut a = InflightTable::new(0xA);
+    a.adjust(&s, "e", 2, T0).unwrap();
+    let mut b = InflightTable::new(0xB);
+    b.adjust(&s, "e", 1, T0).unwrap(); // slot 1
+    s.set(
+        &slot_key(0),
+        &encode(&SlotRecord {
+            owner: 0xB,
+            heartbeat_ms: T0,
+            counts: InflightCounts::decode(b"e=1"),
+            foreign: false,
+        }),
+        0,
+    )
+    .unwrap();
+    a.tick(&s, T0 + 50).unwrap();
+    assert_eq!(a.slot(), Some(2));
+    assert_eq!(decode(&s.get(&slot_key(2)).unwrap().unwrap().0).unwrap().counts.get("e"), 2);
+}
+
+#[test]
+fn a_stalled_vm_whose_slot_was_reused_moves_and_loses_nothing() {
+    let s = MemStore::new();
+    let mut a = InflightTable::new(0xA);
+    a.adjust(&s, "e", 1, T0).unwrap();
+    // A stalls past the TTL; B takes slot 0 over.
+    let mut b = InflightTable::new(0xB);
+    b.adjust(&s, "e", 1, T0 + TTL_MS + 1).unwrap();
+    assert_eq!(b.slot(), Some(0));
+    // A wakes up and finishes its request: the -1 goes to its own new slot.
+    a.adjust(&s, "e", -1, T0 + TTL_MS + 2).unwrap();
+    assert_eq!(a.slot(), Some(1));
+    let mut r = InflightTable::new(0xC);
+    assert_eq!(r.read(&s, T0 + TTL_MS + 2).unwrap().get("e"), 1);
+}
+
+#[test]
+fn records_round_trip_and_garbage_reads_as_free() {
+    let rec = SlotRecord {
+        owner: 7,
+        heartbeat_ms: 42,
+        counts: InflightCounts::decode(b"[fd00::1]:8000=3;a=1"),
+        foreign: false,
+    };
+    assert_eq!(decode(&encode(&rec)), Some(rec.clone()));
+    let foreign = SlotRecord { foreign: true, ..rec };
+    assert_eq!(decode(&encode(&foreign)), Some(foreign));
+    for junk in [
+        &b""[..],
+        b"\xff\xfe",
+        b"i1",
+        b"i1 0000000000000000 5 a=1",
+        b"i2 0000000000000001 5 ",
+        b"i1 1 5 a=1",
+        b"i1 0000000000000001 x a=1",
+    ] {
+        assert_eq!(decode(junk), None, "{junk:?}");
+    }
+    // A garbled slot is reusable, and its counts are never read.
+    let s = MemStore::new();
+    s.set(&slot_key(0), b"junk a=9", 0).unwrap();
+    let mut a = InflightTable::new(0xA);
+    assert_eq!(a.read(&s, T0).unwrap().total(), 0);
+    a.adjust(&s, "e", 1, T0).unwrap();
+    assert_eq!(a.slot(), Some(0));
+}
+
+#[test]
+fn counts_parse_tolerates_garbage() {
+    let c = InflightCounts::decode(b"a=x;b=2;=3;c");
+    assert_eq!((c.get("a"), c.get("b"), c.total()), (0, 2, 2));
+    assert_eq!(InflightCounts::decode(b"\xff").total(), 0);
+}
+
+#[test]
+fn reads_reuse_decoded_records_while_the_token_is_unchanged() {
+    let s = MemStore::new();
+    let mut a = InflightTable::new(0xA);
+    a.adjust(&s, "e", 1, T0).unwrap();
+    let gets = Cell::new(0);
+    struct Counting<'a>(&'a MemStore, &'a Cell<usize>);
+    impl SharedStore for Counting<'_> {
+        fn get(&self, key: &str) -> Result<Option<(Vec<u8>, u32)>, StoreError> {
+            self.1.set(self.1.get() + 1);
+            self.0.get(key)
+        }
+        fn set(&self, key: &str, value: &[u8], cas: u32) -> Result<(), StoreError> {
+            self.0.set(key, value, cas)
+        }
+    }
+    let mut r = InflightTable::new(0xB);
+    r.adjust(&s, "f", 1, T0).unwrap(); // r owns slot 1: its own slot is not read.
+    let c = Counting(&s, &gets);
+    assert_eq!(r.read(&c, T0).unwrap().total(), 2);
+    // One read for slot 0, one for the absent slot 2 that ends the scan.
+    assert_eq!(gets.get(), 2);
+    assert!(matches!(r.cache.first(), Some(Some((_, Some(_))))));
+}
+
+#[test]
+fn a_full_table_keeps_counting_locally() {
+    let s = MemStore::new();
+    for k in 0..MAX_SLOTS {
+        s.set(
+            &slot_key(k),
+            &encode(&SlotRecord {
+                owner: 1000 + k as u64,
+                heartbeat_ms: T0,
+                counts: InflightCounts::default(),
+                foreign: false,
+            }),
+            0,
+        )
+        .unwrap();
+    }
+    let mut a = InflightTable::new(0xA);
+    assert!(a.adjust(&s, "e", 1, T0).is_err());
+    assert_eq!(a.local().get("e"), 1);
+    assert_eq!(s.key_count(), MAX_SLOTS);
+}
+
+fn peer_slots(s: &MemStore) -> usize {
+    (0..MAX_PEER_SLOTS).map_while(|k| s.get(&peer_slot_key(k)).unwrap()).count()
+}
+
+#[test]
+fn a_peer_gateways_counts_are_read_by_every_vm_but_never_sent_on() {
+    let s = MemStore::new();
+    let mut a = InflightTable::new(0xA).with_peers(true);
+    let mut b = InflightTable::new(0xB).with_peers(true);
+    a.adjust(&s, "p", 1, T0).unwrap();
+    // Another gateway (nonce 0xF00) has 3 requests on p, 2 of them in prefill, and 1 on q.
+    let peer = InflightCounts::decode(b"p=3/2/9000;q=1");
+    assert_eq!(put_peer(&s, 0xF00, &peer, T0, 1).unwrap(), PeerPut::Applied);
+    // Every VM of this gateway reads them with its own and the other VMs' counts.
+    let seen = b.read(&s, T0).unwrap();
+    assert_eq!(seen.get("p"), 4);
+    assert_eq!(seen.get("q"), 1);
+    assert_eq!(seen.load_hashed(address_hash("p"), "p").prefill_tokens, 9000);
+    // A reader of a gateway without `peers` reads the VM slots only.
+    assert_eq!(InflightTable::new(0xC).read(&s, T0).unwrap().get("p"), 1);
+    // What this gateway sends to its peers: its own VMs' counts only.
+    let own = gateway_counts(&s, T0).unwrap();
+    assert_eq!((own.get("p"), own.get("q")), (1, 0));
+    // The peer's next report replaces its record in place (same slot), even an empty one.
+    put_peer(&s, 0xF00, &InflightCounts::decode(b"q=2"), T0 + 100, 1).unwrap();
+    put_peer(&s, 0xF00, &InflightCounts::default(), T0 + 200, 1).unwrap();
+    let seen = b.read(&s, T0 + 200).unwrap();
+    assert_eq!((seen.get("p"), seen.get("q")), (1, 0));
+    assert_eq!(peer_slots(&s), 1);
+    // The peer record never sits in a VM slot: a VM claiming one takes the next VM slot.
+    b.adjust(&s, "q", 1, T0 + 200).unwrap();
+    assert_eq!((a.slot(), b.slot()), (Some(0), Some(1)));
+    assert_eq!(a.read(&s, T0 + 200).unwrap().get("q"), 1);
+}
+
+#[test]
+fn a_peer_that_stops_sending_ages_out_and_its_slot_is_reused() {
+    let s = MemStore::new();
+    put_peer(&s, 0xF00, &InflightCounts::decode(b"p=5"), T0, 1).unwrap();
+    let mut a = InflightTable::new(0xA).with_peers(true);
+    assert_eq!(a.read(&s, T0 + TTL_MS).unwrap().get("p"), 5);
+    assert_eq!(a.read(&s, T0 + TTL_MS + 1).unwrap().get("p"), 0);
+    // While it is live, a second sender does not fit a gateway with one peer.
+    assert_eq!(put_peer(&s, 0xF01, &InflightCounts::decode(b"p=1"), T0 + 1, 1).unwrap(), PeerPut::Full);
+    // Once it is stale its slot is free for another sender (a restarted peer's new nonce).
+    let put = put_peer(&s, 0xF01, &InflightCounts::decode(b"p=1"), T0 + TTL_MS + 1, 1).unwrap();
+    assert_eq!(put, PeerPut::Applied);
+    assert_eq!(peer_slots(&s), 1, "slot 0 was reused");
+    assert_eq!(a.read(&s, T0 + TTL_MS + 1).unwrap().get("p"), 1);
+}
+
+#[test]
+fn a_flood_of_sender_ids_cannot_hide_the_workers_counts() {
+    // A peer holding the token invents 1,000 sender ids, each reporting load on "p".
+    let s = MemStore::new();
+    let mut applied = 0;
+    for id in 0..1_000u64 {
+        if put_peer(&s, 0x1_0000 + id, &InflightCounts::decode(b"p=1"), T0, 2).unwrap() == PeerPut::Applied {
+            applied += 1;
+        }
+    }
+    // Only as many as this gateway has peers are taken; the rest are refused.
+    assert_eq!((applied, peer_slots(&s)), (2, 2));
+    // Even with the largest limit, never more than the peer slots, and never a VM slot.
+    for id in 0..1_000u64 {
+        let _ = put_peer(&s, 0x2_0000 + id, &InflightCounts::decode(b"p=1"), T0, usize::MAX).unwrap();
+    }
+    assert_eq!(peer_slots(&s), MAX_PEER_SLOTS);
+    assert!(s.get(&slot_key(0)).unwrap().is_none(), "a peer record took a VM slot");
+    // The workers still claim their slots and see each other's counts.
+    let mut w1 = InflightTable::new(0xA).with_peers(true);
+    let mut w2 = InflightTable::new(0xB).with_peers(true);
+    w1.adjust(&s, "q", 1, T0).unwrap();
+    w2.adjust(&s, "q", 1, T0).unwrap();
+    assert_eq!((w1.slot(), w2.slot()), (Some(0), Some(1)));
+    assert_eq!(w1.read(&s, T0).unwrap().get("q"), 2);
+    assert_eq!(w2.read(&s, T0).unwrap().get("q"), 2);
+    // A known sender still updates its record while the table is full.
+    assert_eq!(put_peer(&s, 0x1_0000, &InflightCounts::decode(b"p=7"), T0, 2).unwrap(), PeerPut::Applied);
+}
+
+#[test]
+fn records_an_older_release_wrote_as_foreign_in_the_vm_slots_are_read_but_not_reported() {
+    let s = MemStore::new();
+    let old =
+        SlotRecord { owner: 0xF00, heartbeat_ms: T0, counts: InflightCounts::decode(b"p=3"), foreign: true };
+    s.set(&slot_key(0), &encode(&old), 0).unwrap();
+    let mut a = InflightTable::new(0xA);
+    a.adjust(&s, "p", 1, T0).unwrap();
+    assert_eq!(a.slot(), Some(1), "the live old record keeps its slot");
+    assert_eq!(a.read(&s, T0).unwrap().get("p"), 4);
+    assert_eq!(gateway_counts(&s, T0).unwrap().get("p"), 1);
+}
