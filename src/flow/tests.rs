@@ -1,7 +1,10 @@
 //! Tests of `flow`.
 
+use super::ledger::*;
+use super::queue::*;
 use super::*;
 use crate::base::ports::MemStore;
+use crate::base::ports::{SharedStore, StoreError};
 
 fn cfg() -> FlowControlConfig {
     FlowControlConfig { enabled: true, max_wait_ms: 1000, max_queue: 100, ..FlowControlConfig::default() }
