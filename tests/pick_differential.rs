@@ -293,15 +293,14 @@ fn run_case(cfg: &Config, seed: u64) -> Vec<String> {
     lines
 }
 
+/// FNV-1a 64 of the lines, each followed by `\n`.
 fn fnv(lines: &[String]) -> u64 {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    let mut h = inference_picker::base::hash::Fnv1a::new();
     for l in lines {
-        for b in l.bytes().chain(std::iter::once(b'\n')) {
-            h ^= u64::from(b);
-            h = h.wrapping_mul(0x0000_0100_0000_01b3);
-        }
+        h.write(l.as_bytes());
+        h.write(b"\n");
     }
-    h
+    h.finish()
 }
 
 fn summary() -> (String, usize, usize) {

@@ -20,12 +20,13 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tools"))
 import check_envoy_config  # noqa: E402
+from envoy_config import plugins  # noqa: E402
 
 
 def _with_picker_config(doc: dict, change) -> dict:
     """A copy of `doc` whose inference-picker documents are passed through `change(cfg)`."""
     doc = copy.deepcopy(doc)
-    for plugin in check_envoy_config._plugins(doc, []):
+    for plugin in plugins(doc):
         cfg = check_envoy_config._picker_config(plugin)
         if cfg is not None:
             change(cfg)

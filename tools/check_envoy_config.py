@@ -23,6 +23,8 @@ from pathlib import Path
 
 import yaml
 
+from envoy_config import plugins
+
 ENVOY_DEFAULT_BUFFER_LIMIT = 1024 * 1024
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 DEFAULT_POLLER_CLUSTER = "inference_pool_metrics"
@@ -40,19 +42,6 @@ def _picker_config(plugin: dict) -> dict | None:
     except ValueError:
         return None
     return doc if isinstance(doc, dict) and "version" in doc and "models" in doc else None
-
-
-def _plugins(node, found: list[dict]) -> list[dict]:
-    """Every wasm PluginConfig (a dict with `vm_config` and `configuration`) below `node`."""
-    if isinstance(node, dict):
-        if "vm_config" in node and "configuration" in node:
-            found.append(node)
-        for v in node.values():
-            _plugins(v, found)
-    elif isinstance(node, list):
-        for v in node:
-            _plugins(v, found)
-    return found
 
 
 def _socket(addr: dict | None) -> tuple[str, int] | None:
@@ -85,10 +74,10 @@ def problems(doc: dict) -> list[str]:
     # Which listener runs each plugin (HTTP filters), and which plugins are bootstrap services.
     in_listener = {}
     for name, _, lst in listeners:
-        for p in _plugins(lst, []):
+        for p in plugins(lst):
             in_listener[id(p)] = (name, lst)
 
-    for plugin in _plugins(doc, []):
+    for plugin in plugins(doc):
         cfg = _picker_config(plugin)
         if cfg is None:
             continue

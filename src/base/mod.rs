@@ -2,6 +2,7 @@
 //! the rejection type, the JSON configuration reader and its error, sorting, telemetry names.
 
 pub mod errors;
+pub mod hash;
 pub mod json;
 pub mod labels;
 pub mod ports;

@@ -54,11 +54,7 @@ pub const GRACE_MS: u64 = 200;
 
 /// The bucket of a fairness id: FNV-1a 64 of its bytes, modulo [`BUCKETS`].
 pub fn bucket(fairness_id: &str) -> u16 {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for b in fairness_id.as_bytes() {
-        h ^= u64::from(*b);
-        h = h.wrapping_mul(0x0000_0100_0000_01b3);
-    }
+    let h = crate::base::hash::fnv1a64(fairness_id.as_bytes());
     // BUCKETS fits in u16, so the remainder does too.
     u16::try_from(h % u64::from(BUCKETS)).unwrap_or(0)
 }

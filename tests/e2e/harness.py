@@ -7,10 +7,9 @@ import atexit
 import copy
 import json
 import os
-import random
 import select
-import socket
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -19,6 +18,13 @@ import requests
 import yaml
 
 REPO = Path(__file__).resolve().parents[2]
+if str(REPO / "tools") not in sys.path:
+    sys.path.insert(0, str(REPO / "tools"))
+# The patches of an Envoy document and the free ports, shared with tools/bench-envoy (the tests
+# import them from here too).
+from envoy_config import (POOL_CLUSTER, dict_nodes, first_hcm, free_port, set_cluster_hosts,  # noqa: E402,F401
+                          set_module, set_ports, socket_address)
+
 WASM = Path(os.environ.get("PICKER_WASM", REPO / "target/wasm32-wasip1/release/inference_picker.wasm"))
 SIM = Path(os.environ.get("PICKER_SIM", REPO / "target/tools/model-server-sim"))
 ENVOY = Path(os.environ.get("PICKER_ENVOY", REPO / ".venv/bin/envoy"))
@@ -40,46 +46,6 @@ def _kill_leftovers() -> None:
     for p in _live:
         if p.poll() is None:
             p.kill()
-
-
-def _port_slice() -> tuple[int, int]:
-    """The ports this process hands out: below the kernel's ephemeral range, which every
-    connect() and bind(("", 0)) draws from (the simulators, Envoy's upstream connections, the
-    clients), and a slice of its own per pytest-xdist worker. A port bound with port 0 and then
-    released (the old free_port) could be taken by another process's connection before Envoy
-    bound it: under two xdist workers one run in twenty failed so ("Address already in use")."""
-    try:
-        ephemeral_low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        ephemeral_low = 32768
-    lo, hi = 10000, max(12000, ephemeral_low)
-    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
-    count = max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
-    index = int(worker[2:]) if worker[2:].isdigit() else 0
-    span = (hi - lo) // count
-    return lo + (index % count) * span, lo + (index % count + 1) * span
-
-
-_handed_out: set[int] = set()
-
-
-def free_port() -> int:
-    """A loopback port nobody listens on, never handed out before by this process (see
-    `_port_slice`: no other test process and no connection can take it meanwhile)."""
-    lo, hi = _port_slice()
-    rng = random.Random(os.getpid() ^ time.time_ns())
-    for _ in range(2000):
-        port = rng.randrange(lo, hi)
-        if port in _handed_out:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        _handed_out.add(port)
-        return port
-    raise RuntimeError(f"no free port in {lo}..{hi}")
 
 
 def _read_line(proc: subprocess.Popen, deadline: float) -> str | None:
@@ -427,15 +393,6 @@ def wait_until_shown(predicate, timeout: float, what: str, show, interval: float
         raise AssertionError(f"{e}; last seen: {show()}") from None
 
 
-POOL_CLUSTER = "inference_pool"
-
-
-def socket_address(address: str) -> dict:
-    """`ip:port` or `[v6]:port` as an Envoy socket_address."""
-    host, _, port = address.rpartition(":")
-    return {"address": host.strip("[]"), "port_value": int(port)}
-
-
 def render(doc: dict, config: dict, port: int, admin_port: int, front_filters: list[dict] = (),
            pool_hosts: list[str] | None = None, retry_policy: dict | None = None,
            wasm: Path | None = None) -> dict:
@@ -448,39 +405,19 @@ def render(doc: dict, config: dict, port: int, admin_port: int, front_filters: l
     module discovers pods itself). `retry_policy` entries replace those of the route's retry
     policy (e.g. a short `per_try_idle_timeout` for a hung-pod test)."""
     doc = copy.deepcopy(doc)
-    cfg_json = json.dumps(config)
-    doc["admin"]["address"]["socket_address"]["port_value"] = admin_port
-    doc["static_resources"]["listeners"][0]["address"]["socket_address"]["port_value"] = port
-    hcm = doc["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    set_ports(doc, port, admin_port)
+    hcm = first_hcm(doc)
     if front_filters:
         hcm["http_filters"] = list(front_filters) + hcm["http_filters"]
     hosts = pool_hosts if pool_hosts is not None else [e["address"] for e in config.get("endpoints", [])]
-    for cluster in doc["static_resources"]["clusters"]:
-        if cluster["name"] == POOL_CLUSTER and "load_assignment" in cluster:
-            cluster["load_assignment"]["endpoints"] = [{"lb_endpoints": [
-                {"endpoint": {"address": {"socket_address": socket_address(h)}}} for h in hosts]}]
+    set_cluster_hosts(doc, POOL_CLUSTER, hosts)
     if retry_policy:
         for vh in hcm["route_config"]["virtual_hosts"]:
             for r in vh["routes"]:
                 if r.get("route", {}).get("cluster") == POOL_CLUSTER:
                     r["route"].setdefault("retry_policy", {}).update(retry_policy)
-
-    for node in dict_nodes(doc):
-        if "vm_config" in node and "configuration" in node:
-            node["vm_config"]["code"]["local"]["filename"] = str(wasm or WASM)
-            node["configuration"]["value"] = cfg_json
+    set_module(doc, wasm or WASM, json.dumps(config))
     return doc
-
-
-def dict_nodes(node):
-    """Every mapping inside a parsed YAML/JSON document, `node` included, depth first."""
-    if isinstance(node, dict):
-        yield node
-        for v in node.values():
-            yield from dict_nodes(v)
-    elif isinstance(node, list):
-        for v in node:
-            yield from dict_nodes(v)
 
 
 def static_cluster(name: str, host: str, port: int) -> dict:

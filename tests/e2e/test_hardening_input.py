@@ -19,7 +19,7 @@ import pytest
 import requests
 import yaml
 
-from harness import ENVOY_YAML, LLAMA, Envoy, Sim, endpoint, picker_config, wait_until
+from harness import ENVOY_YAML, LLAMA, Envoy, Sim, dict_nodes, endpoint, picker_config, wait_until
 
 CHAT = "/v1/chat/completions"
 BODY = {"model": LLAMA, "max_tokens": 2, "messages": [{"role": "user", "content": "hello"}]}
@@ -147,19 +147,11 @@ def base_yaml_with(tmp: Path, env_keys=(), routes=()) -> Path:
     catch-all, written to `tmp`; the harness then applies ports, .wasm and configuration."""
     doc = yaml.safe_load(ENVOY_YAML.read_text())
 
-    def visit(node):
-        if isinstance(node, dict):
-            if "vm_config" in node and env_keys:
-                node["vm_config"]["environment_variables"] = {"host_env_keys": list(env_keys)}
-            if "routes" in node and routes:
-                node["routes"] = list(routes) + node["routes"]
-            for v in node.values():
-                visit(v)
-        elif isinstance(node, list):
-            for v in node:
-                visit(v)
-
-    visit(doc)
+    for node in dict_nodes(doc):
+        if "vm_config" in node and env_keys:
+            node["vm_config"]["environment_variables"] = {"host_env_keys": list(env_keys)}
+        if "routes" in node and routes:
+            node["routes"] = list(routes) + node["routes"]
     path = tmp / "envoy-base.yaml"
     path.write_text(yaml.safe_dump(doc))
     return path

@@ -16,7 +16,7 @@ import requests
 import yaml
 
 from harness import (LLAMA, QWEN, REPO, WASM, ENVOY, ENVOY_YAML, LIVE_ENVOYS, Envoy, Sim, _live, endpoint, free_port,
-                     metric_value, picker_config, socket_address, wait_until)
+                     metric_value, picker_config, set_cluster_hosts, set_module, set_ports, wait_until)
 
 MULTI_YAML = REPO / "envoy" / "multi-pool.yaml"
 FIXTURES = REPO / "tests" / "fixtures" / "requests"
@@ -77,33 +77,14 @@ class MultiPoolEnvoy(Envoy):
         self.admin_port = free_port()
         self.tmp = tempfile.TemporaryDirectory(prefix="picker-envoy-pools-")
         doc = yaml.safe_load(MULTI_YAML.read_text())
-        doc["admin"]["address"]["socket_address"]["port_value"] = self.admin_port
-        doc["static_resources"]["listeners"][0]["address"]["socket_address"]["port_value"] = self.port
-
-        def visit(node):
-            if isinstance(node, dict):
-                if "vm_config" in node and "configuration" in node:
-                    node["vm_config"]["code"]["local"]["filename"] = str(WASM)
-                    node["configuration"]["value"] = json.dumps(configs[node["vm_config"]["vm_id"]])
-                for v in node.values():
-                    visit(v)
-            elif isinstance(node, list):
-                for v in node:
-                    visit(v)
-
-        visit(doc)
+        set_ports(doc, self.port, self.admin_port)
+        set_module(doc, WASM, lambda plugin: json.dumps(configs[plugin["vm_config"]["vm_id"]]))
         if not singleton:
             # Lease mode (as on an Istio gateway): each pool's filter roots elect its poller.
             doc.pop("bootstrap_extensions", None)
-        members = {"pool_llama": configs["pool-llama"], "pool_qwen": configs["pool-qwen"]}
-        for c in doc["static_resources"]["clusters"]:
-            if c["name"] in members:
-                hosts = [e["address"] for e in members[c["name"]]["endpoints"]]
-                c["load_assignment"]["endpoints"] = [{"lb_endpoints": [
-                    {"endpoint": {"address": {"socket_address": socket_address(h)}}} for h in hosts]}]
-            if c["name"] == "app":
-                c["load_assignment"]["endpoints"] = [{"lb_endpoints": [
-                    {"endpoint": {"address": {"socket_address": socket_address(f"127.0.0.1:{app_port}")}}}]}]
+        for cluster, vm_id in (("pool_llama", "pool-llama"), ("pool_qwen", "pool-qwen")):
+            set_cluster_hosts(doc, cluster, [e["address"] for e in configs[vm_id]["endpoints"]])
+        set_cluster_hosts(doc, "app", [f"127.0.0.1:{app_port}"])
         if mutate is not None:
             # A variant of multi-pool.yaml's routes or listeners (the conformance scenarios).
             mutate(doc)

@@ -49,6 +49,10 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
+if str(REPO / "tools") not in sys.path:
+    sys.path.insert(0, str(REPO / "tools"))
+# The Envoy-document patches and free ports of the e2e harness (tools/envoy_config.py).
+from envoy_config import POOL_CLUSTER, first_hcm, free_port, set_cluster_hosts, set_module, set_ports  # noqa: E402
 LLAMA = "meta-llama/Llama-3.1-8B-Instruct"
 # Constructed vLLM V1 0.33 dump (27 KB, two engines, LoRA): see tests/fixtures/metrics/README.md.
 METRICS_CLUSTER = "inference_pool_metrics"  # the poller's cluster in envoy/envoy.yaml
@@ -257,42 +261,26 @@ def front_config(variant: str, base: dict, addresses: list[str], pod_port: int, 
     configuration for these pods. `plain` and `pass`: the same listener and HCM, with the router
     on a round-robin STATIC cluster of the pods, and for `pass` the pass-through filter first."""
     doc = copy.deepcopy(base)
-    doc["admin"]["address"]["socket_address"]["port_value"] = admin_port
-    listener = doc["static_resources"]["listeners"][0]
-    listener["address"]["socket_address"]["port_value"] = port
-    hcm_cfg = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    set_ports(doc, port, admin_port)
+    hcm_cfg = first_hcm(doc)
     # Every front uses the shipped route (retry policy included) and the shipped pool cluster
     # (STATIC, override_host), listing these pods: only the filters differ. The shipped cluster
     # routes only to addresses its members list in x-gateway-destination-endpoint; `plain` and
     # `pass` send no such header, so their override_host falls back to round robin over the pods.
-    for cluster in doc["static_resources"]["clusters"]:
-        if cluster["name"] == "inference_pool" and "load_assignment" in cluster:
-            cluster["load_assignment"]["endpoints"] = [{"lb_endpoints": [
-                {"endpoint": {"address": sock(a, pod_port)}} for a in addresses]}]
-            if variant != "module":
-                policy = cluster["load_balancing_policy"]["policies"][0]["typed_extension_config"]
-                policy["typed_config"]["fallback_policy"] = {"policies": [{"typed_extension_config": {
-                    "name": "envoy.load_balancing_policies.round_robin",
-                    "typed_config": {"@type": "type.googleapis.com/envoy.extensions.load_balancing_policies"
-                                              ".round_robin.v3.RoundRobin"}}}]}
+    pods = [f"{a}:{pod_port}" for a in addresses]
+    set_cluster_hosts(doc, POOL_CLUSTER, pods)
     if variant == "module":
-        picker = json.dumps({"version": 1,
-                             "endpoints": [{"address": f"{a}:{pod_port}", "models": [LLAMA]} for a in addresses],
-                             "models": [{"name": LLAMA}], **MODULE_EXTRA})
-
-        def visit(node):
-            if isinstance(node, dict):
-                if "vm_config" in node and "configuration" in node:
-                    node["vm_config"]["code"]["local"]["filename"] = str(module_wasm)
-                    node["configuration"]["value"] = picker
-                for v in node.values():
-                    visit(v)
-            elif isinstance(node, list):
-                for v in node:
-                    visit(v)
-
-        visit(doc)
+        set_module(doc, module_wasm, json.dumps({
+            "version": 1, "endpoints": [{"address": p, "models": [LLAMA]} for p in pods],
+            "models": [{"name": LLAMA}], **MODULE_EXTRA}))
         return doc
+    for cluster in doc["static_resources"]["clusters"]:
+        if cluster["name"] == POOL_CLUSTER and "load_assignment" in cluster:
+            policy = cluster["load_balancing_policy"]["policies"][0]["typed_extension_config"]
+            policy["typed_config"]["fallback_policy"] = {"policies": [{"typed_extension_config": {
+                "name": "envoy.load_balancing_policies.round_robin",
+                "typed_config": {"@type": "type.googleapis.com/envoy.extensions.load_balancing_policies"
+                                          ".round_robin.v3.RoundRobin"}}}]}
     doc.pop("bootstrap_extensions", None)
     filters = [ROUTER]
     if variant.startswith("floor-"):
@@ -314,12 +302,6 @@ def front_config(variant: str, base: dict, addresses: list[str], pod_port: int, 
 
 # ---------------------------------------------------------------------------------------------
 # Processes
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def port_free_on_all(addresses: list[str], port: int) -> bool:

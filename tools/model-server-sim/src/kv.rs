@@ -28,17 +28,19 @@
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 
+use inference_picker::base::ports::SplitMix64;
+
 /// Sentinel for "no unit" in the LRU links.
 const NIL: u32 = u32::MAX;
 
 /// A hasher for keys that are already 64-bit hashes, or small integer ids (Mooncake's `hash_ids`
-/// are sequential integers). SplitMix64's finaliser spreads the bits so hash tables probe well.
+/// are sequential integers). `SplitMix64::mix` spreads the bits so hash tables probe well.
 #[derive(Default, Clone, Copy)]
 pub(crate) struct U64Hasher(u64);
 
 impl Hasher for U64Hasher {
     fn finish(&self) -> u64 {
-        splitmix64(self.0)
+        SplitMix64::mix(self.0)
     }
     fn write(&mut self, bytes: &[u8]) {
         // Only used for u64 keys; this fallback keeps the trait total.
@@ -52,14 +54,6 @@ impl Hasher for U64Hasher {
 }
 
 pub(crate) type U64Map<V> = HashMap<u64, V, BuildHasherDefault<U64Hasher>>;
-
-/// SplitMix64 finaliser: a cheap bijective mix of 64 bits.
-pub(crate) fn splitmix64(mut z: u64) -> u64 {
-    z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
-}
 
 #[derive(Debug, Clone)]
 struct Unit {

@@ -51,9 +51,11 @@
 
 use std::collections::{BTreeSet, VecDeque};
 
+use inference_picker::base::hash::fnv1a64;
+use inference_picker::base::ports::SplitMix64;
 use serde::{Deserialize, Serialize};
 
-use crate::kv::{splitmix64, KvCache, U64Map};
+use crate::kv::{KvCache, U64Map};
 use crate::lora::LoraSlots;
 
 /// Step-time model: `step_ms = (a_ms + b_ms_per_prefill_token·P + c_ms_per_context_token·C) /
@@ -549,7 +551,7 @@ impl Server {
             .iter()
             .take(full_units)
             .map(|&h| match salt {
-                Some(s) => splitmix64(h ^ s),
+                Some(s) => SplitMix64::mix(h ^ s),
                 None => h,
             })
             .collect::<Vec<u64>>()
@@ -594,7 +596,7 @@ impl Server {
         let mut held: Vec<u32> = Vec::new();
         for &h in block_hashes.iter().take(full_units) {
             let key = match salt {
-                Some(s) => splitmix64(h ^ s),
+                Some(s) => SplitMix64::mix(h ^ s),
                 None => h,
             };
             if self.kv.lookup_prefix(&[key]) == 1 {
@@ -704,7 +706,7 @@ impl Server {
             .iter()
             .take(full_units)
             .map(|&h| match salt {
-                Some(s) => splitmix64(h ^ s),
+                Some(s) => SplitMix64::mix(h ^ s),
                 None => h,
             })
             .collect();
@@ -758,7 +760,7 @@ impl Server {
         let mut n = 0;
         for &h in block_hashes.iter().take(units) {
             let key = match salt {
-                Some(s) => splitmix64(h ^ s),
+                Some(s) => SplitMix64::mix(h ^ s),
                 None => h,
             };
             if !self.kv.insert_cached(key) {
@@ -1059,11 +1061,7 @@ fn release(kv: &mut KvCache, lora: &mut LoraSlots, seq: &mut Seq) {
 
 /// Stable 64-bit salt for an adapter name (FNV-1a, then mixed).
 fn adapter_salt(name: &str) -> u64 {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for b in name.bytes() {
-        h = (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
-    }
-    splitmix64(h)
+    SplitMix64::mix(fnv1a64(name.as_bytes()))
 }
 
 #[cfg(test)]

@@ -16,6 +16,8 @@
 //! The mean rate over the trace is kept by both shapes (up to the last window or cycle), so a
 //! load factor means the same offered load with and without bursts.
 
+use inference_picker::base::ports::{Rng, SplitMix64};
+
 use crate::trace::Trace;
 
 /// How a trace's requests arrive.
@@ -78,31 +80,13 @@ pub fn on_off(trace: &mut Trace, on_ms: f64, off_ms: f64, seed: u64) {
     let mean_gap = span / (n - 1) as f64;
     // Gaps while on: the mean gap shrunk by the duty cycle.
     let on_gap = mean_gap * on_ms / (on_ms + off_ms);
-    let mut rng = SplitMix64(seed);
+    let mut rng = SplitMix64::new(seed);
     // `on_clock` counts time spent in on periods only; real time adds the off periods passed.
     let mut on_clock = 0.0;
     for r in &mut trace.requests {
         let cycles = (on_clock / on_ms).floor();
         r.arrival_ms = start + on_clock + cycles * off_ms;
-        on_clock += -on_gap * (1.0 - rng.unit()).ln();
-    }
-}
-
-/// SplitMix64: a small seeded generator (the same as the replay's).
-struct SplitMix64(u64);
-
-impl SplitMix64 {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform in [0, 1).
-    fn unit(&mut self) -> f64 {
-        (self.next() >> 11) as f64 / (1u64 << 53) as f64
+        on_clock += -on_gap * (1.0 - rng.next_f64()).ln();
     }
 }
 

@@ -37,7 +37,7 @@
 
 use model_server_sim::{Event, Server, SimRequest};
 
-use inference_picker::base::ports::Rng;
+use inference_picker::base::ports::{Rng, SplitMix64};
 
 /// Longest simulated look-ahead per candidate, in engine steps.
 pub const MAX_STEPS: usize = 20_000;
@@ -121,7 +121,7 @@ pub fn pick_approx(
             // Past the believed prefix the prompt must miss: the same chain, salted.
             let mut believed = req.clone();
             for h in believed.block_hashes.iter_mut().skip(held) {
-                *h = splitmix(*h ^ MISS_SALT);
+                *h = SplitMix64::mix(*h ^ MISS_SALT);
             }
             ttft_from(s, believed, now, bound, &mut scratch)
         })
@@ -132,13 +132,6 @@ pub fn pick_approx(
 
 /// Salt that turns a prompt's hash units into ones no server holds.
 const MISS_SALT: u64 = 0x6d69_7373_6d69_7373;
-
-fn splitmix(mut z: u64) -> u64 {
-    z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
-}
 
 /// The servers' indexes, shortest waiting queue first (stable).
 fn by_waiting(servers: &[Server]) -> Vec<usize> {

@@ -47,7 +47,7 @@ use model_server_sim::{Engine, Event, RenderInfo, Server, ServerConfig, SimReque
 use crate::dynamo::{self, KvRouter};
 use crate::oracle;
 use crate::sglang::CacheAware;
-use crate::stats::{Outcome, RunResult};
+use crate::stats::{Outcome, RunLabels, RunResult};
 use crate::strategy::{self, Policy, MODEL};
 use crate::text;
 use crate::trace::Trace;
@@ -110,6 +110,18 @@ impl RunConfig {
             return Err(format!("load must be a positive number, got {}", self.load));
         }
         self.server.validate().map_err(|e| e.to_string())
+    }
+
+    /// What the run's result records of these settings.
+    pub fn labels(&self) -> RunLabels {
+        RunLabels {
+            load: self.load,
+            seed: self.seed,
+            servers: self.servers,
+            replicas: self.replicas,
+            workers: self.workers,
+            poll_ms: self.poll_ms,
+        }
     }
 }
 
@@ -269,7 +281,7 @@ pub fn run(trace: &Trace, policy: Policy, rc: &RunConfig) -> Result<RunResult, S
         replicas,
         workers,
         live: vec![Live::default(); trace.requests.len()],
-        out: Outcome::new(trace, policy, rc),
+        out: Outcome::new(trace, policy, rc.labels()),
         head: RequestHead {
             method: "POST".into(),
             path: "/v1/chat/completions".into(),

@@ -1,5 +1,7 @@
 //! Per-run measurements and their summary.
 //!
+//! Imports run one way: `crate::replay` uses this module, never the reverse (settings come as [`RunLabels`]).
+//!
 //! - TTFT and end-to-end latency are measured from the request's arrival at the gateway to the
 //!   server's first / last token event (virtual time; no network time is modelled).
 //! - Output tokens per second: output tokens of finished requests ÷ (last finish − first arrival).
@@ -16,7 +18,6 @@ use serde::Serialize;
 
 use model_server_sim::MetricsSnapshot;
 
-use crate::replay::RunConfig;
 use crate::strategy::Policy;
 use crate::trace::{Tier, Trace};
 
@@ -77,6 +78,18 @@ pub struct RunResult {
     pub wall_s: f64,
 }
 
+/// What a run's result records of its settings (the replay's `RunConfig::labels`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RunLabels {
+    /// Arrival-rate multiplier.
+    pub load: f64,
+    pub seed: u64,
+    pub servers: usize,
+    pub replicas: usize,
+    pub workers: usize,
+    pub poll_ms: u64,
+}
+
 /// Collects a run's measurements as it goes.
 pub struct Outcome {
     trace: String,
@@ -108,17 +121,18 @@ pub struct Outcome {
 }
 
 impl Outcome {
-    pub fn new(trace: &Trace, policy: Policy, rc: &RunConfig) -> Self {
+    pub fn new(trace: &Trace, policy: Policy, run: RunLabels) -> Self {
         let n = trace.requests.len();
+        let RunLabels { load, seed, servers, replicas, workers, poll_ms } = run;
         Outcome {
             trace: trace.name.clone(),
             strategy: policy.name().to_string(),
-            load: rc.load,
-            seed: rc.seed,
-            servers: rc.servers,
-            replicas: rc.replicas,
-            workers: rc.workers,
-            poll_ms: rc.poll_ms,
+            load,
+            seed,
+            servers,
+            replicas,
+            workers,
+            poll_ms,
             prompt: trace.requests.iter().map(|r| r.prompt_tokens).collect(),
             tier: trace.requests.iter().map(|r| r.tier).collect(),
             ttft: vec![None; n],
@@ -126,12 +140,12 @@ impl Outcome {
             cached: 0,
             prompt_finished: 0,
             output_tokens: 0,
-            first_arrival: trace.requests.first().map_or(0.0, |r| r.arrival_ms / rc.load),
+            first_arrival: trace.requests.first().map_or(0.0, |r| r.arrival_ms / load),
             last_finish: 0.0,
             rejected: 0,
             rejected_idx: vec![false; n],
             rejections: BTreeMap::new(),
-            per_server: vec![0; rc.servers],
+            per_server: vec![0; servers],
             counter_hits: 0,
             counter_queries: 0,
             preemptions: 0,

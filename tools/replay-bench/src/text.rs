@@ -16,6 +16,8 @@
 //! with `model_server_sim::prompt::block_hashes`, so "same text prefix" means the same thing to
 //! both sides.
 
+use inference_picker::base::ports::{Rng, SplitMix64};
+
 use crate::trace::{Content, Request, Trace};
 
 /// Characters per simulated token (`model_server_sim::prompt::CHARS_PER_TOKEN`).
@@ -37,21 +39,13 @@ const SALT_UNIQUE: u64 = 0x756e_6971_7565_0000;
 const SALT_SYSTEM: u64 = 0x7379_7374_656d_0000;
 const SALT_QUESTION: u64 = 0x7175_6573_7469_6f6e;
 
-fn splitmix(x: &mut u64) -> u64 {
-    *x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    let mut z = *x;
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
-}
-
 /// Appends exactly `chars` characters of pseudo-text determined by `seed`.
 pub fn fill(seed: u64, chars: usize, out: &mut String) {
     let target = out.len() + chars;
-    let mut state = seed;
+    let mut rng = SplitMix64::new(seed);
     // Each 64-bit draw picks 8 words (6 bits each).
     while out.len() < target {
-        let mut r = splitmix(&mut state);
+        let mut r = rng.next_u64();
         for _ in 0..8 {
             let w = WORDS[(r & 63) as usize];
             r >>= 6;

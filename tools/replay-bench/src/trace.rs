@@ -8,6 +8,7 @@
 use std::io::{BufRead, BufReader, Read};
 use std::path::Path;
 
+use inference_picker::base::ports::{Rng, SplitMix64};
 use serde::Deserialize;
 
 /// How a request's prompt text is built (see `text::messages`).
@@ -218,36 +219,9 @@ pub fn parse_timestamp_ms(s: &str) -> Option<f64> {
     Some((days as f64 * 86_400.0 + hh * 3600.0 + mm * 60.0 + ss) * 1000.0)
 }
 
-/// A seeded random source for the generators (SplitMix64).
-#[derive(Debug, Clone)]
-pub struct Gen(u64);
-
-impl Gen {
-    pub fn new(seed: u64) -> Self {
-        Gen(seed)
-    }
-    pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    /// Uniform in [0, 1).
-    pub fn f64(&mut self) -> f64 {
-        (self.next_u64() >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
-    }
-    pub fn below(&mut self, n: u64) -> u64 {
-        if n == 0 {
-            0
-        } else {
-            self.next_u64() % n
-        }
-    }
-    /// Exponential with the given mean.
-    pub fn exp(&mut self, mean: f64) -> f64 {
-        -mean * (1.0 - self.f64()).ln()
-    }
+/// An exponential draw with the given mean (the generators' seeded source is SplitMix64).
+fn exp(g: &mut impl Rng, mean: f64) -> f64 {
+    -mean * (1.0 - g.next_f64()).ln()
 }
 
 /// llm-d's shared-prefix workload (inference-perf `shared_prefix`): `groups` × `users`
@@ -302,7 +276,7 @@ impl SharedPrefixShape {
 }
 
 pub fn shared_prefix(name: &str, shape: &SharedPrefixShape, seed: u64) -> Trace {
-    let mut g = Gen::new(seed);
+    let mut g = SplitMix64::new(seed);
     let mut requests = Vec::new();
     let mut stage_start = 0.0;
     for &(rate, dur) in &shape.stages {
@@ -310,7 +284,7 @@ pub fn shared_prefix(name: &str, shape: &SharedPrefixShape, seed: u64) -> Trace 
         let mut t = stage_start;
         if rate > 0.0 {
             loop {
-                t += g.exp(1000.0 / rate);
+                t += exp(&mut g, 1000.0 / rate);
                 if t >= end {
                     break;
                 }
@@ -319,8 +293,8 @@ pub fn shared_prefix(name: &str, shape: &SharedPrefixShape, seed: u64) -> Trace 
                     prompt_tokens: shape.system_tokens + shape.question_tokens,
                     output_tokens: shape.output_tokens,
                     content: Content::Shared {
-                        group: g.below(u64::from(shape.groups)) as u32,
-                        user: g.below(u64::from(shape.users)) as u32,
+                        group: g.below(shape.groups as usize) as u32,
+                        user: g.below(shape.users as usize) as u32,
                     },
                     adapter: None,
                     tier: Tier::Standard,
@@ -341,15 +315,15 @@ pub fn shared_prefix(name: &str, shape: &SharedPrefixShape, seed: u64) -> Trace 
 /// Multi-LoRA mix: `base_share` of requests use the base model; the rest name one of `adapters`
 /// adapters with Zipf(1) popularity (adapter i has weight 1/(i+1)).
 pub fn assign_adapters(trace: &mut Trace, adapters: u16, base_share: f64, seed: u64) {
-    let mut g = Gen::new(seed);
+    let mut g = SplitMix64::new(seed);
     let weights: Vec<f64> = (0..adapters).map(|i| 1.0 / f64::from(i + 1)).collect();
     let total: f64 = weights.iter().sum();
     for r in &mut trace.requests {
-        if adapters == 0 || g.f64() < base_share {
+        if adapters == 0 || g.next_f64() < base_share {
             r.adapter = None;
             continue;
         }
-        let mut x = g.f64() * total;
+        let mut x = g.next_f64() * total;
         let mut pick = adapters - 1;
         for (i, w) in weights.iter().enumerate() {
             x -= w;
@@ -365,9 +339,9 @@ pub fn assign_adapters(trace: &mut Trace, adapters: u16, base_share: f64, seed: 
 
 /// SLA-tier mix: premium, standard and sheddable in the given shares (the rest sheddable).
 pub fn assign_tiers(trace: &mut Trace, premium: f64, standard: f64, seed: u64) {
-    let mut g = Gen::new(seed);
+    let mut g = SplitMix64::new(seed);
     for r in &mut trace.requests {
-        let x = g.f64();
+        let x = g.next_f64();
         r.tier = if x < premium {
             Tier::Premium
         } else if x < premium + standard {
@@ -387,9 +361,9 @@ pub fn spread_arrivals(trace: &mut Trace, window_ms: f64, seed: u64) {
     if window_ms <= 0.0 {
         return;
     }
-    let mut g = Gen::new(seed);
+    let mut g = SplitMix64::new(seed);
     for r in &mut trace.requests {
-        r.arrival_ms += g.f64() * window_ms;
+        r.arrival_ms += g.next_f64() * window_ms;
     }
     trace.requests.sort_by(|a, b| a.arrival_ms.total_cmp(&b.arrival_ms));
 }
