@@ -356,6 +356,14 @@ ENVOY_METRICS = {
     "envoy_cluster_upstream_rq_xx",
     "envoy_cluster_upstream_rq_retry",
 }
+# The model servers' own series (vLLM), for what the module reads but does not re-export: the
+# dashboard graphs them from Prometheus's scrape of the pods.
+MODEL_SERVER_METRICS = {
+    "vllm:num_requests_waiting",
+    "vllm:kv_cache_usage_perc",
+    "vllm:prefix_cache_hits_total",
+    "vllm:prefix_cache_queries_total",
+}
 
 
 def expr_metrics(expr: str) -> set[str]:
@@ -379,7 +387,7 @@ def dashboard_problems(text: str, emitted: set[str]) -> list[str]:
     panels = dash.get("panels")
     if not isinstance(panels, list) or not panels:
         return problems + ["dashboard: no panels"]
-    allowed = set(emitted) | ENVOY_METRICS
+    allowed = set(emitted) | ENVOY_METRICS | MODEL_SERVER_METRICS
     allowed |= {h + s for h in HISTOGRAMS & emitted for s in ("_bucket", "_sum", "_count")}
     exprs = 0
     for p in panels:
