@@ -236,7 +236,7 @@ clean:
 .PHONY: compose-test
 ## compose-test: envoy/docker-compose.yaml run for real with Podman, images built FROM scratch
 ## (no registry), then everything removed. Needs podman, runc and podman-compose (it says how to
-## install them when absent). See tools/compose-test/run_compose.py and README "Deploying with Docker".
+## install them when absent). See tools/compose-test/run_compose.py and docs/deploy-compose.md.
 compose-test: venv
 	@$(PY) tools/compose-test/run_compose.py --check-tools
 	@$(MAKE) --no-print-directory wasm sim

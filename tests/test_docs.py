@@ -319,7 +319,7 @@ FORBIDDEN = [
     (re.compile(r"\bthis branch\b", re.I), "'this branch'"),
     (re.compile(r"\bmerged main\b", re.I), "'merged main'"),
 ]
-HEX = re.compile(r"(?<![\w./:#=-])([0-9a-f]{7,40})(?![\w/-])")
+HEX = re.compile(r"(?<![\w./:#=@-])([0-9a-f]{7,40})(?![\w/-])")
 
 
 def history_problems(doc_name: str, text: str) -> list[str]:
@@ -561,7 +561,7 @@ def test_self_check_history_catches(line):
 
 @pytest.mark.parametrize("line", [
     "See [GIE](https://github.com/kubernetes-sigs/gateway-api-inference-extension/issues/2928).",
-    "llm-d-router#1109 measured it.", "a sha256 digest sha256:0a1b2c3d4e5f60718293a4b5c6d7e8f9",
+    "llm-d-router#1109 measured it.", "as `owner/repo@84436a96` ships it", "a sha256 digest sha256:0a1b2c3d4e5f60718293a4b5c6d7e8f9",
     "1,119,553 bytes", "the value 0x9e3779b97f4a7c15", "## Step 3: pod discovery",
     "```\ngit log 1234abcd\n```", "a 1024-endpoint pool", "fnv1a32 and deadbeef",
 ])
