@@ -166,6 +166,12 @@ def missing_config_fields(fields: set[str], reference: str) -> list[str]:
         plain = path.replace("[]", "").replace(".*", "")
         if re.search(rf"(?<![\w.]){re.escape(plain)}(?![\w])", flat):
             continue
+        if ".*" in path:  # a map's values: any key spelling (`*`, `<model>`, `{name}`, `NAME`)
+            key = r"(?:\*|<[^>\s]+>|\{[^}\s]+\}|[\w-]+)"
+            rx = r"\.".join(key if part == "*" else re.escape(part)
+                             for part in path.replace("[]", "").split("."))
+            if re.search(rf"(?<![\w.]){rx}(?![\w])", reference):
+                continue
         parent, _, leaf = plain.rpartition(".")
         found = False
         if parent:
@@ -500,6 +506,9 @@ def test_self_check_config_fields(tmp_path):
     assert missing_config_fields(fields, good) == []
     bad = "`poller`, `endpoints`\n## poller\n| `interval_ms` | ... |\n`endpoints[].address`"
     assert missing_config_fields(fields, bad) == ["poller.timeout_ms"]
+    mapped = {"weights", "weights.*", "weights.*.queue"}
+    assert missing_config_fields(mapped, "`weights`, `weights.<model>`, `weights.<model>.queue`") == []
+    assert missing_config_fields(mapped, "`weights`, `weights.<model>`") == ["weights.*.queue"]
     # A leaf named under another section does not count.
     assert "poller.interval_ms" in missing_config_fields(fields, "## filter\n`interval_ms`")
 
