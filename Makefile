@@ -18,7 +18,7 @@ ENVOY_VERSION := 1.40.0
 # E2E_JOBS=1 runs the suite in one process.
 E2E_JOBS ?= 2
 
-.PHONY: all toolchain run test test-rust test-python wasm wasm-crash sim venv fmt-check clippy unit validate deploy-check e2e bench bench-check bench-routing schema oci fuzz clean passthrough-wasm wrk wasm-opt wasm-small bench-envoy bench-envoy-check
+.PHONY: all toolchain run test test-rust test-python wasm wasm-crash sim venv fmt-check clippy unit validate deploy-check e2e bench bench-check bench-routing schema oci fuzz clean passthrough-wasm wrk wasm-opt wasm-small bench-envoy bench-envoy-check docs-check
 
 all: wasm
 
@@ -52,7 +52,7 @@ wasm-crash: toolchain
 
 ## wasm-small: the same module built for size: Cargo.toml's `release-small` profile (opt-level
 ## "z"), then binaryen's `wasm-opt -Oz` when it is installed (`make wasm-opt`). About 30 % smaller
-## than `make wasm`, and slower per request (README, "Measured"), so `make wasm` stays the default.
+## than `make wasm`, and slower per request (docs/performance.md), so `make wasm` stays the default.
 WASM_SMALL := target/wasm-small/inference_picker.wasm
 # The features rustc's wasm32-wasip1 target emits (the stripped .wasm has no target_features
 # section for wasm-opt to detect them); --strip-* drops the name and producers sections.
@@ -99,6 +99,13 @@ unit:
 ## validate: every Envoy config in the repo, with the real Envoy (also loads the .wasm).
 validate: wasm venv
 	$(PY) tests/validate_envoy_configs.py --envoy $(ENVOY)
+
+## docs-check: the user docs against the code (tests/test_docs.py): every configuration field in
+## docs/configuration.md, every metric in docs/observability.md, `make` targets, links and anchors,
+## paths, configurations shown, no history in user docs, the Grafana dashboard's metric names.
+## Python only: no build.
+docs-check: venv
+	$(VENV)/bin/pytest -q tests/test_docs.py
 
 ## deploy-check: Istio manifests against Istio's CRD schemas, their Envoy pieces through
 ## envoy --mode validate, the OCI layout writer, the fake Kubernetes API, config-from-crds examples.
@@ -187,7 +194,7 @@ bench-envoy-check: wasm passthrough-wasm venv wrk
 
 ## test: every check. fmt-check first (seconds: a formatting slip fails at once), then two lanes
 ## at once: the Rust lane (clippy unit bench-check, in target/debug) and the Python lane (wasm
-## wasm-crash sim passthrough-wasm venv built in parallel, then validate deploy-check e2e
+## wasm-crash sim passthrough-wasm venv built in parallel, then docs-check validate deploy-check e2e
 ## bench-envoy-check). Cargo locks each profile's directory, not all of target/, so the builds the
 ## Python lane needs (release, crash-test, tools) go at full speed while the Rust lane runs at
 ## nice 19 in the CPU they and the e2e suite's Envoys leave (on 2 cores the suite, two files at a
@@ -216,6 +223,7 @@ test-rust:
 ## test-python: the Python lane of `make test`: its builds and the venv in parallel, then the
 ## checks one after another (the e2e suite itself runs E2E_JOBS files at a time).
 test-python: venv wasm sim wasm-crash passthrough-wasm
+	@$(MAKE) --no-print-directory docs-check
 	@$(MAKE) --no-print-directory validate
 	@$(MAKE) --no-print-directory deploy-check
 	@$(MAKE) --no-print-directory e2e
@@ -228,7 +236,7 @@ clean:
 .PHONY: compose-test
 ## compose-test: envoy/docker-compose.yaml run for real with Podman, images built FROM scratch
 ## (no registry), then everything removed. Needs podman, runc and podman-compose (it says how to
-## install them when absent). See tools/compose-test/run_compose.py and README "Deploying with Docker".
+## install them when absent). See tools/compose-test/run_compose.py and docs/deploy-compose.md.
 compose-test: venv
 	@$(PY) tools/compose-test/run_compose.py --check-tools
 	@$(MAKE) --no-print-directory wasm sim

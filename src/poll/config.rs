@@ -14,7 +14,7 @@ pub const MAX_TARGET_PORTS: usize = 8;
 /// Shortest allowed `refresh_ms`: listing pods more often than once a second only loads the API
 /// server, since readiness probes run every few seconds anyway.
 pub const MIN_REFRESH_MS: u64 = 1000;
-/// Smallest `poller.interval_ms`: below this the poller itself becomes the load (llm-d #1842 saw
+/// Smallest `poller.interval_ms`: below this the poller itself becomes the load (llm-d#1842 saw
 /// vLLM slow down at 50 ms).
 pub const MIN_INTERVAL_MS: u64 = 10;
 
@@ -34,7 +34,7 @@ pub const MAX_RESPONSE_BYTES_LIMIT: usize = 64 * 1024 * 1024;
 #[serde(deny_unknown_fields)]
 pub struct PollerConfig {
     /// How often each endpoint's metrics are scraped, in ms. At least 10. Default 200: GIE polls
-    /// every 50 ms, but llm-d #1842 showed polling that fast slows vLLM itself; the router-local
+    /// every 50 ms, but llm-d#1842 showed polling that fast slows vLLM itself; the router-local
     /// in-flight count covers the gap between polls.
     #[serde(default = "default_interval_ms")]
     #[cfg_attr(feature = "schema", schemars(range(min = MIN_INTERVAL_MS)))]

@@ -144,7 +144,8 @@ A discrete-event replay in virtual time (`tools/replay-bench`):
   the model, so every section takes the defaults `Config::from_json` gives (flow control off).
   `ours+flow` (flow control on, tier labels trusted as InferenceObjectives) and `ours-tiers`
   (the sections of `filter-config/examples/priority-tiers.json`) are separate rows.
-- **Baselines, as their projects ship them**, each with what it would see in its own deployment
+- **Baselines: models of each project's default policy**, re-written here and run on this
+  simulator, each with what it would see in its own deployment
   (per-strategy refresh in `src/strategy.rs`; each baseline's file names the upstream file it
   follows): `round-robin` (Envoy ROUND_ROBIN / a Kubernetes Service, per worker from a random
   start), `random`, `least-request` (Envoy LEAST_REQUEST: power of two random choices on the
