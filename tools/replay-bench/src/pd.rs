@@ -1,12 +1,12 @@
 //! The prefill/decode (P/D) replay: the same GPUs as one aggregated pool or split into prefill
-//! and decode pods, routed by the real module core (`inference_picker::request::pd::route`), on a trace.
+//! and decode pods, routed by the real module core (`inference_picker::request::route`), on a trace.
 //!
 //! **Servers.** `model_server_sim::Server` (the calibrated Llama-3-8B/H100 model). Aggregated:
 //! every server does prefill and decode. P/D: `prefill` servers and `servers − prefill` decode
 //! servers.
 //!
 //! **Routing.** One gateway worker with the module's pure core: the body through
-//! `request::prepare`, then `pd::route` (decode pick, llm-d's split rule, prefill pick) with a
+//! `request::prepare`, then `request::route` (decode pick, llm-d's split rule, prefill pick) with a
 //! snapshot the module's `Poller` builds from every server's rendered vLLM metrics every
 //! `poll_ms` (delivered at once: the P/D comparison is about the pool, not about metric lag) and
 //! exact in-flight counts: a decode pod from the pick to the request's last token, a prefill
@@ -34,9 +34,9 @@ use std::collections::BinaryHeap;
 use inference_picker::base::ports::{MemStore, SplitMix64};
 use inference_picker::config::Config;
 use inference_picker::poll::poller::{Poller, ScrapeResult};
-use inference_picker::request::pd::{self, Decision};
-use inference_picker::request::{prepare, BodyInputs, RequestHead};
-use inference_picker::scheduler::Scheduler;
+use inference_picker::request::pd::Decision;
+use inference_picker::request::{prepare, route, RequestHead};
+use inference_picker::scheduler::{PickState, Scheduler};
 use inference_picker::state::health::HealthView;
 use inference_picker::state::inflight::InflightCounts;
 use model_server_sim::{Engine, Event, RenderInfo, Server, ServerConfig, SimRequest};
@@ -170,6 +170,7 @@ pub fn run(trace: &Trace, run: &PdRun) -> Result<PdResult, String> {
     let mut sched = Scheduler::new(&cfg);
     let store = MemStore::new();
     let mut rng = SplitMix64::new(run.seed ^ 0x9d);
+    let health = HealthView::default();
     let head = RequestHead {
         method: "POST".into(),
         path: "/v1/chat/completions".into(),
@@ -314,10 +315,10 @@ pub fn run(trace: &Trace, run: &PdRun) -> Result<PdResult, String> {
             let body = text::chat_body(MODEL, &msgs, req.output_tokens);
             let now_ms = EPOCH_MS + ta as u64;
             let counts = counts_of(&addresses, &inflight);
-            let inputs = BodyInputs { snapshot: &snapshot, inflight: &counts, store: &store, now_ms };
-            let routed = prepare(&cfg.request(), &sched, &mut rng, &head, &body, &snapshot).and_then(|p| {
-                pd::route(&cfg.request(), &mut sched, &mut rng, &head, &p, &inputs, &HealthView::default())
-            });
+            let state =
+                PickState { snapshot: &snapshot, inflight: &counts, health: &health, store: &store, now_ms };
+            let routed = prepare(&cfg.request(), &sched, &mut rng, &head, &body, &snapshot)
+                .and_then(|p| route(&cfg.request(), &mut sched, &mut rng, &head, &p, state));
             let Ok(pick) = routed else {
                 rejected += 1;
                 live[idx].done = true;
