@@ -836,6 +836,13 @@ impl Sim<'_> {
                 return Ok(());
             }
         };
+        self.submit(wi, idx, si, sim, now_ms);
+        Ok(())
+    }
+
+    /// Submits request `idx`, routed by worker `wi` to server `si`, and counts it in flight
+    /// there (or rejects it when the server refuses it).
+    fn submit(&mut self, wi: usize, idx: usize, si: usize, sim: SimRequest, now_ms: u64) {
         self.live[idx].server = si;
         if self.policy == Policy::OracleStale {
             // It knows its own decisions since the scrape, as ours knows its in-flight counts:
@@ -862,7 +869,6 @@ impl Sim<'_> {
                 self.reject(idx, format!("server_{}", submit_error_code(&e)))
             }
         }
-        Ok(())
     }
 }
 
