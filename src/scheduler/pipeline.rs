@@ -194,7 +194,7 @@ impl Scheduler {
         })
     }
 
-    /// 1. Model (resolved by `route_model`): the base model and adapter, and the weights of the
+    /// Step 1, Model (resolved by `route_model`): the base model and adapter, and the weights of the
     /// target model as the scope maps them.
     fn model_step<'a>(
         &self,
@@ -221,7 +221,7 @@ impl Scheduler {
         }
     }
 
-    /// 2. Filters: the endpoints serving the model (none → 503 `no_endpoint`), then passive
+    /// Step 2, Filters: the endpoints serving the model (none → 503 `no_endpoint`), then passive
     /// health's ejections, then the healthy ones. Without passive-health data nothing is
     /// ejected: one pass counts the serving endpoints and keeps the healthy ones (the serving
     /// list itself is only needed to fail open).
@@ -262,7 +262,7 @@ impl Scheduler {
         Ok(f)
     }
 
-    /// 3. No healthy endpoint: 503 `no_healthy_endpoint` when the scope forbids failing open,
+    /// Step 3, No healthy endpoint: 503 `no_healthy_endpoint` when the scope forbids failing open,
     /// else [`Scheduler::fail_open`] among the serving endpoints.
     fn fail_open_step<'a>(
         &self,
@@ -284,7 +284,7 @@ impl Scheduler {
         self.fail_open(&f.serving, &load, rng, route.target_model.clone(), route.model_rewritten)
     }
 
-    /// 4. Candidates: per healthy endpoint, once, its address hash, this gateway's in-flight
+    /// Step 4, Candidates: per healthy endpoint, once, its address hash, this gateway's in-flight
     /// count (plus passive health's phantom load), and the live queue estimate (read by the
     /// queue scorer with `live_queue`, and by the prediction).
     fn candidates_step<'a>(&self, ask: &Ask<'_>, healthy: &[&'a EndpointStatus]) -> Pool<'a> {
@@ -328,7 +328,7 @@ impl Scheduler {
         Pool { cands, addr_hash, loads, live, overloaded: Vec::new(), eligible: Vec::new(), lora: Vec::new() }
     }
 
-    /// 5. Guard: the candidates overloaded compared with the least loaded; and the adapter
+    /// Step 5, Guard: the candidates overloaded compared with the least loaded; and the adapter
     /// affinity of a LoRA request.
     fn guard_step(&self, ask: &Ask<'_>, pool: &mut Pool<'_>) {
         pool.overloaded = guard::overloaded(&pool.cands, &self.cfg.guard);
@@ -339,7 +339,7 @@ impl Scheduler {
         }
     }
 
-    /// 6. Prefix: hash the prompt's blocks, then each candidate's local and cross-worker match.
+    /// Step 6, Prefix: hash the prompt's blocks, then each candidate's local and cross-worker match.
     fn prefix_step(&mut self, ask: &Ask<'_>, pool: &Pool<'_>) -> Prefix {
         let mut hashes = std::mem::take(&mut self.hashes);
         let pc = &self.cfg.prefix;
@@ -371,7 +371,7 @@ impl Scheduler {
         Prefix { hashes, lookup, matched }
     }
 
-    /// 7. Scores: each candidate's breakdown and weighted total. Under `predicted_ttft` the
+    /// Step 7, Scores: each candidate's breakdown and weighted total. Under `predicted_ttft` the
     /// queue, KV, in-flight and session scores and the total decide nothing (they are shown in
     /// the debug scores): computed only when read (else no rows).
     fn score_step(&self, ask: &Ask<'_>, pool: &Pool<'_>, px: &Prefix) -> Vec<Breakdown> {
@@ -406,7 +406,7 @@ impl Scheduler {
         rows
     }
 
-    /// 8. Objective `predicted_ttft`: each candidate's predicted TTFT (`predict`), its work,
+    /// Step 8, Objective `predicted_ttft`: each candidate's predicted TTFT (`predict`), its work,
     /// uncached tokens and rate, and the cost that ranks it (copied into the score rows).
     fn predict_step(
         &mut self,
@@ -529,7 +529,7 @@ impl Scheduler {
             .collect()
     }
 
-    /// 9. Choose: the session token's endpoint when it names a healthy, non-overloaded
+    /// Step 9, Choose: the session token's endpoint when it names a healthy, non-overloaded
     /// candidate, else the picker's order (predicted TTFT with rendezvous affinity, or the
     /// weighted totals); then the fallbacks.
     fn choose_step(
@@ -572,7 +572,7 @@ impl Scheduler {
         Choice { order, reason }
     }
 
-    /// 10. Record: the primary (candidate `p`) now holds this prompt's blocks, in this
+    /// Step 10, Record: the primary (candidate `p`) now holds this prompt's blocks, in this
     /// worker's index and (unless the scope says not) the cross-worker table.
     fn record_step(&mut self, ask: &Ask<'_>, pool: &Pool<'_>, px: &mut Prefix, p: usize) {
         let Some(c) = pool.cands.get(p) else { return };
@@ -627,7 +627,7 @@ impl Scheduler {
     }
 }
 
-/// 3's answer when failing open is not allowed.
+/// Step 3's answer when failing open is not allowed.
 fn no_healthy_endpoint(target_model: &str) -> Rejection {
     Rejection::new(
         503,
