@@ -1,7 +1,9 @@
 //! The architecture, checked (docs/architecture.md draws it):
 //! - each wing of `src/` imports only from wings below it, in the order of [`WINGS`];
 //! - no import circle between files, in `src/` or in any crate under `tools/`;
-//! - nothing outside `src/host/` names the proxy-wasm SDK.
+//! - nothing outside `src/host/` names the proxy-wasm SDK;
+//! - no file of `src/` over [`MAX_FILE_LINES`] lines (test modules in their own files aside), no
+//!   function of `src/` over [`MAX_FN_LINES`] lines (tests included).
 //!
 //! Imports are read from the code: `crate::…` paths (in `use` trees too) and `super::`/`self::`
 //! paths, with comments, string literals and `#[cfg(test)]` items left out (tests may reach
