@@ -9,17 +9,35 @@
 
 use criterion::{black_box, criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 
+use inference_picker::base::ports::Rng;
 use inference_picker::base::ports::{MemStore, SplitMix64};
 use inference_picker::config::Config;
 use inference_picker::request::body::parse_request;
 use inference_picker::scheduler::prefix;
-use inference_picker::scheduler::{PickRequest, Scheduler};
+use inference_picker::scheduler::{Pick, PickInput, PickRequest, PickState, Scheduler};
+use inference_picker::state::health::HealthView;
 use inference_picker::state::inflight::InflightCounts;
 use inference_picker::state::metrics::EndpointMetrics;
 use inference_picker::state::snapshot::{EndpointStatus, Snapshot};
 
 const PATH: &str = "/v1/chat/completions";
 const NOW: u64 = 1_700_000_000_000;
+
+/// The bench's one pick: the model's route, then [`Scheduler::pick`] with no passive-health
+/// data and the default scope.
+fn pick(
+    sched: &mut Scheduler,
+    r: &PickRequest<'_>,
+    snap: &Snapshot,
+    inflight: &InflightCounts,
+    store: &MemStore,
+    rng: &mut dyn Rng,
+) -> Pick {
+    let route = sched.route_model(r.model, r.session_id, snap, rng).unwrap();
+    let health = HealthView::default();
+    let state = PickState { snapshot: snap, inflight, health: &health, store, now_ms: NOW };
+    sched.pick(PickInput { route: &route, request: *r, state, scope: Default::default(), rng }).unwrap()
+}
 const FIXTURES: [(&str, &[u8]); 5] = [
     ("long_stream", include_bytes!("../tests/fixtures/requests/chat_long_prompt_ccby40_stream.request.json")),
     ("long_turn2", include_bytes!("../tests/fixtures/requests/chat_long_prompt_ccby40_turn2.request.json")),
@@ -146,7 +164,7 @@ fn bench_decision(c: &mut Criterion) {
                     session_id: None,
                     session_token: None,
                 };
-                let pick = sched.pick(&r, &snap, &inflight, &store, &mut rng, NOW).unwrap();
+                let pick = pick(&mut sched, &r, &snap, &inflight, &store, &mut rng);
                 sched.request_done(pick.ticket);
                 pick
             })
@@ -168,7 +186,7 @@ fn bench_decision(c: &mut Criterion) {
                     session_id: Some(&salt),
                     session_token: None,
                 };
-                let pick = sched.pick(&r, &snap, &inflight, &store, &mut rng, NOW).unwrap();
+                let pick = pick(&mut sched, &r, &snap, &inflight, &store, &mut rng);
                 sched.request_done(pick.ticket);
                 pick
             })
@@ -186,7 +204,7 @@ fn bench_decision(c: &mut Criterion) {
                     session_id: None,
                     session_token: None,
                 };
-                let pick = sched.pick(&r, &snap, &inflight, &store, &mut rng, NOW).unwrap();
+                let pick = pick(&mut sched, &r, &snap, &inflight, &store, &mut rng);
                 sched.request_done(pick.ticket);
                 pick
             })

@@ -1,7 +1,9 @@
 //! The architecture, checked (docs/architecture.md draws it):
 //! - each wing of `src/` imports only from wings below it, in the order of [`WINGS`];
 //! - no import circle between files, in `src/` or in any crate under `tools/`;
-//! - nothing outside `src/host/` names the proxy-wasm SDK.
+//! - nothing outside `src/host/` names the proxy-wasm SDK;
+//! - no file of `src/` over [`MAX_FILE_LINES`] lines (test modules in their own files aside), no
+//!   function of `src/` over [`MAX_FN_LINES`] lines (tests included).
 //!
 //! Imports are read from the code: `crate::…` paths (in `use` trees too) and `super::`/`self::`
 //! paths, with comments, string literals and `#[cfg(test)]` items left out (tests may reach
@@ -21,8 +23,8 @@ struct Module {
     code: String,
 }
 
-/// The source with comments, string and char literals blanked (kept as spaces, so nothing else
-/// moves).
+/// The source with comments, string and char literals blanked (a literal becomes `""`, a comment
+/// a space; the line breaks inside them are kept, so every line stays on its line).
 fn strip(src: &str) -> String {
     let b: Vec<char> = src.chars().collect();
     let mut out = String::with_capacity(src.len());
@@ -47,6 +49,9 @@ fn strip(src: &str) -> String {
                         break;
                     }
                 } else {
+                    if b[i] == '\n' {
+                        out.push('\n');
+                    }
                     i += 1;
                 }
             }
@@ -68,6 +73,7 @@ fn strip(src: &str) -> String {
                 continue;
             }
             j += 1;
+            let mut lines = 0;
             loop {
                 if j >= b.len() {
                     break;
@@ -76,20 +82,25 @@ fn strip(src: &str) -> String {
                     j += 1 + hashes;
                     break;
                 }
+                lines += usize::from(b[j] == '\n');
                 j += 1;
             }
             out.push_str("\"\"");
+            out.extend(std::iter::repeat_n('\n', lines));
             i = j;
         } else if c == '"' {
             i += 1;
+            let mut lines = 0;
             while i < b.len() && b[i] != '"' {
                 if b[i] == '\\' {
                     i += 1;
                 }
+                lines += usize::from(b.get(i) == Some(&'\n'));
                 i += 1;
             }
             i += 1;
             out.push_str("\"\"");
+            out.extend(std::iter::repeat_n('\n', lines));
         } else if c == '\'' {
             // A char literal ('x', '\n', '\u{..}'), not a lifetime.
             if next == Some('\\') {
@@ -415,6 +426,88 @@ fn upward(arrows: &BTreeMap<Vec<String>, BTreeSet<Vec<String>>>) -> Vec<String> 
     out
 }
 
+/// Longest a non-test file of `src/` may be, in lines.
+const MAX_FILE_LINES: usize = 1_000;
+/// Longest a function in `src/` may be, in lines (from its `fn` line to its closing brace).
+const MAX_FN_LINES: usize = 150;
+
+/// Every function with a body in `code` (already [`strip`]ped, so braces in comments and
+/// literals do not count): `(first line, name, lines)`, the lines counted from the `fn` line to
+/// the line of its closing brace. A nested function is listed too (and counts in its parent).
+fn functions(code: &str) -> Vec<(usize, String, usize)> {
+    let b = code.as_bytes();
+    let mut out = Vec::new();
+    let mut from = 0;
+    while let Some(k) = code[from..].find("fn ") {
+        let at = from + k;
+        from = at + 3;
+        if at > 0 && (b[at - 1].is_ascii_alphanumeric() || b[at - 1] == b'_') {
+            continue;
+        }
+        let name: String =
+            code[at + 3..].trim_start().chars().take_while(|c| c.is_alphanumeric() || *c == '_').collect();
+        if name.is_empty() {
+            continue;
+        }
+        // The body's `{`: the first one outside parentheses and brackets, unless a `;` ends the
+        // declaration first (a trait method without a body).
+        let mut depth = 0i32;
+        let mut open = None;
+        for (j, &ch) in b.iter().enumerate().skip(at) {
+            match ch {
+                b'(' | b'[' => depth += 1,
+                b')' | b']' => depth -= 1,
+                b';' if depth == 0 => break,
+                b'{' if depth == 0 => {
+                    open = Some(j);
+                    break;
+                }
+                _ => {}
+            }
+        }
+        let Some(open) = open else { continue };
+        let end = block_end(b, open);
+        let first = code[..at].matches('\n').count() + 1;
+        out.push((first, name, code[at..end].matches('\n').count() + 1));
+    }
+    out
+}
+
+/// Every `.rs` file under `dir`, sorted.
+fn rust_files(dir: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    let mut entries: Vec<PathBuf> = std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().path()).collect();
+    entries.sort();
+    for p in entries {
+        if p.is_dir() {
+            out.extend(rust_files(&p));
+        } else if p.extension().is_some_and(|x| x == "rs") {
+            out.push(p);
+        }
+    }
+    out
+}
+
+/// Files of `src/` over [`MAX_FILE_LINES`] (test modules in their own files aside), and functions
+/// over [`MAX_FN_LINES`] in any file of `root` (tests included), as `path:line name: n lines`.
+fn oversized(root: &Path) -> Vec<String> {
+    let mut found = Vec::new();
+    for m in modules(root) {
+        let n = std::fs::read_to_string(&m.file).unwrap().lines().count();
+        if n > MAX_FILE_LINES {
+            found.push(format!("{}: {n} lines (at most {MAX_FILE_LINES})", m.file.display()));
+        }
+    }
+    for f in rust_files(root) {
+        for (line, name, n) in functions(&strip(&std::fs::read_to_string(&f).unwrap())) {
+            if n > MAX_FN_LINES {
+                found.push(format!("{}:{line} fn {name}: {n} lines (at most {MAX_FN_LINES})", f.display()));
+            }
+        }
+    }
+    found
+}
+
 fn repo() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
 }
@@ -460,6 +553,39 @@ fn only_host_calls_the_proxy_wasm_sdk() {
     assert!(found.is_empty(), "proxy-wasm SDK named outside src/host/: {found:?}");
 }
 
+#[test]
+fn no_src_file_over_1000_lines_no_function_over_150() {
+    let root = repo().join("src");
+    assert!(
+        rust_files(&root)
+            .iter()
+            .map(|f| functions(&strip(&std::fs::read_to_string(f).unwrap())).len())
+            .sum::<usize>()
+            > 500,
+        "too few functions found"
+    );
+    // `ARCH_SIZES=<n>` prints the n longest functions (the measurement behind the limit).
+    if let Some(n) = std::env::var("ARCH_SIZES").ok().and_then(|v| v.parse::<usize>().ok()) {
+        let mut all: Vec<(usize, String)> = Vec::new();
+        for dir in ["src", "tools", "benches", "tests"] {
+            for f in rust_files(&repo().join(dir)) {
+                if f.components().any(|c| c.as_os_str() == "target") {
+                    continue;
+                }
+                for (line, name, len) in functions(&strip(&std::fs::read_to_string(&f).unwrap())) {
+                    all.push((len, format!("{}:{line} {name}", f.strip_prefix(repo()).unwrap().display())));
+                }
+            }
+        }
+        all.sort_by(|a, b| b.0.cmp(&a.0).then_with(|| a.1.cmp(&b.1)));
+        for (len, what) in all.iter().take(n) {
+            println!("{len:5} {what}");
+        }
+    }
+    let found = oversized(&root);
+    assert!(found.is_empty(), "too long:\n{}", found.join("\n"));
+}
+
 /// The checks catch what they are for: a planted upward import, a planted circle and a planted
 /// SDK call, in a throwaway tree.
 #[test]
@@ -492,5 +618,17 @@ fn the_checks_fail_on_planted_faults() {
         .map(|m| m.path.join("::"))
         .collect();
     assert_eq!(sdk, ["state::x"]);
+    // A function of 151 lines (braces in a string and a comment do not end it early), one of
+    // 150 lines, and a file of 1,001 lines.
+    let body = |n: usize| "    let _ = 1;\n".repeat(n);
+    w(
+        "state/long.rs",
+        &format!("fn long() {{\n    let _ = \"}}\"; // }}\n{}}}\nfn fits() {{\n{}}}\n", body(148), body(148)),
+    );
+    w("state/big.rs", &"// x\n".repeat(1_001));
+    let found = oversized(&dir);
+    assert_eq!(found.len(), 2, "{found:?}");
+    assert!(found[0].ends_with("big.rs: 1001 lines (at most 1000)"), "{found:?}");
+    assert!(found[1].ends_with("long.rs:1 fn long: 151 lines (at most 150)"), "{found:?}");
     let _ = std::fs::remove_dir_all(&dir);
 }

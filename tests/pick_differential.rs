@@ -1,5 +1,5 @@
 //! Differential harness of the pick: the same seeded request sequences, run through the filter's
-//! own entry points (`request::prepare`, then `request::pd::route`, with the shared in-flight
+//! own entry points (`request::prepare`, then `request::route`, with the shared in-flight
 //! table and a health view), must give the same decisions as the build that recorded
 //! `tests/fixtures/pick-golden.txt`.
 //!
@@ -20,8 +20,8 @@ use std::path::PathBuf;
 use inference_picker::base::ports::{MemStore, Rng, SplitMix64};
 use inference_picker::config::Config;
 use inference_picker::flow::priority::PriorityHeaders;
-use inference_picker::request::{self, BodyInputs, RequestHead};
-use inference_picker::scheduler::Scheduler;
+use inference_picker::request::{self, RequestHead};
+use inference_picker::scheduler::{PickState, Scheduler};
 use inference_picker::state::health::HealthView;
 use inference_picker::state::inflight::InflightTable;
 use inference_picker::state::metrics::{EndpointMetrics, Engine};
@@ -260,18 +260,11 @@ fn run_case(cfg: &Config, seed: u64) -> Vec<String> {
         };
         let body = serde_json::to_vec(&body).unwrap();
         let inflight = table.read(&store, now_ms).unwrap_or_default();
-        let inputs = BodyInputs { snapshot: &snapshot, inflight: &inflight, store: &store, now_ms };
+        let state =
+            PickState { snapshot: &snapshot, inflight: &inflight, health: &health, store: &store, now_ms };
         let result = request::prepare(&cfg.request(), &scheduler, &mut pick_rng, &head, &body, &snapshot)
             .and_then(|prepared| {
-                request::pd::route(
-                    &cfg.request(),
-                    &mut scheduler,
-                    &mut pick_rng,
-                    &head,
-                    &prepared,
-                    &inputs,
-                    &health,
-                )
+                request::route(&cfg.request(), &mut scheduler, &mut pick_rng, &head, &prepared, state)
             });
         let (line, ticket) = outcome_of(result);
         if let Some(addr) = line.strip_prefix("ok ").and_then(|l| l.split(' ').next()) {

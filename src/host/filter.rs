@@ -26,7 +26,8 @@ use crate::request::protocol::{
     DEBUG_SCORES_HEADER, DESTINATION_HEADER, MAX_RETRIES_HEADER, ORIGINAL_DST_HEADER, QUEUE_MS_HEADER,
     SERVED_HEADER,
 };
-use crate::request::{self, BodyInputs, HeadDecision, Prepared, RequestHead};
+use crate::request::{self, HeadDecision, Prepared, RequestHead};
+use crate::scheduler::PickState;
 use crate::state::health::{self, HealthView};
 
 /// What one request has learned and decided so far.
@@ -194,8 +195,14 @@ impl Filter {
         );
         match decision {
             Decision::Go => {
-                let inputs = BodyInputs { snapshot: &snapshot, inflight: &inflight, store: &store, now_ms };
-                let routed = timed!("go", go(&worker, &mut self.ex.borrow_mut(), &inputs, Some(&health)));
+                let state = PickState {
+                    snapshot: &snapshot,
+                    inflight: &inflight,
+                    health: &health,
+                    store: &store,
+                    now_ms,
+                };
+                let routed = timed!("go", go(&worker, &mut self.ex.borrow_mut(), state));
                 match routed {
                     Ok(()) => Action::Continue,
                     Err(rej) => self.reject(&rej),
@@ -270,38 +277,17 @@ fn send_rejection(worker: &Worker, rej: &Rejection, queue_ms: Option<u64>) {
 /// Picks the endpoint of a prepared request and sets the routing headers on the current (or
 /// effective) context: the last step of every request that goes upstream, whether at once (with
 /// the snapshot and counts its admission just read) or after being held (with fresh ones).
-/// `health`: the passive-health view admission already read, or `None` to read it now.
-fn go(
-    worker: &Worker,
-    ex: &mut Exchange,
-    inputs: &BodyInputs<'_>,
-    health: Option<&HealthView>,
-) -> Result<(), Rejection> {
+/// `inputs`: the state of that moment, the passive-health view included.
+fn go(worker: &Worker, ex: &mut Exchange, inputs: PickState<'_>) -> Result<(), Rejection> {
     let Some(prepared) = ex.prepared.take() else {
         return Err(Rejection::new(500, "internal_error", "internal", "request state lost before routing"));
-    };
-    let read;
-    let health = match health {
-        Some(h) => h,
-        None => {
-            read = health_view(worker, inputs.store, inputs.now_ms);
-            &read
-        }
     };
     let pick = {
         let mut scheduler = worker.scheduler.borrow_mut();
         let mut rng = worker.rng.borrow_mut();
         timed!(
             "go.route",
-            crate::request::pd::route(
-                &worker.cfg.request(),
-                &mut scheduler,
-                &mut *rng,
-                &ex.head,
-                &prepared,
-                inputs,
-                health
-            )
+            request::route(&worker.cfg.request(), &mut scheduler, &mut *rng, &ex.head, &prepared, inputs)
         )?
     };
     if let Some(prefiller) = &pick.prefiller {
@@ -405,8 +391,10 @@ pub(crate) fn release_held(worker: &Worker, id: u32, waited_ms: u64, own_context
     };
     let now_ms = io::now_ms();
     let inflight = worker.inflight_counts(now_ms);
-    let inputs = BodyInputs { snapshot: &snapshot, inflight: &inflight, store: &store, now_ms };
-    match go(worker, &mut ex, &inputs, None) {
+    let health = health_view(worker, &store, now_ms);
+    let state =
+        PickState { snapshot: &snapshot, inflight: &inflight, health: &health, store: &store, now_ms };
+    match go(worker, &mut ex, state) {
         Ok(()) => io::resume_request(),
         Err(rej) => {
             ex.answered = true;
@@ -488,8 +476,9 @@ impl Filter {
             }
         };
         let store = io::HostStore;
-        let inputs = BodyInputs { snapshot: &snapshot, inflight, store: &store, now_ms };
-        let routed = go(worker, &mut self.ex.borrow_mut(), &inputs, None);
+        let health = health_view(worker, &store, now_ms);
+        let state = PickState { snapshot: &snapshot, inflight, health: &health, store: &store, now_ms };
+        let routed = go(worker, &mut self.ex.borrow_mut(), state);
         match routed {
             Ok(()) => Action::Continue,
             Err(rej) => self.reject(&rej),

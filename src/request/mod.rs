@@ -19,7 +19,7 @@ pub mod pools;
 pub mod protocol;
 
 use crate::base::errors::Rejection;
-use crate::base::ports::{Rng, SharedStore};
+use crate::base::ports::Rng;
 use crate::flow::priority::{self, PriorityDecision, PriorityHeaders};
 use crate::request::body::{parse_request, rewrite_model};
 use crate::request::config::Settings;
@@ -27,9 +27,8 @@ use crate::request::protocol::{
     prefix_matches, CLIENT_ROUTING_HEADERS, CONFORMANCE_SELECTION_HEADER, HEALTH_PATHS, INFERENCE_PATHS,
     MAX_SELECTION_ENTRIES, MODELS_PATH,
 };
-use crate::scheduler::{ModelRoute, Pick, PickRequest, Scheduler};
+use crate::scheduler::{ModelRoute, Pick, PickInput, PickRequest, PickScope, PickState, Scheduler};
 use crate::state::catalog::Criticality;
-use crate::state::inflight::InflightCounts;
 use crate::state::snapshot::Snapshot;
 
 /// Every request header the filter removes before the request can go upstream, whatever the
@@ -313,18 +312,12 @@ pub fn too_large(cfg: &Settings<'_>) -> Rejection {
 #[derive(Debug, Clone, PartialEq)]
 pub struct Routed {
     pub pick: Pick,
+    /// The prefill pod of a split P/D request (`pd::PdPick::prefiller`).
+    pub prefiller: Option<String>,
     /// The model the client asked for.
     pub requested_model: String,
     /// A replacement body when the model was rewritten (content-length must follow).
     pub new_body: Option<Vec<u8>>,
-}
-
-/// Everything the body decision reads, passed in by the host.
-pub struct BodyInputs<'a> {
-    pub snapshot: &'a Snapshot,
-    pub inflight: &'a InflightCounts,
-    pub store: &'a dyn SharedStore,
-    pub now_ms: u64,
 }
 
 /// A request whose body is parsed and whose model and priority are known; the endpoint is not
@@ -405,10 +398,10 @@ pub fn prepare_routed(
     })
 }
 
-/// What every pick of a prepared request starts from: the scheduler's request, and the
-/// snapshot narrowed to the conformance test's endpoint selection when it sent one (`None`: use
-/// the whole snapshot). Shared by [`route_with`] and `crate::request::pd::route`.
-pub(crate) fn pick_inputs<'a>(
+/// The request's facts as the scheduler reads them ([`PickRequest`]), and the snapshot narrowed
+/// to the conformance test's endpoint selection when it sent one (`None`: use the whole
+/// snapshot).
+fn pick_request<'a>(
     head: &'a RequestHead,
     prepared: &'a Prepared,
     snapshot: &Snapshot,
@@ -427,29 +420,6 @@ pub(crate) fn pick_inputs<'a>(
     Ok((req, restricted))
 }
 
-/// [`route`] with the passive-health view (`crate::state::health`): ejected endpoints are left out and
-/// recent failures count as load.
-pub fn route_with(
-    scheduler: &mut Scheduler,
-    rng: &mut dyn Rng,
-    head: &RequestHead,
-    prepared: &Prepared,
-    inputs: &BodyInputs<'_>,
-    health: &crate::state::health::HealthView,
-) -> Result<Pick, Rejection> {
-    let (req, restricted) = pick_inputs(head, prepared, inputs.snapshot)?;
-    scheduler.pick_for_with(
-        &prepared.route,
-        &req,
-        restricted.as_ref().unwrap_or(inputs.snapshot),
-        inputs.inflight,
-        health,
-        inputs.store,
-        rng,
-        inputs.now_ms,
-    )
-}
-
 /// Cuts `prompt` to the first `max_bytes` bytes, or just past them to the next character
 /// boundary (at most 3 bytes more), so that every full block the prefix scorer hashes
 /// (`block_chars × max_blocks` bytes) is kept byte for byte and the hashes are unchanged.
@@ -462,16 +432,23 @@ pub fn truncate_prompt(prompt: &mut String, max_bytes: usize) {
     prompt.shrink_to_fit();
 }
 
-/// Picks the endpoint for a prepared request, with the inputs of the moment it goes on, and no
-/// passive-health information ([`route_with`] with an empty view).
+/// Picks the endpoint for a prepared request with the state of the moment it goes on (the
+/// filter's, and the replay's, one entry point): the request's facts and `state` become one
+/// [`PickInput`] for `pd::pick` (the decode pick, and the prefill pick when P/D splits the
+/// request; exactly [`Scheduler::pick`] without a `pd` section). Conformance mode: the test's
+/// endpoint selection narrows every pick.
 pub fn route(
+    cfg: &Settings<'_>,
     scheduler: &mut Scheduler,
     rng: &mut dyn Rng,
     head: &RequestHead,
     prepared: &Prepared,
-    inputs: &BodyInputs<'_>,
-) -> Result<Pick, Rejection> {
-    route_with(scheduler, rng, head, prepared, inputs, &crate::state::health::HealthView::default())
+    state: PickState<'_>,
+) -> Result<pd::PdPick, Rejection> {
+    let (request, restricted) = pick_request(head, prepared, state.snapshot)?;
+    let state = PickState { snapshot: restricted.as_ref().unwrap_or(state.snapshot), ..state };
+    let input = PickInput { route: &prepared.route, request, state, scope: PickScope::default(), rng };
+    pd::pick(cfg, scheduler, input)
 }
 
 /// [`prepare`] then [`route`] at once, for a request that is never held.
@@ -481,11 +458,16 @@ pub fn on_body(
     rng: &mut dyn Rng,
     head: &RequestHead,
     body: &[u8],
-    inputs: &BodyInputs<'_>,
+    state: PickState<'_>,
 ) -> Result<Routed, Rejection> {
-    let prepared = prepare(cfg, scheduler, rng, head, body, inputs.snapshot)?;
-    let pick = route(scheduler, rng, head, &prepared, inputs)?;
-    Ok(Routed { pick, requested_model: prepared.requested_model, new_body: prepared.new_body })
+    let prepared = prepare(cfg, scheduler, rng, head, body, state.snapshot)?;
+    let routed = route(cfg, scheduler, rng, head, &prepared, state)?;
+    Ok(Routed {
+        pick: routed.pick,
+        prefiller: routed.prefiller,
+        requested_model: prepared.requested_model,
+        new_body: prepared.new_body,
+    })
 }
 
 /// One entry of the model list: a base model, or an adapter with its `parent`.
@@ -590,6 +572,8 @@ mod tests {
     }
     use crate::base::ports::{MemStore, SplitMix64};
     use crate::flow::priority::PrioritySource;
+    use crate::state::health::HealthView;
+    use crate::state::inflight::InflightCounts;
     use crate::state::metrics::EndpointMetrics;
     use crate::state::snapshot::EndpointStatus;
 
@@ -723,14 +707,15 @@ mod tests {
         let store = MemStore::new();
         let counts = InflightCounts::default();
         let snap = snapshot();
-        let inputs = BodyInputs { snapshot: &snap, inflight: &counts, store: &store, now_ms: 1100 };
-        let pick = route(&mut sched, &mut rng, &h, &p, &inputs).unwrap();
+        let health = HealthView::default();
+        let inputs =
+            PickState { snapshot: &snap, inflight: &counts, health: &health, store: &store, now_ms: 1100 };
+        let pick = route(&c.request(), &mut sched, &mut rng, &h, &p, inputs).unwrap().pick;
         // Only 10.0.0.2 serves base-b; the target model is the rewrite's.
         assert_eq!((pick.primary.as_str(), pick.target_model.as_str()), ("10.0.0.2:8000", "base-b"));
         // on_body (prepare + route at once) agrees.
-        let r =
-            on_body(&c.request(), &mut sched, &mut rng, &h, br#"{"model":"alias","prompt":"x"}"#, &inputs)
-                .unwrap();
+        let r = on_body(&c.request(), &mut sched, &mut rng, &h, br#"{"model":"alias","prompt":"x"}"#, inputs)
+            .unwrap();
         assert_eq!((r.pick.primary.as_str(), r.requested_model.as_str()), ("10.0.0.2:8000", "alias"));
     }
 
@@ -977,10 +962,15 @@ mod tests {
         let store = MemStore::new();
         let counts = InflightCounts::default();
         let snap = snapshot();
-        let inputs = BodyInputs { snapshot: &snap, inflight: &counts, store: &store, now_ms: 1100 };
+        let health = HealthView::default();
+        let inputs =
+            PickState { snapshot: &snap, inflight: &counts, health: &health, store: &store, now_ms: 1100 };
         h.test_selection = Some(vec!["10.0.0.1".into()]);
-        assert_eq!(route(&mut sched, &mut rng, &h, &p, &inputs).map_err(|r| r.status), Err(503));
+        assert_eq!(route(&c.request(), &mut sched, &mut rng, &h, &p, inputs).map_err(|r| r.status), Err(503));
         h.test_selection = Some(vec!["10.0.0.2:8000".into()]);
-        assert_eq!(route(&mut sched, &mut rng, &h, &p, &inputs).unwrap().primary, "10.0.0.2:8000");
+        assert_eq!(
+            route(&c.request(), &mut sched, &mut rng, &h, &p, inputs).unwrap().pick.primary,
+            "10.0.0.2:8000"
+        );
     }
 }

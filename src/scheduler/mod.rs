@@ -23,7 +23,7 @@
 //!    order.
 //! 7. The primary records the request's prefix blocks (local index and cross-worker table).
 //!
-//! Passive health (`crate::state::health`, [`Scheduler::pick_for_with`]): endpoints ejected for
+//! Passive health (`crate::state::health`, [`PickState::health`]): endpoints ejected for
 //! failing requests are removed before stage 2's health filter (never more than
 //! `health.max_ejection_percent` of the serving ones), and recent failures and 429s count as
 //! requests in flight for `health.failure_load_ms`, in scoring and when failing open.
@@ -46,11 +46,10 @@ pub mod models;
 pub mod picker;
 pub mod predict;
 pub mod prefix;
-
 pub mod queue;
 pub mod session;
 
-use std::fmt::Write as _;
+mod pipeline;
 
 use hashbrown::HashMap;
 
@@ -61,11 +60,10 @@ use crate::state::health::{HealthConfig, HealthView};
 use crate::state::inflight::InflightCounts;
 use crate::state::snapshot::{EndpointStatus, Snapshot};
 
-use self::config::{Objective, SchedulerConfig, Weights};
+use self::config::{SchedulerConfig, Weights};
 use self::models::ModelTable;
 use self::prefix::LocalIndex;
-use crate::state::by_address::address_hash;
-use crate::state::prefix_shared::{endpoint_key, endpoint_key_of_hash, SharedPrefix};
+use crate::state::prefix_shared::{endpoint_key, SharedPrefix};
 
 pub use self::candidate::{neutral_fill, neutral_score, Candidate};
 pub use self::session::{keys_from_config as session_keys_from_config, parse_session_token, SessionKeys};
@@ -188,6 +186,31 @@ impl PickScope<'_> {
     }
 }
 
+/// The state one pick is read against: the pool as this worker sees it at one moment.
+#[derive(Clone, Copy)]
+pub struct PickState<'a> {
+    pub snapshot: &'a Snapshot,
+    /// In-flight counts of every worker of this gateway (and the prefill they queued).
+    pub inflight: &'a InflightCounts,
+    /// Passive health (`crate::state::health`): ejected endpoints are left out (within
+    /// `health.max_ejection_percent`) and recent failures count as load. An empty view (the
+    /// default) ejects nothing.
+    pub health: &'a HealthView,
+    pub store: &'a dyn SharedStore,
+    pub now_ms: u64,
+}
+
+/// One pick ([`Scheduler::pick`]): the request's model route and facts, the state it is read
+/// against, the scope that narrows it, and the randomness of its tie-breaks.
+pub struct PickInput<'a> {
+    /// The model as [`Scheduler::route_model`] resolved it.
+    pub route: &'a ModelRoute,
+    pub request: PickRequest<'a>,
+    pub state: PickState<'a>,
+    pub scope: PickScope<'a>,
+    pub rng: &'a mut dyn Rng,
+}
+
 /// Per-candidate scores, each in [0, 1], and the weighted total.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct Breakdown {
@@ -214,22 +237,6 @@ impl Breakdown {
             + w.session * self.session
             + w.lora * self.lora
     }
-}
-
-/// The prediction of objective `predicted_ttft` for one candidate (`predict`).
-#[derive(Debug, Clone, Copy)]
-struct Prediction {
-    /// Predicted TTFT (ms).
-    ttft: f64,
-    /// Work (tokens) and learnt rate (ms per token) behind `ttft`.
-    work: f64,
-    rate: f64,
-    /// `predict::usable_rate(rate)`, for the miss penalty.
-    usable_rate: f64,
-    /// This request's uncached prompt tokens there.
-    uncached: f64,
-    /// The KV scorer's score before the neutral fill (`kv::free`), for the KV congestion factor.
-    kv_free: Option<f64>,
 }
 
 /// The scheduler of one worker VM. Built once per configuration; holds the worker-local state
@@ -378,7 +385,7 @@ impl Scheduler {
     /// Stage 1 alone: the rewrite/split choice and the base model, before any endpoint is
     /// chosen. Flow control needs the base model (whose endpoints the request will use) and the
     /// body rewrite at arrival, while the endpoint is picked only when the request is let
-    /// through ([`Scheduler::pick_for`]). Unknown model → 404 `model_not_found`.
+    /// through ([`Scheduler::pick`]). Unknown model → 404 `model_not_found`.
     pub fn route_model(
         &self,
         model: &str,
@@ -403,489 +410,6 @@ impl Scheduler {
             adapter: resolved.adapter.map(str::to_string),
         })
     }
-
-    /// Resolves rewrites/splits first, then filters, scores, picks, records prefix blocks.
-    /// The same as [`Scheduler::route_model`] followed by [`Scheduler::pick_for`].
-    #[allow(clippy::too_many_arguments)]
-    pub fn pick(
-        &mut self,
-        req: &PickRequest<'_>,
-        snapshot: &Snapshot,
-        inflight: &InflightCounts,
-        store: &dyn SharedStore,
-        rng: &mut dyn Rng,
-        now_ms: u64,
-    ) -> Result<Pick, Rejection> {
-        let route = self.route_model(req.model, req.session_id, snapshot, rng)?;
-        self.pick_for(&route, req, snapshot, inflight, store, rng, now_ms)
-    }
-
-    /// Stages 2-7 for a model already resolved by [`Scheduler::route_model`]. `req.model` is not
-    /// read again (the route has the target). No passive-health data: nothing is ejected.
-    #[allow(clippy::too_many_arguments)]
-    pub fn pick_for(
-        &mut self,
-        route: &ModelRoute,
-        req: &PickRequest<'_>,
-        snapshot: &Snapshot,
-        inflight: &InflightCounts,
-        store: &dyn SharedStore,
-        rng: &mut dyn Rng,
-        now_ms: u64,
-    ) -> Result<Pick, Rejection> {
-        self.pick_for_with(route, req, snapshot, inflight, &HealthView::default(), store, rng, now_ms)
-    }
-
-    /// [`Scheduler::pick_for`] with the passive-health view (`crate::state::health`): ejected endpoints
-    /// are left out (within `health.max_ejection_percent`), and each endpoint's phantom load is
-    /// added to its in-flight count.
-    #[allow(clippy::too_many_arguments)]
-    pub fn pick_for_with(
-        &mut self,
-        route: &ModelRoute,
-        req: &PickRequest<'_>,
-        snapshot: &Snapshot,
-        inflight: &InflightCounts,
-        health: &HealthView,
-        store: &dyn SharedStore,
-        rng: &mut dyn Rng,
-        now_ms: u64,
-    ) -> Result<Pick, Rejection> {
-        let scope = PickScope::default();
-        self.pick_scoped(route, req, snapshot, inflight, health, store, rng, now_ms, &scope)
-    }
-
-    /// [`Scheduler::pick_for_with`] narrowed by a [`PickScope`] (the hook of `crate::request::pd`, which
-    /// makes one decode pick and one prefill pick per request).
-    #[allow(clippy::too_many_arguments)]
-    pub fn pick_scoped(
-        &mut self,
-        route: &ModelRoute,
-        req: &PickRequest<'_>,
-        snapshot: &Snapshot,
-        inflight: &InflightCounts,
-        health: &HealthView,
-        store: &dyn SharedStore,
-        rng: &mut dyn Rng,
-        now_ms: u64,
-        scope: &PickScope<'_>,
-    ) -> Result<Pick, Rejection> {
-        // 1. Model (resolved by `route_model`).
-        let target = route.target_model.as_str();
-        let resolved = models::Resolved { base: &route.base, adapter: route.adapter.as_deref() };
-        let target_model = route.target_model.clone();
-        let model_rewritten = route.model_rewritten;
-        let mut weights = self.weights_for(target, resolved.base);
-        if let Some(map) = scope.weights {
-            weights = map(weights);
-        }
-
-        // 2. Filters. Without passive-health data nothing is ejected: one pass counts the
-        // serving endpoints and keeps the healthy ones (the serving list itself is only needed
-        // to fail open).
-        let serves = |e: &EndpointStatus| filter::serves(e, resolved.base) && scope.allows(e);
-        let healthy_now = |e: &EndpointStatus| filter::healthy(e, now_ms, self.stale_after_ms);
-        let mut n_serving = 0;
-        let mut serving: Vec<&EndpointStatus> = Vec::new();
-        let mut healthy: Vec<&EndpointStatus> = Vec::new();
-        if health.is_empty() {
-            healthy.reserve(snapshot.endpoints.len());
-            for e in &snapshot.endpoints {
-                if serves(e) {
-                    n_serving += 1;
-                    if healthy_now(e) {
-                        healthy.push(e);
-                    }
-                }
-            }
-        } else {
-            serving = snapshot.endpoints.iter().filter(|e| serves(e)).collect();
-            n_serving = serving.len();
-        }
-        if n_serving == 0 {
-            return Err(Rejection::new(
-                503,
-                "service_unavailable",
-                "no_endpoint",
-                format!("No endpoint serves the model `{target}`."),
-            )
-            .with_retry_after(1));
-        }
-        if !health.is_empty() {
-            // Passive health: ejected endpoints are not candidates, even to fail open.
-            serving = filter::not_ejected(&serving, health, now_ms, &self.health);
-            n_serving = serving.len();
-            healthy = serving.iter().copied().filter(|e| healthy_now(e)).collect();
-        }
-        let load =
-            |addr: &str| inflight.get(addr).saturating_add(health.phantom_load(addr, now_ms, &self.health));
-        if healthy.is_empty() {
-            if scope.no_fail_open {
-                return Err(Rejection::new(
-                    503,
-                    "service_unavailable",
-                    "no_healthy_endpoint",
-                    format!("No healthy endpoint for the model `{target_model}`."),
-                )
-                .with_retry_after(1));
-            }
-            if health.is_empty() {
-                serving = snapshot.endpoints.iter().filter(|e| serves(e)).collect();
-            }
-            return self.fail_open(&serving, &load, rng, target_model, model_rewritten);
-        }
-        let predicted = self.cfg.objective == Objective::PredictedTtft;
-        // Per candidate, once: its address hash (`crate::state::by_address`: its entry in every table
-        // keyed by address, its key in the cross-worker ones, its rendezvous seed), this
-        // gateway's in-flight count, and the live queue estimate (read by the queue scorer with
-        // `live_queue`, and by the prediction).
-        let need_live = self.cfg.live_queue || predicted;
-        let addr_hash: Vec<u64> = healthy.iter().map(|e| address_hash(&e.address)).collect();
-        // One probe per candidate for its count and the prefill the workers queued there.
-        let loads: Vec<crate::state::inflight::EndpointLoad> =
-            healthy.iter().zip(&addr_hash).map(|(e, &h)| inflight.load_hashed(h, &e.address)).collect();
-        let live: Vec<Option<f64>> = if need_live {
-            healthy
-                .iter()
-                .zip(&loads)
-                .map(|(e, l)| crate::state::load::live_queue(e, l.n, now_ms, self.stale_after_ms))
-                .collect()
-        } else {
-            Vec::new()
-        };
-        let cands: Vec<Candidate<'_>> = healthy
-            .iter()
-            .zip(loads.iter().map(|l| l.n))
-            .enumerate()
-            .map(|(i, (e, n))| Candidate {
-                address: &e.address,
-                metrics: e.metrics.as_ref(),
-                inflight: if health.is_empty() {
-                    n
-                } else {
-                    n.saturating_add(health.phantom_load(&e.address, now_ms, &self.health))
-                },
-                queue: if self.cfg.live_queue {
-                    live.get(i).copied().flatten()
-                } else {
-                    e.metrics.as_ref().and_then(|m| m.queue)
-                },
-            })
-            .collect();
-
-        // 3. Guard.
-        let overloaded = guard::overloaded(&cands, &self.cfg.guard);
-        let eligible: Vec<bool> = overloaded.iter().map(|o| !o).collect();
-
-        // 4. Scorers. Prefix first: hash, then local and cross-worker matches.
-        let mut hashes = std::mem::take(&mut self.hashes);
-        let pc = &self.cfg.prefix;
-        prefix::block_hashes(
-            req.prompt,
-            prefix::seed(target, req.cache_salt),
-            pc.block_chars,
-            pc.max_blocks,
-            &mut hashes,
-        );
-        self.local.sync(snapshot.version, &mut snapshot.endpoints.iter().map(|e| e.address.as_str()));
-        let mut lookup =
-            if hashes.is_empty() { Default::default() } else { self.shared.lookup(store, &hashes) };
-        let hit_filter = lookup.key_filter();
-        let matched: Vec<usize> = if hashes.is_empty() {
-            vec![0; cands.len()]
-        } else {
-            cands
-                .iter()
-                .zip(&addr_hash)
-                .map(|(c, &h)| {
-                    let local = self.local.matched_hashed(h, c.address, &hashes);
-                    let shared = lookup.matched_filtered(endpoint_key_of_hash(h), hit_filter);
-                    local.max(shared)
-                })
-                .collect()
-        };
-        // The prefix score of candidate `i` (0 when overloaded).
-        let n_blocks = hashes.len();
-        let prefix_score_of = |i: usize| {
-            if eligible.get(i).copied().unwrap_or(false) {
-                prefix::score(matched.get(i).copied().unwrap_or(0), n_blocks)
-            } else {
-                0.0
-            }
-        };
-        let lo = if resolved.adapter.is_some() { lora::scores(resolved.adapter, &cands) } else { Vec::new() };
-        // Under `predicted_ttft` the queue, KV, in-flight and session scores and the weighted
-        // total decide nothing (they are shown in the debug scores): computed only when read.
-        let weighted_scores = !predicted || self.cfg.debug_scores;
-        let mut rows: Vec<Breakdown> = Vec::new();
-        if weighted_scores {
-            let q = queue::scores(&cands);
-            let kv = kv::scores(&cands);
-            let inf = inflight::scores(&cands);
-            let sess = session::scores(req.session_id, &cands, &eligible);
-            rows.reserve(cands.len());
-            for i in 0..cands.len() {
-                let get = |v: &[f64]| v.get(i).copied().unwrap_or(0.0);
-                let ok = eligible.get(i).copied().unwrap_or(false);
-                let mut b = Breakdown {
-                    prefix: prefix_score_of(i),
-                    queue: get(&q),
-                    kv_cache: get(&kv),
-                    inflight: get(&inf),
-                    session: if ok { get(&sess) } else { 0.0 },
-                    lora: get(&lo),
-                    total: 0.0,
-                    predicted_ms: 0.0,
-                    work: 0.0,
-                    rate: 0.0,
-                };
-                b.total = b.weighted(&weights);
-                rows.push(b);
-            }
-        }
-
-        // Objective `predicted_ttft`: each candidate's predicted TTFT (`predict`), its work,
-        // uncached tokens and rate, and the cost that ranks it.
-        let cpt = pc.chars_per_token.max(1) as f64;
-        let prompt_tokens = req.prompt.len() as f64 / cpt;
-        let mut pred: Vec<Prediction> = Vec::new();
-        let mut costs: Vec<f64> = Vec::new();
-        if predicted {
-            let keys: Vec<u32> = addr_hash.iter().map(|&h| endpoint_key_of_hash(h)).collect();
-            let rates = self.rates.rates(store, &keys, self.cfg.predicted.prior_ms_per_token, now_ms);
-            let mean = self.ledger.mean_tokens().unwrap_or(prompt_tokens);
-            // Nothing distinguishes the pods for this prefix (no eligible one holds more of it
-            // than every other, e.g. only a system prompt all share): the rendezvous winner is
-            // where another gateway most likely sent its earlier turns. Credit scaled by the
-            // share of the traffic other gateways see (`predict`, "Rendezvous credit"). Not for
-            // an adapter request: where its adapter is loaded is a signal every gateway scrapes
-            // alike, and the LoRA factor already follows it.
-            let pr = &self.cfg.predicted;
-            let credit_share = if resolved.adapter.is_some() {
-                0.0
-            } else {
-                predict::rendezvous_credit_share(pr.rendezvous_credit, self.gateways)
-            };
-            let winner = if credit_share > 0.0 && predict::nothing_distinguishes(&matched, &eligible) {
-                predict::rendezvous_key(req.session_id, &hashes, pr.rendezvous_blocks)
-                    .and_then(|k| predict::rendezvous_winner(k, &addr_hash, &eligible))
-            } else {
-                None
-            };
-            // Sum and count of the eligible candidates' queues: the miss penalty's `busy`.
-            let (mut queue_sum, mut queue_n) = (0.0, 0.0);
-            // The lowest known KV score: the neutral fill of a missing one.
-            let mut lowest_free = f64::INFINITY;
-            let credit = 1.0 - credit_share;
-            pred.reserve(cands.len());
-            let inputs = cands.iter().zip(&addr_hash).zip(&eligible).zip(&matched).zip(&live).zip(&rates);
-            for (i, (((((c, &h), &ok), &m), &waiting), &rate)) in inputs.enumerate() {
-                let m = if ok { m } else { 0 };
-                // No block cached (most candidates): 0 without a division.
-                let cached = if m == 0 { 0.0 } else { (m * pc.block_chars) as f64 / cpt };
-                let mut own = (prompt_tokens - cached).max(0.0);
-                if winner == Some(i) {
-                    own *= credit;
-                }
-                // The prefill queued there by every worker of this gateway (their ledgers,
-                // published with the in-flight counts), or this worker's own when that is more
-                // (its latest pick may not be published yet).
-                let (mine, active) = self.ledger.pending_and_active(h, c.address);
-                let shared = loads.get(i).map_or((0.0, 0), |l| l.prefill());
-                let pending = if shared.1 > mine.1 { shared } else { mine };
-                let inp = predict::Inputs {
-                    uncached: own,
-                    pending,
-                    waiting,
-                    inflight: c.inflight,
-                    rate,
-                    lora: resolved.adapter.map(|_| lo.get(i).copied().unwrap_or(0.0)),
-                    active: pr.active_weight * active,
-                };
-                let waiting = predict::waiting(&inp);
-                let work = predict::work_given_waiting(&inp, mean, waiting);
-                if ok {
-                    queue_sum += waiting;
-                    queue_n += 1.0;
-                }
-                let kv_free = kv::free(c);
-                if let Some(f) = kv_free {
-                    lowest_free = lowest_free.min(f);
-                }
-                pred.push(Prediction {
-                    ttft: predict::ttft_of_work(&inp, work),
-                    work,
-                    rate: inp.rate,
-                    usable_rate: predict::usable_rate(inp.rate),
-                    uncached: inp.uncached,
-                    kv_free,
-                });
-            }
-            // Rank by predicted TTFT plus the miss penalty (`predict`, "Cost").
-            let least = predict::least_uncached_of(pred.iter().map(|p| p.uncached), &eligible);
-            let busy = if queue_n > 0.0 { queue_sum / queue_n } else { 0.0 };
-            let penalty = predict::MissPenalty::new(least, busy, pr.miss_weight);
-            // KV congestion (`predict`, "KV congestion"): a missing usage takes the KV scorer's
-            // neutral fill, so a pod without the metric never looks emptier than the others.
-            let neutral_free = neutral_score(lowest_free);
-            costs = pred
-                .iter()
-                .map(|p| {
-                    let cost = p.ttft + penalty.of_usable_rate(p.usable_rate, p.uncached);
-                    if pr.kv_full_at > 0.0 {
-                        cost * predict::kv_congestion(1.0 - p.kv_free.unwrap_or(neutral_free), pr.kv_full_at)
-                    } else {
-                        cost
-                    }
-                })
-                .collect();
-            for (r, p) in rows.iter_mut().zip(&pred) {
-                r.predicted_ms = p.ttft;
-                r.work = p.work;
-                r.rate = p.rate;
-            }
-        }
-
-        // 5 + 6. Session token, then the picker.
-        let token_pick = req.session_token.and_then(|t| self.session_keys.resolve(t, &cands, &eligible));
-        let mut order = if predicted {
-            let key = predict::rendezvous_key(req.session_id, &hashes, self.cfg.predicted.rendezvous_blocks);
-            let slack = self.cfg.predicted.affinity_slack;
-            let key = if slack > 0.0 || req.session_id.is_some() { key } else { None };
-            predict::order(&costs, &addr_hash, &eligible, key, slack, self.cfg.fallbacks, rng)
-        } else {
-            let totals: Vec<f64> = rows.iter().map(|b| b.total).collect();
-            picker::order(&totals, self.cfg.tie_epsilon, self.cfg.top_k, self.cfg.fallbacks, rng)
-        };
-        let reason = match token_pick {
-            Some(t) => {
-                order.retain(|&i| i != t);
-                order.insert(0, t);
-                order.truncate(1 + self.cfg.fallbacks);
-                PickReason::SessionToken
-            }
-            None => PickReason::Scored,
-        };
-        let Some((&p, fb)) = order.split_first() else {
-            // Unreachable: `cands` is not empty, so the picker returns at least one index.
-            return Err(Rejection::new(500, "internal_error", "internal", "scheduler picked nothing"));
-        };
-        let primary_cand = cands.get(p).copied();
-        let primary = primary_cand.map(|c| c.address.to_string()).unwrap_or_default();
-        let fallbacks = fb.iter().filter_map(|&i| cands.get(i)).map(|c| c.address.to_string()).collect();
-        let prefix_score = prefix_score_of(p);
-        let debug_scores = self.cfg.debug_scores.then(|| debug_string(&cands, &rows, &overloaded, predicted));
-        let (predicted_ms, ticket) = match (predicted, primary_cand) {
-            (true, Some(c)) => {
-                let pp = pred.get(p);
-                let u = pp.map_or(prompt_tokens, |x| x.uncached);
-                let w = pp.map_or(u, |x| x.work);
-                (pp.map(|x| x.ttft), self.ledger.sent(c.address, u, w, now_ms))
-            }
-            _ => (None, 0),
-        };
-
-        // 7. The primary now holds this prompt's blocks.
-        if let Some(c) = primary_cand {
-            let cap = prefix::capacity(&self.cfg.prefix, c.metrics, snapshot.endpoints.len());
-            self.local.record(c.address, &hashes, cap);
-            if !scope.skip_shared_record {
-                let key = match addr_hash.get(p) {
-                    Some(&h) => endpoint_key_of_hash(h),
-                    None => endpoint_key(c.address),
-                };
-                self.shared.record(store, &hashes, key, &mut lookup);
-            }
-        }
-        let prefix_blocks = hashes.len();
-        self.hashes = hashes;
-
-        Ok(Pick {
-            session_token: self.session_keys.token_for(&primary),
-            primary,
-            fallbacks,
-            target_model,
-            model_rewritten,
-            fail_open: false,
-            debug_scores,
-            reason,
-            serving: n_serving,
-            healthy: healthy.len(),
-            overloaded: overloaded.iter().filter(|o| **o).count(),
-            prefix_score,
-            prefix_blocks,
-            predicted_ms,
-            ticket,
-        })
-    }
-
-    fn fail_open(
-        &self,
-        serving: &[&EndpointStatus],
-        load: &dyn Fn(&str) -> u32,
-        rng: &mut dyn Rng,
-        target_model: String,
-        model_rewritten: bool,
-    ) -> Result<Pick, Rejection> {
-        if self.failure_mode != FailureMode::FailOpen {
-            return Err(Rejection::new(
-                503,
-                "service_unavailable",
-                "no_healthy_endpoint",
-                format!("No healthy endpoint for the model `{target_model}`."),
-            )
-            .with_retry_after(1));
-        }
-        // Fewer in flight is better; counts are integers, so a tie epsilon of 0.5 groups exactly
-        // the equal counts.
-        let totals: Vec<f64> = serving.iter().map(|e| -f64::from(load(&e.address))).collect();
-        let order = picker::order(&totals, 0.5, 1, self.cfg.fallbacks, rng);
-        let mut addrs = order.iter().filter_map(|&i| serving.get(i)).map(|e| e.address.clone());
-        let primary = addrs.next().unwrap_or_default();
-        Ok(Pick {
-            session_token: self.session_keys.token_for(&primary),
-            primary,
-            fallbacks: addrs.collect(),
-            target_model,
-            model_rewritten,
-            fail_open: true,
-            debug_scores: None,
-            reason: PickReason::FailOpen,
-            serving: serving.len(),
-            healthy: 0,
-            overloaded: 0,
-            prefix_score: 0.0,
-            prefix_blocks: 0,
-            predicted_ms: None,
-            ticket: 0,
-        })
-    }
-}
-
-/// `addr t=.. p=.. q=.. kv=.. if=.. s=.. l=..[ overloaded]` for the best
-/// [`DEBUG_MAX_ENDPOINTS`] candidates, separated by `, ` (header-safe: addresses are ASCII).
-fn debug_string(cands: &[Candidate<'_>], rows: &[Breakdown], overloaded: &[bool], predicted: bool) -> String {
-    // Best first: the highest total, or the lowest predicted TTFT.
-    let totals: Vec<f64> = rows.iter().map(|b| if predicted { -b.predicted_ms } else { b.total }).collect();
-    let mut s = String::new();
-    for (n, i) in picker::top_m(&totals, DEBUG_MAX_ENDPOINTS).into_iter().enumerate() {
-        let (Some(c), Some(b)) = (cands.get(i), rows.get(i)) else { continue };
-        if n > 0 {
-            s.push_str(", ");
-        }
-        let _ = write!(
-            s,
-            "{} t={:.3} p={:.3} q={:.3} kv={:.3} if={:.3} s={:.3} l={:.3}",
-            c.address, b.total, b.prefix, b.queue, b.kv_cache, b.inflight, b.session, b.lora
-        );
-        if predicted {
-            let _ = write!(s, " ttft={:.1}ms work={:.0} rate={:.4}", b.predicted_ms, b.work, b.rate);
-        }
-        if overloaded.get(i).copied().unwrap_or(false) {
-            s.push_str(" overloaded");
-        }
-    }
-    s
 }
 
 #[cfg(test)]

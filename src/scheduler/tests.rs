@@ -3,8 +3,10 @@
 use proptest::prelude::*;
 
 use super::*;
-use crate::base::ports::{MemStore, SplitMix64};
+use crate::base::ports::{MemStore, Rng, SharedStore, SplitMix64};
 use crate::config::Config;
+use crate::state::health::HealthView;
+use crate::state::inflight::InflightCounts;
 use crate::state::metrics::EndpointMetrics;
 use crate::state::prefix_shared;
 
@@ -50,6 +52,37 @@ pub(crate) fn snap(eps: Vec<EndpointStatus>) -> Snapshot {
     Snapshot { version: 1, published_ms: NOW - 50, endpoints: eps }
 }
 
+/// The pick of a request naming its model: [`Scheduler::route_model`], then [`Scheduler::pick`]
+/// with no passive-health data and the default scope.
+trait PickModel {
+    fn pick_model(
+        &mut self,
+        r: &PickRequest<'_>,
+        sn: &Snapshot,
+        inf: &InflightCounts,
+        store: &dyn SharedStore,
+        rng: &mut dyn Rng,
+        now_ms: u64,
+    ) -> Result<Pick, Rejection>;
+}
+
+impl PickModel for Scheduler {
+    fn pick_model(
+        &mut self,
+        r: &PickRequest<'_>,
+        sn: &Snapshot,
+        inf: &InflightCounts,
+        store: &dyn SharedStore,
+        rng: &mut dyn Rng,
+        now_ms: u64,
+    ) -> Result<Pick, Rejection> {
+        let route = self.route_model(r.model, r.session_id, sn, rng)?;
+        let health = HealthView::default();
+        let state = PickState { snapshot: sn, inflight: inf, health: &health, store, now_ms };
+        self.pick(PickInput { route: &route, request: *r, state, scope: PickScope::default(), rng })
+    }
+}
+
 fn req(model: &str) -> PickRequest<'_> {
     PickRequest { model, ..Default::default() }
 }
@@ -61,7 +94,7 @@ fn pick(
     inf: &InflightCounts,
     seed: u64,
 ) -> Result<Pick, Rejection> {
-    s.pick(r, sn, inf, &MemStore::new(), &mut SplitMix64::new(seed), NOW)
+    s.pick_model(r, sn, inf, &MemStore::new(), &mut SplitMix64::new(seed), NOW)
 }
 
 #[test]
@@ -352,10 +385,11 @@ fn conversation_follows_its_prefix_across_workers() {
         let t1 = conversation(conv, 2);
         let t2 = conversation(conv, 4);
         let r1 = PickRequest { model: "llama", prompt: &t1, ..Default::default() };
-        let p1 = a.pick(&r1, &sn, &inf, &store, &mut SplitMix64::new(u64::from(conv)), NOW).unwrap();
+        let p1 = a.pick_model(&r1, &sn, &inf, &store, &mut SplitMix64::new(u64::from(conv)), NOW).unwrap();
         assert_eq!(p1.prefix_score, 0.0);
         let r2 = PickRequest { model: "llama", prompt: &t2, ..Default::default() };
-        let p2 = b.pick(&r2, &sn, &inf, &store, &mut SplitMix64::new(1000 + u64::from(conv)), NOW).unwrap();
+        let p2 =
+            b.pick_model(&r2, &sn, &inf, &store, &mut SplitMix64::new(1000 + u64::from(conv)), NOW).unwrap();
         if p2.primary == p1.primary {
             followed += 1;
             // t1 has 2312 bytes = 9 blocks of 256 (checkpoints 4, 8); t2 has 4588 bytes
@@ -379,7 +413,7 @@ fn without_the_shared_table_other_workers_lose_the_prefix() {
     for conv in 0..20 {
         let (t1, t2) = (conversation(conv, 2), conversation(conv, 4));
         let p1 = a
-            .pick(
+            .pick_model(
                 &PickRequest { model: "llama", prompt: &t1, ..Default::default() },
                 &sn,
                 &inf,
@@ -389,7 +423,7 @@ fn without_the_shared_table_other_workers_lose_the_prefix() {
             )
             .unwrap();
         let p2 = b
-            .pick(
+            .pick_model(
                 &PickRequest { model: "llama", prompt: &t2, ..Default::default() },
                 &sn,
                 &inf,
@@ -401,7 +435,7 @@ fn without_the_shared_table_other_workers_lose_the_prefix() {
         followed += usize::from(p1.primary == p2.primary);
         // The same worker still follows (local index, exact).
         let p3 = a
-            .pick(
+            .pick_model(
                 &PickRequest { model: "llama", prompt: &t2, ..Default::default() },
                 &sn,
                 &inf,
@@ -424,7 +458,7 @@ fn hot_spot_guard_moves_affinity_off_an_overloaded_endpoint() {
     let t2 = conversation(1, 3);
     let sn = equal_pool(4);
     let p1 = s
-        .pick(
+        .pick_model(
             &PickRequest { model: "llama", prompt: &t1, ..Default::default() },
             &sn,
             &Default::default(),
@@ -441,13 +475,13 @@ fn hot_spot_guard_moves_affinity_off_an_overloaded_endpoint() {
     let r2 = PickRequest { model: "llama", prompt: &t2, ..Default::default() };
     let mut s2 = s.clone();
     let store2 = MemStore::new();
-    let p3 = s2.pick(&r2, &sn, &inf, &store2, &mut SplitMix64::new(1), NOW).unwrap();
+    let p3 = s2.pick_model(&r2, &sn, &inf, &store2, &mut SplitMix64::new(1), NOW).unwrap();
     assert_eq!(p3.primary, p1.primary);
     assert!((p3.prefix_score - 9.0 / 13.0).abs() < 1e-9, "{}", p3.prefix_score);
     // At 100 in flight (load 100 vs 2 elsewhere: gap 98 > 64 and 100 > 1.5×2) it is
     // overloaded: its prefix score is forced to 0 and the request goes elsewhere.
     let inf = InflightCounts::decode(format!("{}=100", p1.primary).as_bytes());
-    let p2 = s.pick(&r2, &sn, &inf, &store, &mut SplitMix64::new(1), NOW).unwrap();
+    let p2 = s.pick_model(&r2, &sn, &inf, &store, &mut SplitMix64::new(1), NOW).unwrap();
     assert_ne!(p2.primary, p1.primary);
     assert_eq!((p2.overloaded, p2.prefix_score), (1, 0.0));
 }
@@ -459,12 +493,14 @@ fn cache_salt_and_model_separate_prefixes() {
     let sn = equal_pool(4);
     let t = conversation(5, 3);
     let r = PickRequest { model: "llama", prompt: &t, cache_salt: Some("tenant-a"), ..Default::default() };
-    s.pick(&r, &sn, &Default::default(), &store, &mut SplitMix64::new(1), NOW).unwrap();
-    let again = s.pick(&r, &sn, &Default::default(), &store, &mut SplitMix64::new(2), NOW).unwrap();
+    s.pick_model(&r, &sn, &Default::default(), &store, &mut SplitMix64::new(1), NOW).unwrap();
+    let again = s.pick_model(&r, &sn, &Default::default(), &store, &mut SplitMix64::new(2), NOW).unwrap();
     assert_eq!(again.prefix_score, 1.0);
     let other = PickRequest { cache_salt: Some("tenant-b"), ..r };
     assert_eq!(
-        s.pick(&other, &sn, &Default::default(), &store, &mut SplitMix64::new(3), NOW).unwrap().prefix_score,
+        s.pick_model(&other, &sn, &Default::default(), &store, &mut SplitMix64::new(3), NOW)
+            .unwrap()
+            .prefix_score,
         0.0
     );
 }
@@ -484,7 +520,7 @@ proptest! {
             let t = conversation(conv, turns);
             let r = PickRequest { model: "llama", prompt: &t, cache_salt: salt.as_deref(), ..Default::default() };
             let Some(s) = workers.get_mut(w as usize) else { continue };
-            s.pick(&r, &sn, &Default::default(), &store, &mut SplitMix64::new(i as u64), NOW).unwrap();
+            s.pick_model(&r, &sn, &Default::default(), &store, &mut SplitMix64::new(i as u64), NOW).unwrap();
         }
         prop_assert!(store.key_count() <= shards);
         for k in store.keys() {
@@ -595,7 +631,9 @@ fn failures_are_load_and_ejected_endpoints_are_never_picked() {
     let pick_with = |s: &mut Scheduler, rec: &mut Recorder, seed| {
         let view = rec.read(&store, NOW).unwrap();
         let route = s.route_model("llama", None, &sn, &mut SplitMix64::new(seed)).unwrap();
-        s.pick_for_with(&route, &req("llama"), &sn, &inf, &view, &store, &mut SplitMix64::new(seed), NOW)
+        let state = PickState { snapshot: &sn, inflight: &inf, health: &view, store: &store, now_ms: NOW };
+        let rng = &mut SplitMix64::new(seed);
+        s.pick(PickInput { route: &route, request: req("llama"), state, scope: PickScope::default(), rng })
             .unwrap()
     };
     // b: kv 0 → 1.0 beats a's 0.8, everything else equal.
@@ -642,18 +680,17 @@ fn a_black_hole_costs_at_most_three_requests_of_sixty() {
             }
             let view = rec.read(&store, now).unwrap();
             let route = s.route_model("llama", None, &sn, &mut rng).unwrap();
-            let p = s
-                .pick_for_with(
-                    &route,
-                    &req("llama"),
-                    &sn,
-                    &InflightCounts::default(),
-                    &view,
-                    &store,
-                    &mut rng,
-                    now,
-                )
-                .unwrap();
+            let inf = InflightCounts::default();
+            let state =
+                PickState { snapshot: &sn, inflight: &inf, health: &view, store: &store, now_ms: now };
+            let input = PickInput {
+                route: &route,
+                request: req("llama"),
+                state,
+                scope: PickScope::default(),
+                rng: &mut rng,
+            };
+            let p = s.pick(input).unwrap();
             let outcome = if p.primary == "hole:1" {
                 failed += 1;
                 assert!(ejected_at.is_none(), "seed {seed}: picked after its ejection");
@@ -714,8 +751,9 @@ fn predicted_ttft_goes_where_the_queue_ahead_is_shortest() {
     ]);
     let prompt = fresh_prompt(1, 8);
     let r = PickRequest { model: "llama", prompt: &prompt, ..Default::default() };
-    let p =
-        s.pick(&r, &sn, &InflightCounts::default(), &MemStore::new(), &mut SplitMix64::new(1), NOW).unwrap();
+    let p = s
+        .pick_model(&r, &sn, &InflightCounts::default(), &MemStore::new(), &mut SplitMix64::new(1), NOW)
+        .unwrap();
     assert_eq!(p.primary, "b:1");
     assert_eq!(p.fallbacks, vec!["c:1".to_string(), "a:1".to_string()]);
     assert!(p.predicted_ms.is_some_and(|ms| ms > 0.0));
@@ -735,7 +773,7 @@ fn fresh_pick_kv(kv_a: Option<f64>, queue_b: f64, extra: &str) -> String {
     let sn = snap(vec![a, ep("b:1", &["llama"], queue_b, 0.1)]);
     let prompt = fresh_prompt(5, 8);
     let r = PickRequest { model: "llama", prompt: &prompt, ..Default::default() };
-    s.pick(&r, &sn, &InflightCounts::default(), &MemStore::new(), &mut SplitMix64::new(3), NOW)
+    s.pick_model(&r, &sn, &InflightCounts::default(), &MemStore::new(), &mut SplitMix64::new(3), NOW)
         .unwrap()
         .primary
 }
@@ -772,7 +810,7 @@ fn idle_pick(id: u32, slack: f64, replicas: u32, model: &str, seed: u64) -> Stri
     let sn = snap((1..=4).map(|i| ep(&format!("10.0.0.{i}:8000"), &["llama"], 0.0, 0.2)).collect());
     let prompt = fresh_prompt(id, 8);
     let r = PickRequest { model, prompt: &prompt, ..Default::default() };
-    s.pick(&r, &sn, &InflightCounts::default(), &MemStore::new(), &mut SplitMix64::new(seed), NOW)
+    s.pick_model(&r, &sn, &InflightCounts::default(), &MemStore::new(), &mut SplitMix64::new(seed), NOW)
         .unwrap()
         .primary
 }
@@ -809,7 +847,8 @@ fn a_burst_from_one_worker_spreads_before_any_scrape_sees_it() {
     for id in 0..8 {
         let prompt = fresh_prompt(id, 8);
         let r = PickRequest { model: "llama", prompt: &prompt, ..Default::default() };
-        let p = s.pick(&r, &sn, &InflightCounts::default(), &store, &mut SplitMix64::new(7), NOW).unwrap();
+        let p =
+            s.pick_model(&r, &sn, &InflightCounts::default(), &store, &mut SplitMix64::new(7), NOW).unwrap();
         seen.insert(p.primary);
     }
     assert_eq!(seen.len(), 8);
@@ -824,7 +863,7 @@ fn pick_with_peers(inflight: &[u8]) -> String {
     let prompt = fresh_prompt(9, 8);
     let r = PickRequest { model: "llama", prompt: &prompt, ..Default::default() };
     let inf = InflightCounts::decode(inflight);
-    s.pick(&r, &sn, &inf, &MemStore::new(), &mut SplitMix64::new(1), NOW).unwrap().primary
+    s.pick_model(&r, &sn, &inf, &MemStore::new(), &mut SplitMix64::new(1), NOW).unwrap().primary
 }
 
 #[test]
@@ -846,7 +885,7 @@ fn one_ttft_pick(id: u32) -> (Scheduler, MemStore, Pick) {
     let store = MemStore::new();
     let prompt = fresh_prompt(id, 16);
     let r = PickRequest { model: "llama", prompt: &prompt, ..Default::default() };
-    let p = s.pick(&r, &sn, &InflightCounts::default(), &store, &mut SplitMix64::new(1), NOW).unwrap();
+    let p = s.pick_model(&r, &sn, &InflightCounts::default(), &store, &mut SplitMix64::new(1), NOW).unwrap();
     (s, store, p)
 }
 
@@ -897,7 +936,7 @@ fn a_pod_learnt_slow_gets_less_traffic() {
         let prompt = fresh_prompt(id, 8);
         let r = PickRequest { model: "llama", prompt: &prompt, ..Default::default() };
         let p = s
-            .pick(&r, &sn, &InflightCounts::default(), &store, &mut SplitMix64::new(u64::from(id)), NOW)
+            .pick_model(&r, &sn, &InflightCounts::default(), &store, &mut SplitMix64::new(u64::from(id)), NOW)
             .unwrap();
         on_b += usize::from(p.primary == "b:1");
     }
@@ -919,7 +958,7 @@ fn independent_replicas_send_a_new_prefix_to_the_same_pod() {
         let mut r1 = Scheduler::new(&config_ttft(""));
         let mut r2 = Scheduler::new(&config_ttft(""));
         let p1 = r1
-            .pick(
+            .pick_model(
                 &PickRequest { model: "llama", prompt: &t1, ..Default::default() },
                 &sn,
                 &inf,
@@ -929,7 +968,7 @@ fn independent_replicas_send_a_new_prefix_to_the_same_pod() {
             )
             .unwrap();
         let p2 = r2
-            .pick(
+            .pick_model(
                 &PickRequest { model: "llama", prompt: &t2, ..Default::default() },
                 &sn,
                 &inf,
@@ -951,7 +990,7 @@ fn independent_replicas_send_a_new_prefix_to_the_same_pod() {
         let cfg = config_ttft(r#","scheduler":{"predicted":{"affinity_slack":0}}"#);
         let (mut r1, mut r2) = (Scheduler::new(&cfg), Scheduler::new(&cfg));
         let p1 = r1
-            .pick(
+            .pick_model(
                 &PickRequest { model: "llama", prompt: &t1, ..Default::default() },
                 &sn,
                 &inf,
@@ -961,7 +1000,7 @@ fn independent_replicas_send_a_new_prefix_to_the_same_pod() {
             )
             .unwrap();
         let p2 = r2
-            .pick(
+            .pick_model(
                 &PickRequest { model: "llama", prompt: &t2, ..Default::default() },
                 &sn,
                 &inf,
@@ -990,10 +1029,11 @@ fn predicted_conversation_follows_its_prefix_across_workers() {
         let t1 = conversation(conv, 12);
         let t2 = conversation(conv, 14);
         let r1 = PickRequest { model: "llama", prompt: &t1, ..Default::default() };
-        let p1 = a.pick(&r1, &sn, &inf, &store, &mut SplitMix64::new(u64::from(conv)), NOW).unwrap();
+        let p1 = a.pick_model(&r1, &sn, &inf, &store, &mut SplitMix64::new(u64::from(conv)), NOW).unwrap();
         a.request_done(p1.ticket);
         let r2 = PickRequest { model: "llama", prompt: &t2, ..Default::default() };
-        let p2 = b.pick(&r2, &sn, &inf, &store, &mut SplitMix64::new(1000 + u64::from(conv)), NOW).unwrap();
+        let p2 =
+            b.pick_model(&r2, &sn, &inf, &store, &mut SplitMix64::new(1000 + u64::from(conv)), NOW).unwrap();
         b.request_done(p2.ticket);
         followed += usize::from(p2.primary == p1.primary);
     }
@@ -1014,7 +1054,8 @@ fn predicted_adapter_request_prefers_the_pod_running_it_unless_it_is_far_busier(
     let r = PickRequest { model: "sql-lora", prompt: &prompt, ..Default::default() };
     let run = |sn: &Snapshot| {
         let mut s = Scheduler::new(&config_ttft(""));
-        s.pick(&r, sn, &InflightCounts::default(), &MemStore::new(), &mut SplitMix64::new(1), NOW).unwrap()
+        s.pick_model(&r, sn, &InflightCounts::default(), &MemStore::new(), &mut SplitMix64::new(1), NOW)
+            .unwrap()
     };
     // a runs sql-lora (×1), c has a free slot (×1.25), b's only slot holds another adapter (×10).
     let p = run(&snap(vec![
@@ -1046,7 +1087,7 @@ fn turn_two_with_a_busier_cached_pod(queue_on_a: f64, extra: &str) -> Pick {
     let only_a =
         Snapshot { version: 1, published_ms: NOW - 50, endpoints: vec![ep("a:1", &["llama"], 0.0, 0.3)] };
     let r1 = PickRequest { model: "llama", prompt: &t1, ..Default::default() };
-    let p1 = s.pick(&r1, &only_a, &inf, &store, &mut SplitMix64::new(1), NOW).unwrap();
+    let p1 = s.pick_model(&r1, &only_a, &inf, &store, &mut SplitMix64::new(1), NOW).unwrap();
     assert_eq!(p1.primary, "a:1");
     s.request_done(p1.ticket);
     let both = Snapshot {
@@ -1055,7 +1096,7 @@ fn turn_two_with_a_busier_cached_pod(queue_on_a: f64, extra: &str) -> Pick {
         endpoints: vec![ep("a:1", &["llama"], queue_on_a, 0.3), ep("b:1", &["llama"], 0.0, 0.3)],
     };
     let r2 = PickRequest { model: "llama", prompt: &t2, ..Default::default() };
-    s.pick(&r2, &both, &inf, &store, &mut SplitMix64::new(2), NOW).unwrap()
+    s.pick_model(&r2, &both, &inf, &store, &mut SplitMix64::new(2), NOW).unwrap()
 }
 
 #[test]

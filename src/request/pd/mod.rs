@@ -6,7 +6,7 @@
 //! `endpoints[].role` and, for discovered pods, from a pod label (`llm-d.ai/role` by default,
 //! `discovery.kubernetes.roles`). They matter only when the `pd` section is present.
 //!
-//! **Decode pick.** The scheduler's usual pipeline (`Scheduler::pick_scoped`) among the
+//! **Decode pick.** The scheduler's usual pipeline (`Scheduler::pick`, narrowed by a `PickScope`) among the
 //! decode-capable endpoints (`decode`, `both`): filters, passive health, guard, load, KV
 //! headroom, session, LoRA, fail open. Prefix affinity weighs `pd.decode_prefix_factor` (default
 //! 0.5) times its usual weight: with a prefill pod doing the long prefills, a decode pod's
@@ -42,14 +42,10 @@
 //! (`request::protocol::CLIENT_ROUTING_HEADERS`).
 
 use crate::base::errors::Rejection;
-use crate::base::ports::{Rng, SharedStore};
 use crate::request::config::{PdConfig, Settings};
-use crate::request::{BodyInputs, Prepared, RequestHead};
 use crate::scheduler::config::Weights;
-use crate::scheduler::{ModelRoute, Pick, PickRequest, PickScope, Scheduler};
-use crate::state::health::HealthView;
-use crate::state::inflight::InflightCounts;
-use crate::state::snapshot::{EndpointStatus, Snapshot};
+use crate::scheduler::{Pick, PickInput, PickRequest, PickScope, Scheduler};
+use crate::state::snapshot::EndpointStatus;
 
 /// Why a request was or was not split (for metrics and tests).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -134,29 +130,23 @@ pub fn should_split(threshold: u64, uncached: u64) -> bool {
 }
 
 /// Decode pick, split decision, prefill pick (see the module doc). With no `pd` section this is
-/// exactly `Scheduler::pick_for_with`.
-#[allow(clippy::too_many_arguments)]
+/// exactly [`Scheduler::pick`] of `input`; with one, `input.scope` is replaced by the decode
+/// pick's and the prefill pick's.
 pub fn pick(
     cfg: &Settings<'_>,
     scheduler: &mut Scheduler,
-    route: &ModelRoute,
-    req: &PickRequest<'_>,
-    snapshot: &Snapshot,
-    inflight: &InflightCounts,
-    health: &HealthView,
-    store: &dyn SharedStore,
-    rng: &mut dyn Rng,
-    now_ms: u64,
+    input: PickInput<'_>,
 ) -> Result<PdPick, Rejection> {
     let Some(pd) = cfg.pd else {
-        let pick = scheduler.pick_for_with(route, req, snapshot, inflight, health, store, rng, now_ms)?;
+        let pick = scheduler.pick(input)?;
         return Ok(PdPick { pick, prefiller: None, decision: Decision::Off, uncached_tokens: 0 });
     };
+    let PickInput { route, request: req, state, rng, .. } = input;
     let decodes = |e: &EndpointStatus| e.role.decodes();
     let factor = pd.decode_prefix_factor;
     let decode_weights = move |w: Weights| Weights { prefix: w.prefix * factor, ..w };
     let scope = PickScope { allow: Some(&decodes), weights: Some(&decode_weights), ..Default::default() };
-    let pick = scheduler.pick_scoped(route, req, snapshot, inflight, health, store, rng, now_ms, &scope)?;
+    let pick = scheduler.pick(PickInput { route, request: req, state, scope, rng: &mut *rng })?;
     let pc = cfg.prefix;
     let uncached = uncached_tokens(
         req.prompt.len(),
@@ -174,13 +164,15 @@ pub fn pick(
         return no(Decision::BelowThreshold);
     }
     let decode_pod = pick.primary.as_str();
+    let (health, now_ms) = (state.health, state.now_ms);
     // An ejected prefill pod is left out even when it is the only one (the scheduler's
     // `max_ejection_percent` never empties a pool, but a request without a prefiller still
     // runs: the decode pod prefills it).
     let prefills = |e: &EndpointStatus| {
         e.role.prefills() && e.address != decode_pod && !health.ejected(&e.address, now_ms)
     };
-    let any = snapshot
+    let any = state
+        .snapshot
         .endpoints
         .iter()
         .any(|e| e.role.prefills() && e.address != decode_pod && e.models.contains(&route.base));
@@ -201,8 +193,8 @@ pub fn pick(
         no_fail_open: true,
         skip_shared_record: true,
     };
-    let preq = PickRequest { session_id: None, session_token: None, ..*req };
-    match scheduler.pick_scoped(route, &preq, snapshot, inflight, health, store, rng, now_ms, &scope) {
+    let request = PickRequest { session_id: None, session_token: None, ..req };
+    match scheduler.pick(PickInput { route, request, state, scope, rng }) {
         Ok(p) => {
             // The prefill pick's own prefill-ledger entry (`scheduler::predict`) ends here: no
             // first byte of the prefill pod's answer is ever seen by this filter (the decode
@@ -221,33 +213,6 @@ pub fn pick(
         }
         Err(_) => no(Decision::NoHealthyPrefill),
     }
-}
-
-/// [`pick`] for a prepared request, with the inputs of the moment it goes on: what the filter
-/// calls instead of `request::route_with`.
-pub fn route(
-    cfg: &Settings<'_>,
-    scheduler: &mut Scheduler,
-    rng: &mut dyn Rng,
-    head: &RequestHead,
-    prepared: &Prepared,
-    inputs: &BodyInputs<'_>,
-    health: &HealthView,
-) -> Result<PdPick, Rejection> {
-    // Conformance mode: the test's endpoint selection narrows both picks, as in `route_with`.
-    let (req, restricted) = crate::request::pick_inputs(head, prepared, inputs.snapshot)?;
-    pick(
-        cfg,
-        scheduler,
-        &prepared.route,
-        &req,
-        restricted.as_ref().unwrap_or(inputs.snapshot),
-        inputs.inflight,
-        health,
-        inputs.store,
-        rng,
-        inputs.now_ms,
-    )
 }
 
 #[cfg(test)]

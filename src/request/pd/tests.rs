@@ -3,8 +3,11 @@
 use super::*;
 use crate::base::ports::{MemStore, SplitMix64};
 use crate::config::Config;
+use crate::scheduler::PickState;
 use crate::state::catalog::Role;
+use crate::state::health::HealthView;
 use crate::state::metrics::EndpointMetrics;
+use crate::state::snapshot::Snapshot;
 
 const NOW: u64 = 1_000_000;
 
@@ -78,18 +81,11 @@ impl Run {
     fn go(&mut self, sn: &Snapshot, text: &str, health: &HealthView, seed: u64) -> Result<PdPick, Rejection> {
         let req = PickRequest { model: "llama", prompt: text, ..Default::default() };
         let route = self.sched.route_model("llama", None, sn, &mut SplitMix64::new(seed)).unwrap();
-        pick(
-            &self.cfg.request(),
-            &mut self.sched,
-            &route,
-            &req,
-            sn,
-            &Default::default(),
-            health,
-            &self.store,
-            &mut SplitMix64::new(seed),
-            NOW,
-        )
+        let inflight = Default::default();
+        let state = PickState { snapshot: sn, inflight: &inflight, health, store: &self.store, now_ms: NOW };
+        let rng = &mut SplitMix64::new(seed);
+        let input = PickInput { route: &route, request: req, state, scope: Default::default(), rng };
+        pick(&self.cfg.request(), &mut self.sched, input)
     }
 }
 

@@ -986,6 +986,82 @@ impl Drop for AbortGuard {
     }
 }
 
+/// Records an arrival (its number, the stats, the arrivals kept) and parks it when /sim/hold
+/// asked for that: its number, and what to wait for when parked. Under the hold lock, so that
+/// arrival numbers, `arrivals` and the parked queue all have one order. (No code takes these
+/// two locks the other way round.)
+fn record_arrival(
+    st: &AppState,
+    content: Option<String>,
+    headers: &HeaderMap,
+) -> (u64, Option<oneshot::Receiver<()>>) {
+    let request_id = headers.get("x-request-id").and_then(|v| v.to_str().ok()).map(str::to_string);
+    let mut hold = lock(&st.hold);
+    let seq = st.next_arrival.fetch_add(1, Ordering::Relaxed);
+    let held = hold.setting.take();
+    let arrival = Arrival { seq, content, request_id, held };
+    let mut s = lock(&st.stats);
+    s.requests_total += 1;
+    s.last_request_headers = headers_map(headers);
+    s.last_request_model = None;
+    if s.arrivals.len() >= ARRIVALS_KEPT {
+        s.arrivals.pop_front();
+    }
+    s.arrivals.push_back(arrival.clone());
+    let parked = held.then(|| {
+        s.held_total += 1;
+        let (go, wait) = oneshot::channel();
+        hold.parked.push_back(Parked { arrival, go });
+        wait
+    });
+    (seq, parked)
+}
+
+/// A decode pod named a prefiller (llm-d's sidecar header): the remote prefill, then the
+/// prompt's blocks imported here. The prefiller when it prefilled; `None` without one, or when
+/// it failed (this pod prefills then).
+async fn prefill_remotely(
+    st: &AppState,
+    api: Api,
+    headers: &HeaderMap,
+    value: &Value,
+    p: &Parsed,
+    adapter: Option<&str>,
+) -> Option<String> {
+    let prefiller = match st.cfg.role {
+        SimRole::Prefill => None,
+        SimRole::Decode | SimRole::Both => headers
+            .get(PREFILLER_HEADER)
+            .and_then(|v| v.to_str().ok())
+            .map(str::trim)
+            .filter(|v| !v.is_empty())
+            .map(str::to_string),
+    };
+    let pre = prefiller?;
+    let path = if api == Api::Chat { "/v1/chat/completions" } else { "/v1/completions" };
+    let ok = match remote_prefill(&pre, path, value).await {
+        Ok(()) => {
+            let mut core = lock(&st.core);
+            core.server.import_prefix(&p.hashes, p.prompt_tokens, adapter);
+            true
+        }
+        Err(e) => {
+            eprintln!("model-server-sim: remote prefill on {pre} failed, prefilling here: {e}");
+            false
+        }
+    };
+    let mut s = lock(&st.stats);
+    let mut prefilled_by = None;
+    if ok {
+        s.remote_prefills_total += 1;
+        prefilled_by = Some(pre.clone());
+    } else {
+        s.remote_prefill_failures_total += 1;
+    }
+    s.last_prefiller = Some(pre);
+    prefilled_by
+}
+
 async fn inference(
     st: Arc<AppState>,
     api: Api,
@@ -995,30 +1071,7 @@ async fn inference(
 ) -> Response {
     let parsed_body = serde_json::from_slice::<Value>(&body);
     let content = parsed_body.as_ref().ok().and_then(|v| request_content(api, v));
-    let request_id = headers.get("x-request-id").and_then(|v| v.to_str().ok()).map(str::to_string);
-    // Under the hold lock, so that arrival numbers, `arrivals` and the parked queue all have one
-    // order. (No code takes these two locks the other way round.)
-    let (seq, parked) = {
-        let mut hold = lock(&st.hold);
-        let seq = st.next_arrival.fetch_add(1, Ordering::Relaxed);
-        let held = hold.setting.take();
-        let arrival = Arrival { seq, content, request_id, held };
-        let mut s = lock(&st.stats);
-        s.requests_total += 1;
-        s.last_request_headers = headers_map(&headers);
-        s.last_request_model = None;
-        if s.arrivals.len() >= ARRIVALS_KEPT {
-            s.arrivals.pop_front();
-        }
-        s.arrivals.push_back(arrival.clone());
-        let parked = held.then(|| {
-            s.held_total += 1;
-            let (go, wait) = oneshot::channel();
-            hold.parked.push_back(Parked { arrival, go });
-            wait
-        });
-        (seq, parked)
-    };
+    let (seq, parked) = record_arrival(&st, content, &headers);
     if let Some(wait) = parked {
         let _guard = ParkGuard { state: st.clone(), seq };
         // Err only when the sender was dropped without a release, which does not happen while
@@ -1079,38 +1132,7 @@ async fn inference(
             st.cfg.max_model_len, total, p.prompt_tokens, p.max_tokens
         ));
     }
-    let prefiller = match st.cfg.role {
-        SimRole::Prefill => None,
-        SimRole::Decode | SimRole::Both => headers
-            .get(PREFILLER_HEADER)
-            .and_then(|v| v.to_str().ok())
-            .map(str::trim)
-            .filter(|v| !v.is_empty())
-            .map(str::to_string),
-    };
-    let mut prefilled_by = None;
-    if let Some(pre) = prefiller {
-        let path = if api == Api::Chat { "/v1/chat/completions" } else { "/v1/completions" };
-        let ok = match remote_prefill(&pre, path, &value).await {
-            Ok(()) => {
-                let mut core = lock(&st.core);
-                core.server.import_prefix(&p.hashes, p.prompt_tokens, adapter.as_deref());
-                true
-            }
-            Err(e) => {
-                eprintln!("model-server-sim: remote prefill on {pre} failed, prefilling here: {e}");
-                false
-            }
-        };
-        let mut s = lock(&st.stats);
-        if ok {
-            s.remote_prefills_total += 1;
-            prefilled_by = Some(pre.clone());
-        } else {
-            s.remote_prefill_failures_total += 1;
-        }
-        s.last_prefiller = Some(pre);
-    }
+    let prefilled_by = prefill_remotely(&st, api, &headers, &value, &p, adapter.as_deref()).await;
 
     let id = st.next_id.fetch_add(1, Ordering::Relaxed);
     let (tx, rx) = mpsc::unbounded_channel();

@@ -37,9 +37,10 @@ use inference_picker::flow::priority::resolve_priority;
 use inference_picker::flow::saturation::{saturated, SaturationParams};
 use inference_picker::flow::{Action, Admission, Capacity, FlowQueue, Ticket};
 use inference_picker::poll::poller::{Poller, ScrapeResult};
-use inference_picker::request::{on_body, BodyInputs, RequestHead};
-use inference_picker::scheduler::Scheduler;
+use inference_picker::request::{on_body, RequestHead};
+use inference_picker::scheduler::{PickState, Scheduler};
 use inference_picker::state::catalog::Criticality;
+use inference_picker::state::health::HealthView;
 use inference_picker::state::inflight;
 use inference_picker::state::snapshot::{publish, EndpointStatus, Snapshot, SnapshotCache};
 use model_server_sim::{Engine, Event, RenderInfo, Server, ServerConfig, SimRequest};
@@ -741,9 +742,15 @@ impl Sim<'_> {
                 let body = text::chat_body(&model, &msgs, req.output_tokens);
                 match (w.sched.as_mut(), snap) {
                     (Some(s), Some(snap)) => {
-                        let inputs =
-                            BodyInputs { snapshot: &snap, inflight: &counts, store: &rep.store, now_ms };
-                        match on_body(&self.cfg.request(), s, &mut w.rng, &self.head, &body, &inputs) {
+                        let health = HealthView::default();
+                        let state = PickState {
+                            snapshot: &snap,
+                            inflight: &counts,
+                            health: &health,
+                            store: &rep.store,
+                            now_ms,
+                        };
+                        match on_body(&self.cfg.request(), s, &mut w.rng, &self.head, &body, state) {
                             Ok(routed) => {
                                 self.live[idx].worker = wi;
                                 self.live[idx].ticket = routed.pick.ticket;
@@ -829,6 +836,13 @@ impl Sim<'_> {
                 return Ok(());
             }
         };
+        self.submit(wi, idx, si, sim, now_ms);
+        Ok(())
+    }
+
+    /// Submits request `idx`, routed by worker `wi` to server `si`, and counts it in flight
+    /// there (or rejects it when the server refuses it).
+    fn submit(&mut self, wi: usize, idx: usize, si: usize, sim: SimRequest, now_ms: u64) {
         self.live[idx].server = si;
         if self.policy == Policy::OracleStale {
             // It knows its own decisions since the scrape, as ours knows its in-flight counts:
@@ -855,7 +869,6 @@ impl Sim<'_> {
                 self.reject(idx, format!("server_{}", submit_error_code(&e)))
             }
         }
-        Ok(())
     }
 }
 
