@@ -61,7 +61,7 @@ fn fresh_at(version: u64, now: u64) -> Snapshot {
 
 /// In-flight counts from `addr=n;...` text.
 fn inflight(text: &str) -> InflightCounts {
-    InflightCounts::decode(text.as_bytes())
+    InflightCounts::from_text(text.as_bytes())
 }
 
 const FULL: &str = "10.0.0.1:8000=2;10.0.0.2:8000=2";
@@ -427,7 +427,7 @@ fn two_vms_starting_together_get_different_worker_ids() {
     let store = MemStore::new();
     let a = claim_worker_id(&Racing { inner: &store, other: std::cell::Cell::new(true) });
     assert_eq!(a, Ok(2));
-    assert_eq!(store.get(WORKER_SEQ_KEY).unwrap().unwrap().0, b"2");
+    assert_eq!(decode_u64(&store.get(WORKER_SEQ_KEY).unwrap().unwrap().0, Tag::WorkerSeq), Ok(2));
 }
 
 #[test]
