@@ -702,6 +702,8 @@ pub fn without_ejected(
 #[derive(Debug, Default)]
 pub struct Recorder {
     local: HashMap<String, Entry>,
+    /// This worker's own view while the shared record is another build's (never written).
+    shadow: HealthView,
 }
 
 impl Recorder {
@@ -739,16 +741,22 @@ impl Recorder {
         for _ in 0..MAX_CAS_ATTEMPTS {
             let (stored, mut view, cas) = match store.get(HEALTH_KEY)? {
                 Some((v, cas)) => match HealthView::read(&v) {
-                    Some(view) => (Some(v), view, cas),
+                    Some(view) => {
+                        self.shadow = HealthView::default();
+                        (Some(v), view, cas)
+                    }
                     None => {
-                        // Another build's record: not ours to overwrite. The outcome is judged on
-                        // this worker's own ejections alone and an ejection is kept locally.
-                        let mut view = HealthView::default();
+                        // Another build's record: not ours to overwrite. This worker judges the
+                        // outcome on what it saw itself (`shadow`, kept while the record stays
+                        // unreadable) and keeps an ejection locally.
+                        let view = &mut self.shadow;
                         view.merge_local(&self.local, now_ms);
                         let entry = view.entries.entry(addr.to_string()).or_default();
                         let ejection = entry.apply(outcome, now_ms, cfg);
+                        let snapshot = *entry;
+                        view.prune(now_ms, cfg);
                         if ejection.is_some() {
-                            self.local.insert(addr.to_string(), *entry);
+                            self.local.insert(addr.to_string(), snapshot);
                         }
                         return Ok(ejection);
                     }
