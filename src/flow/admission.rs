@@ -48,8 +48,8 @@ use hashbrown::HashMap;
 
 use std::rc::Rc;
 
-use crate::base::errors::Rejection;
 use crate::base::codec::{decode_u64, encode_u64, Refusal, Tag};
+use crate::base::errors::Rejection;
 use crate::base::ports::{SharedStore, StoreError};
 use crate::base::telemetry;
 use crate::flow::priority::PriorityDecision;
@@ -81,14 +81,17 @@ pub const WORKER_SEQ_KEY: &str = "inference-picker/flow-worker-seq";
 /// longer both take id 1 (a blind first write let the second overwrite the first's `1`).
 pub fn claim_worker_id(store: &dyn SharedStore) -> Result<u64, StoreError> {
     for _ in 0..crate::state::inflight::MAX_CAS_ATTEMPTS {
-        let (v, cas) = crate::base::ports::get_or_create(store, WORKER_SEQ_KEY, &encode_u64(Tag::WorkerSeq, 0))?;
+        let (v, cas) =
+            crate::base::ports::get_or_create(store, WORKER_SEQ_KEY, &encode_u64(Tag::WorkerSeq, 0))?;
         let current = match decode_u64(&v, Tag::WorkerSeq) {
             Ok(n) => n,
             Err(Refusal::Malformed) => 0,
             // Another build's counter: not ours to reset (its ids would repeat). No id from
             // shared data; the host takes a random one, as on a store error.
             Err(Refusal::UnknownVersion(v)) => {
-                return Err(StoreError::Host(format!("the worker-id sequence is another build's (version {v})")))
+                return Err(StoreError::Host(format!(
+                    "the worker-id sequence is another build's (version {v})"
+                )))
             }
         };
         let next = current.wrapping_add(1).max(1);

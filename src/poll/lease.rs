@@ -58,7 +58,6 @@ use crate::base::ports::{SharedStore, StoreError};
 /// The shared-data key of the lease record (one key, whatever the number of roots).
 pub const LEASE_KEY: &str = "inference-picker/poller-lease";
 
-
 /// What one call of [`Lease::try_acquire_or_renew`] found.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum LeaseState {
@@ -283,8 +282,8 @@ mod tests {
         longer.push(0);
         let mut bad: Vec<Vec<u8>> = (0..rec.len()).map(|cut| rec[..cut].to_vec()).collect();
         bad.extend([
-            longer,                                           // trailing byte
-            b"1 00000000000000ab 42".to_vec(),                // the old text form
+            longer,                                            // trailing byte
+            b"1 00000000000000ab 42".to_vec(),                 // the old text form
             codec::as_version(&rec, Tag::Lease.current() + 7), // a future version
             b"\xff\xfe".to_vec(),
         ]);

@@ -46,9 +46,9 @@
 
 use serde::Serialize;
 
+use crate::base::codec::{self, Refusal, Tag, Writer};
 use crate::base::json::{self, ConfigError};
 use crate::base::ports::SharedStore;
-use crate::base::codec::{self, Refusal, Tag, Writer};
 use crate::state::prefix_shared::{decode_raw, delta, put_raw, Record, SharedPrefix, RECORD_BYTES};
 
 /// The header that carries the shared token.
@@ -556,7 +556,8 @@ mod tests {
     fn messages_and_nonces_of_another_release_are_skipped() {
         use crate::state::inflight::InflightCounts;
         let next = cfg!(feature = "codec-next");
-        let load = codec::as_next(&encode_load(0xF00, &InflightCounts::from_text(b"a=1")), Tag::PeerLoadReport);
+        let load =
+            codec::as_next(&encode_load(0xF00, &InflightCounts::from_text(b"a=1")), Tag::PeerLoadReport);
         let batch = codec::as_next(&encode(&[(1, 2, T)]), Tag::PeerPrefixBatch);
         assert!(is_load_report(&load) && !is_load_report(&batch));
         let store = MemStore::new();

@@ -267,7 +267,10 @@ mod tests {
         assert_eq!(decode_parsed(&flag, ApiKind::ChatCompletions), None);
         // A length past the end.
         let v = Tag::ParsedRequest.write_version();
-        assert_eq!(decode_parsed(&[Tag::ParsedRequest as u8, v, 0, 255, 255, 255, 255, b'a'], ApiKind::Other), None);
+        assert_eq!(
+            decode_parsed(&[Tag::ParsedRequest as u8, v, 0, 255, 255, 255, 255, b'a'], ApiKind::Other),
+            None
+        );
         // The next release's record: read by the next release only (then this one parses the
         // body itself).
         let next = codec::as_next(&b, Tag::ParsedRequest);

@@ -647,7 +647,9 @@ impl InflightTable {
                 Some((bytes, cas)) => {
                     let reusable = match read_slot(&bytes) {
                         Slot::Free => true,
-                        Slot::Record(r) => r.owner == self.owner || now_ms.saturating_sub(r.heartbeat_ms) > TTL_MS,
+                        Slot::Record(r) => {
+                            r.owner == self.owner || now_ms.saturating_sub(r.heartbeat_ms) > TTL_MS
+                        }
                         // A live VM of another build (its record is unreadable here): never taken.
                         Slot::Other => false,
                     };

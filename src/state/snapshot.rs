@@ -400,8 +400,13 @@ mod tests {
         let expect = if cfg!(feature = "codec-next") { 2 } else { 1 };
         assert_eq!(cache.refresh(&store).unwrap().version, expect);
         // A version key of the next release is no news to this one.
-        store.set(SNAPSHOT_VERSION_KEY, &codec::as_next(&encode_version(3), Tag::SnapshotVersion), 0).unwrap();
-        assert_eq!(decode_version(&store.get(SNAPSHOT_VERSION_KEY).unwrap().unwrap().0).is_some(), cfg!(feature = "codec-next"));
+        store
+            .set(SNAPSHOT_VERSION_KEY, &codec::as_next(&encode_version(3), Tag::SnapshotVersion), 0)
+            .unwrap();
+        assert_eq!(
+            decode_version(&store.get(SNAPSHOT_VERSION_KEY).unwrap().unwrap().0).is_some(),
+            cfg!(feature = "codec-next")
+        );
         publish(&store, &snap(4)).unwrap();
         assert_eq!(cache.refresh(&store).unwrap().version, 4);
         // What this build writes, both read.

@@ -279,7 +279,8 @@ fn a_record_of_another_release_is_skipped_and_its_slot_kept() {
     }
     // Peer slots: another build's record is neither counted nor taken.
     let p = MemStore::new();
-    let peer = SlotRecord { owner: 0xF, heartbeat_ms: T0, counts: InflightCounts::from_text(b"e=2"), foreign: true };
+    let peer =
+        SlotRecord { owner: 0xF, heartbeat_ms: T0, counts: InflightCounts::from_text(b"e=2"), foreign: true };
     let peer = codec::as_next(&encode(&peer), Tag::InflightPeer);
     p.set(&peer_slot_key(0), &peer, 0).unwrap();
     assert_eq!(put_peer(&p, 0x10, &InflightCounts::from_text(b"e=1"), T0, 4).unwrap(), PeerPut::Applied);
@@ -400,7 +401,8 @@ fn a_flood_of_sender_ids_cannot_hide_the_workers_counts() {
     let s = MemStore::new();
     let mut applied = 0;
     for id in 0..1_000u64 {
-        if put_peer(&s, 0x1_0000 + id, &InflightCounts::from_text(b"p=1"), T0, 2).unwrap() == PeerPut::Applied {
+        if put_peer(&s, 0x1_0000 + id, &InflightCounts::from_text(b"p=1"), T0, 2).unwrap() == PeerPut::Applied
+        {
             applied += 1;
         }
     }
@@ -427,8 +429,12 @@ fn a_flood_of_sender_ids_cannot_hide_the_workers_counts() {
 #[test]
 fn records_an_older_release_wrote_as_foreign_in_the_vm_slots_are_read_but_not_reported() {
     let s = MemStore::new();
-    let old =
-        SlotRecord { owner: 0xF00, heartbeat_ms: T0, counts: InflightCounts::from_text(b"p=3"), foreign: true };
+    let old = SlotRecord {
+        owner: 0xF00,
+        heartbeat_ms: T0,
+        counts: InflightCounts::from_text(b"p=3"),
+        foreign: true,
+    };
     s.set(&slot_key(0), &encode(&old), 0).unwrap();
     let mut a = InflightTable::new(0xA);
     a.adjust(&s, "p", 1, T0).unwrap();
