@@ -185,6 +185,23 @@ mod tests {
         assert!(matches!(f.check(&store).unwrap(), Follow::Adopt { .. }));
     }
 
+    /// Mixed builds: a digest record of the next release is no hint to this one, which then
+    /// reads the document itself and adopts it by its own digest.
+    #[test]
+    fn a_digest_of_another_release_is_no_hint() {
+        use crate::base::codec::{as_next, Tag};
+        let store = MemStore::new();
+        let boot = doc(&["10.0.0.1:8000"]);
+        let other = doc(&["10.0.0.5:8000"]);
+        let theirs = as_next(&encode_digest(digest(&other)), Tag::ConfigVersion);
+        assert_eq!(decode_digest(&theirs).is_some(), cfg!(feature = "codec-next"));
+        store.set(CONFIG_KEY, &other, 0).unwrap();
+        store.set(CONFIG_VERSION_KEY, &theirs, 0).unwrap();
+        let mut f = Follower::new(&boot);
+        assert!(matches!(f.check(&store).unwrap(), Follow::Adopt { .. }));
+        assert_eq!(f.current(), digest(&other));
+    }
+
     #[test]
     fn the_document_read_decides_not_the_version_hint() {
         let store = MemStore::new();

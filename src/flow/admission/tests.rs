@@ -511,3 +511,18 @@ fn groups_are_independent() {
     assert_eq!(g.admit(&store, &snap(1, 10), &inflight(FULL), 2, "other", &prio(0), NOW), Decision::Go);
     assert_eq!(store.keys(), vec![flow::shared_key("m")]);
 }
+
+/// Mixed builds: a worker-id sequence of the next release is never reset by this one (its ids
+/// would repeat); the VM then takes a random id (host). The next release counts on from it.
+#[test]
+fn a_worker_sequence_of_another_release_is_left_alone() {
+    let store = MemStore::new();
+    let theirs = crate::base::codec::as_next(&encode_u64(Tag::WorkerSeq, 41), Tag::WorkerSeq);
+    store.set(WORKER_SEQ_KEY, &theirs, 0).unwrap();
+    if cfg!(feature = "codec-next") {
+        assert_eq!(claim_worker_id(&store), Ok(42));
+    } else {
+        assert!(matches!(claim_worker_id(&store), Err(StoreError::Host(_))));
+        assert_eq!(store.get(WORKER_SEQ_KEY).unwrap().unwrap().0, theirs);
+    }
+}
