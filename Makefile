@@ -12,13 +12,15 @@ WASM := target/wasm32-wasip1/release/inference_picker.wasm
 PASS_WASM := target/wasm32-wasip1/release/passthrough_wasm.wasm
 # The test-only build with the `crash-test` feature (`make wasm-crash`; tests/e2e/test_vm_crash.py).
 CRASH_WASM := target/wasm32-wasip1/crash-test/inference_picker.wasm
+# The test-only build with the `codec-next` feature (`make wasm-next`; tests/e2e/test_rolling_upgrade.py).
+NEXT_WASM := target/wasm32-wasip1/codec-next/inference_picker.wasm
 SIM := target/tools/model-server-sim
 ENVOY_VERSION := 1.40.0
 # pytest-xdist workers for `make e2e` (whole files per worker; every test picks free ports).
 # E2E_JOBS=1 runs the suite in one process.
 E2E_JOBS ?= 2
 
-.PHONY: all toolchain run test test-rust test-python wasm wasm-crash sim venv fmt-check clippy unit validate deploy-check e2e bench bench-check bench-routing schema oci fuzz clean passthrough-wasm wrk wasm-opt wasm-small bench-envoy bench-envoy-check docs-check
+.PHONY: all toolchain run test test-rust test-python wasm wasm-crash sim venv fmt-check clippy unit validate deploy-check e2e bench bench-check bench-routing schema oci fuzz clean passthrough-wasm wrk wasm-opt wasm-small bench-envoy bench-envoy-check docs-check wasm-next
 
 all: wasm
 
@@ -49,6 +51,13 @@ wasm: toolchain
 ## Never shipped. No LTO, so it builds in a fraction of `make wasm`'s time.
 wasm-crash: toolchain
 	cargo build -p inference-picker --target wasm32-wasip1 --profile crash-test --features crash-test
+
+## wasm-next: the test-only module that simulates the next release of the shared-data and
+## peer-message formats (Cargo.toml's `codec-next` profile and feature: every writer emits the next
+## version of its record, every reader takes the current and the next; src/base/codec.rs), for
+## tests/e2e/test_rolling_upgrade.py. Never shipped. No LTO, like wasm-crash.
+wasm-next: toolchain
+	cargo build -p inference-picker --target wasm32-wasip1 --profile codec-next --features codec-next
 
 ## wasm-small: the same module built for size: Cargo.toml's `release-small` profile (opt-level
 ## "z"), then binaryen's `wasm-opt -Oz` when it is installed (`make wasm-opt`). About 30 % smaller
@@ -121,8 +130,8 @@ schema:
 	cargo run -q -p config-schema > filter-config/schema.json
 
 ## e2e: the suite in real Envoy, E2E_JOBS (default 2) files at a time with pytest-xdist.
-e2e: wasm wasm-crash sim venv
-	PICKER_CRASH_WASM=$(CURDIR)/$(CRASH_WASM) $(VENV)/bin/pytest -q \
+e2e: wasm wasm-crash wasm-next sim venv
+	PICKER_CRASH_WASM=$(CURDIR)/$(CRASH_WASM) PICKER_NEXT_WASM=$(CURDIR)/$(NEXT_WASM) $(VENV)/bin/pytest -q \
 	  $(if $(filter-out 0 1,$(E2E_JOBS)),-n $(E2E_JOBS) --dist loadfile) tests/e2e
 
 ## bench-check: the benchmarks compile, and replay-bench's binary starts. Built in the test
@@ -194,9 +203,9 @@ bench-envoy-check: wasm passthrough-wasm venv wrk
 
 ## test: every check. fmt-check first (seconds: a formatting slip fails at once), then two lanes
 ## at once: the Rust lane (clippy unit bench-check, in target/debug) and the Python lane (wasm
-## wasm-crash sim passthrough-wasm venv built in parallel, then docs-check validate deploy-check e2e
+## wasm-crash wasm-next sim passthrough-wasm venv built in parallel, then docs-check validate deploy-check e2e
 ## bench-envoy-check). Cargo locks each profile's directory, not all of target/, so the builds the
-## Python lane needs (release, crash-test, tools) go at full speed while the Rust lane runs at
+## Python lane needs (release, crash-test, codec-next, tools) go at full speed while the Rust lane runs at
 ## nice 19 in the CPU they and the e2e suite's Envoys leave (on 2 cores the suite, two files at a
 ## time, keeps about 0.8 of a core busy: it mostly waits). -Otarget prints each target's output
 ## whole when it ends. Every pytest run fails on a skipped test that conftest.py does not allow.
@@ -222,7 +231,7 @@ test-rust:
 
 ## test-python: the Python lane of `make test`: its builds and the venv in parallel, then the
 ## checks one after another (the e2e suite itself runs E2E_JOBS files at a time).
-test-python: venv wasm sim wasm-crash passthrough-wasm
+test-python: venv wasm sim wasm-crash wasm-next passthrough-wasm
 	@$(MAKE) --no-print-directory docs-check
 	@$(MAKE) --no-print-directory validate
 	@$(MAKE) --no-print-directory deploy-check

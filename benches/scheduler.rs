@@ -102,7 +102,7 @@ fn snapshot(n: usize) -> (Snapshot, InflightCounts) {
         endpoints.iter().enumerate().map(|(i, e)| format!("{}={}", e.address, i % 5)).collect::<Vec<_>>();
     (
         Snapshot { version: 1, published_ms: NOW - 20, endpoints },
-        InflightCounts::decode(inflight.join(";").as_bytes()),
+        InflightCounts::from_text(inflight.join(";").as_bytes()),
     )
 }
 

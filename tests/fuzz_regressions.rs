@@ -78,3 +78,24 @@ fn every_fuzz_target_has_an_entry() {
         );
     }
 }
+
+/// The hand-written binary seeds are well-formed records of the codec (`src/base/codec.rs`), so
+/// the fuzzer starts from inputs that reach past the header checks.
+#[test]
+fn binary_seeds_are_well_formed_records() {
+    use inference_picker::poll::peers;
+    use inference_picker::state::{health::HealthView, inflight, prefix_shared};
+    let seed = |p: &str| fs::read(root().join("fuzz/corpus").join(p)).unwrap();
+    let rec = inflight::decode(&seed("inflight/slot-record.bin")).unwrap();
+    assert_eq!((rec.owner, rec.counts.get("10.0.0.1:8000"), rec.foreign), (0xdead_beef, 3, false));
+    assert!(inflight::decode(&seed("inflight/peer-record.bin")).unwrap().foreign);
+    assert!(inflight::decode(&seed("inflight/garbled.bin")).is_none());
+    assert!(HealthView::decode(&seed("health/two-entries.bin")).entry("10.0.0.2:8000").is_some());
+    assert_eq!(prefix_shared::decode(&seed("prefix_shard/four_records.bin")).len(), 4);
+    assert!(prefix_shared::decode(&seed("prefix_shard/partial.bin")).is_empty());
+    assert_eq!(peers::decode(&seed("peer_batch/one")).unwrap().len(), 1);
+    assert_eq!(peers::decode(&seed("peer_batch/overflow_one_shard")).unwrap().len(), 12);
+    assert!(peers::decode(&seed("peer_batch/truncated")).is_err());
+    let (sender, counts) = peers::decode_load(&seed("peer_batch/load-report")).unwrap();
+    assert_eq!((sender, counts.total()), (0xf00, 4));
+}

@@ -1,6 +1,7 @@
 //! Ground: no project logic, nothing above it. Ports (time, randomness, the shared store),
 //! the rejection type, the JSON configuration reader and its error, sorting, telemetry names.
 
+pub mod codec;
 pub mod errors;
 pub mod hash;
 pub mod json;

@@ -69,6 +69,9 @@ pub const PEER_RECORDS: &str = "inference_picker_peer_records_total";
 pub const PEER_LOAD_REPORTS: &str = "inference_picker_peer_load_reports_total";
 /// Gauge set by the poller at each publish: endpoints whose last scrape succeeded (GIE's
 /// `inference_pool_ready_pods` to its EPP). Below the pool's size, some pods are unreachable or lying.
+/// Shared-data records and peer messages of a version this build does not read (another build's,
+/// during a rolling upgrade), skipped by reason = the record (`crate::base::codec`).
+pub const RECORDS_SKIPPED: &str = "inference_picker_records_skipped_total";
 pub const READY_ENDPOINTS: &str = "inference_picker_ready_endpoints";
 /// Kubernetes pod-list calls that failed, by `reason`: `dispatch`, `status`, `bad_body`,
 /// `too_large`.

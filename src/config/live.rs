@@ -25,7 +25,8 @@ use crate::config::Config;
 
 /// The filter's configuration document, as it arrived.
 pub const CONFIG_KEY: &str = "inference-picker/config";
-/// Its version (decimal [`digest`]), read on every poller tick.
+/// Its version ([`digest`], a `ConfigVersion` record: [`encode_digest`]), read on every poller
+/// tick.
 pub const CONFIG_VERSION_KEY: &str = "inference-picker/config-version";
 
 /// FNV-1a (32-bit) of the document: its version.
@@ -41,7 +42,7 @@ pub fn digest(raw: &[u8]) -> u32 {
 /// Publishes a valid configuration document (from a filter root's `on_configure`).
 pub fn publish(store: &dyn SharedStore, raw: &[u8]) -> Result<(), StoreError> {
     store.set(CONFIG_KEY, raw, 0)?;
-    store.set(CONFIG_VERSION_KEY, digest(raw).to_string().as_bytes(), 0)
+    store.set(CONFIG_VERSION_KEY, &encode_digest(digest(raw)), 0)
 }
 
 /// What the poller should do after [`Follower::check`].
@@ -53,6 +54,19 @@ pub enum Follow {
     Adopt { config: Box<Config>, version: u32 },
     /// A new document that does not validate: keep the running one. Reported once per version.
     Refused { version: u32, reason: String },
+}
+
+/// The value of [`CONFIG_VERSION_KEY`]: a `ConfigVersion` record (`crate::base::codec`).
+pub fn encode_digest(d: u32) -> Vec<u8> {
+    crate::base::codec::encode_u64(crate::base::codec::Tag::ConfigVersion, u64::from(d))
+}
+
+/// The digest in [`CONFIG_VERSION_KEY`]; `None` when malformed or of a version this build does
+/// not read (no hint: the follower reads the document and compares its digest).
+pub fn decode_digest(bytes: &[u8]) -> Option<u32> {
+    crate::base::codec::decode_u64(bytes, crate::base::codec::Tag::ConfigVersion)
+        .ok()
+        .and_then(|d| u32::try_from(d).ok())
 }
 
 /// The singleton's side: which version it runs and which it already refused.
@@ -77,7 +91,7 @@ impl Follower {
         let Some((hint, _)) = store.get(CONFIG_VERSION_KEY)? else {
             return Ok(Follow::Same);
         };
-        let hinted = std::str::from_utf8(&hint).ok().and_then(|s| s.parse::<u32>().ok());
+        let hinted = decode_digest(&hint);
         if hinted == Some(self.current) || (hinted.is_some() && hinted == self.refused) {
             return Ok(Follow::Same);
         }
@@ -171,6 +185,23 @@ mod tests {
         assert!(matches!(f.check(&store).unwrap(), Follow::Adopt { .. }));
     }
 
+    /// Mixed builds: a digest record of the next release is no hint to this one, which then
+    /// reads the document itself and adopts it by its own digest.
+    #[test]
+    fn a_digest_of_another_release_is_no_hint() {
+        use crate::base::codec::{as_next, Tag};
+        let store = MemStore::new();
+        let boot = doc(&["10.0.0.1:8000"]);
+        let other = doc(&["10.0.0.5:8000"]);
+        let theirs = as_next(&encode_digest(digest(&other)), Tag::ConfigVersion);
+        assert_eq!(decode_digest(&theirs).is_some(), cfg!(feature = "codec-next"));
+        store.set(CONFIG_KEY, &other, 0).unwrap();
+        store.set(CONFIG_VERSION_KEY, &theirs, 0).unwrap();
+        let mut f = Follower::new(&boot);
+        assert!(matches!(f.check(&store).unwrap(), Follow::Adopt { .. }));
+        assert_eq!(f.current(), digest(&other));
+    }
+
     #[test]
     fn the_document_read_decides_not_the_version_hint() {
         let store = MemStore::new();
@@ -179,7 +210,7 @@ mod tests {
         // Two roots raced: the version key names a document that is not the one stored.
         let other = doc(&["10.0.0.5:8000"]);
         store.set(CONFIG_KEY, &boot, 0).unwrap();
-        store.set(CONFIG_VERSION_KEY, digest(&other).to_string().as_bytes(), 0).unwrap();
+        store.set(CONFIG_VERSION_KEY, &encode_digest(digest(&other)), 0).unwrap();
         // The stored document is the one running: nothing to do.
         assert!(matches!(f.check(&store).unwrap(), Follow::Same));
         store.set(CONFIG_KEY, &other, 0).unwrap();

@@ -897,10 +897,11 @@ fn the_peer_load_senders_are_capped_at_the_peer_count() {
     assert_eq!(crate::poll::peers::load_sender_limit(&pc, None), 2);
     assert_eq!(crate::poll::peers::load_sender_limit(&pc, Some(b"garbled")), 2);
     // The poller's count (addresses and pods found), never more than the peer slots.
-    assert_eq!(crate::poll::peers::load_sender_limit(&pc, Some(b"5")), 5);
-    assert_eq!(crate::poll::peers::load_sender_limit(&pc, Some(b"0")), 0);
+    let count = crate::poll::peers::encode_peer_count;
+    assert_eq!(crate::poll::peers::load_sender_limit(&pc, Some(&count(5))), 5);
+    assert_eq!(crate::poll::peers::load_sender_limit(&pc, Some(&count(0))), 0);
     assert_eq!(
-        crate::poll::peers::load_sender_limit(&pc, Some(b"100000")),
+        crate::poll::peers::load_sender_limit(&pc, Some(&count(100_000))),
         crate::state::inflight::MAX_PEER_SLOTS
     );
 }

@@ -48,6 +48,7 @@ use hashbrown::HashMap;
 
 use std::rc::Rc;
 
+use crate::base::codec::{decode_u64, encode_u64, Refusal, Tag};
 use crate::base::errors::Rejection;
 use crate::base::ports::{SharedStore, StoreError};
 use crate::base::telemetry;
@@ -74,15 +75,27 @@ pub const WORKER_SEQ_KEY: &str = "inference-picker/flow-worker-seq";
 /// are never reused while the process lives; a restarted VM takes a new one, and its old id
 /// ages out of the records after `worker_ttl_ms`.
 ///
-/// First write: the counter key is created with `crate::base::ports::get_or_create` (value `0`), so
+/// The counter is a `WorkerSeq` record (`crate::base::codec`). First write: the counter key is
+/// created with `crate::base::ports::get_or_create` (value 0), so
 /// every increment, the first one included, is a true CAS. Two VMs starting at once can no
 /// longer both take id 1 (a blind first write let the second overwrite the first's `1`).
 pub fn claim_worker_id(store: &dyn SharedStore) -> Result<u64, StoreError> {
     for _ in 0..crate::state::inflight::MAX_CAS_ATTEMPTS {
-        let (v, cas) = crate::base::ports::get_or_create(store, WORKER_SEQ_KEY, b"0")?;
-        let current = std::str::from_utf8(&v).ok().and_then(|t| t.parse::<u64>().ok()).unwrap_or(0);
+        let (v, cas) =
+            crate::base::ports::get_or_create(store, WORKER_SEQ_KEY, &encode_u64(Tag::WorkerSeq, 0))?;
+        let current = match decode_u64(&v, Tag::WorkerSeq) {
+            Ok(n) => n,
+            Err(Refusal::Malformed) => 0,
+            // Another build's counter: not ours to reset (its ids would repeat). No id from
+            // shared data; the host takes a random one, as on a store error.
+            Err(Refusal::UnknownVersion(v)) => {
+                return Err(StoreError::Host(format!(
+                    "the worker-id sequence is another build's (version {v})"
+                )))
+            }
+        };
         let next = current.wrapping_add(1).max(1);
-        match store.set(WORKER_SEQ_KEY, next.to_string().as_bytes(), cas) {
+        match store.set(WORKER_SEQ_KEY, &encode_u64(Tag::WorkerSeq, next), cas) {
             Ok(()) => return Ok(next),
             Err(StoreError::CasMismatch) => continue,
             Err(e) => return Err(e),

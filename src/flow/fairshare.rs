@@ -40,8 +40,6 @@
 
 use std::collections::BTreeSet;
 
-use serde::{Deserialize, Serialize};
-
 /// Tenant buckets. 1024: a collision between two of 30 active tenants has a chance of ~35 %
 /// (birthday bound) for some pair, but only that pair shares a count.
 pub const BUCKETS: u32 = 1024;
@@ -59,10 +57,9 @@ pub fn bucket(fairness_id: &str) -> u16 {
     u16::try_from(h % u64::from(BUCKETS)).unwrap_or(0)
 }
 
-/// Releases per waiting (priority, bucket), relative to each priority's floor. Compact JSON: a
-/// list of `[priority, bucket, count]`.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(transparent)]
+/// Releases per waiting (priority, bucket), relative to each priority's floor: a list of
+/// `(priority, bucket, count)`.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Served(pub Vec<(i32, u16, u32)>);
 
 impl Served {

@@ -4,8 +4,7 @@
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BTreeSet};
 
-use serde::{Deserialize, Serialize};
-
+use crate::base::codec::{self, Reader, Refusal, Tag, Writer};
 use crate::base::ports::{SharedStore, StoreError};
 use crate::flow::capacity::Capacity;
 use crate::flow::fairshare::Served;
@@ -20,35 +19,26 @@ pub fn shared_key(group: &str) -> String {
     format!("{FLOW_KEY_PREFIX}{group}")
 }
 
-/// The shared value of one group (compact JSON keys: it is copied on every read).
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+/// The shared value of one group (a `crate::base::codec` record, [`Record::read`]: it is copied
+/// on every read).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Record {
     /// Capacity epoch of the ledger.
-    #[serde(rename = "e", default)]
     pub epoch: u64,
     /// When the ledger was last reset (ms).
-    #[serde(rename = "r", default)]
     pub reset_ms: u64,
     /// Release tokens left in this epoch.
-    #[serde(rename = "l", default)]
     pub left: u32,
     /// Waiting summaries of the workers that hold requests.
-    #[serde(rename = "w", default)]
     pub workers: Vec<WorkerEntry>,
     /// Releases per waiting tenant and priority, over all workers (`crate::flow::fairshare`).
-    #[serde(rename = "f", default, skip_serializing_if = "Served::is_empty")]
     pub served: Served,
     /// When a fairness refusal first left tokens unused (ms); 0 when none did since the last
     /// release. See `crate::flow::fairshare::GRACE_MS`.
-    #[serde(rename = "d", default, skip_serializing_if = "is_zero")]
     pub declined_ms: u64,
 }
 
-pub(super) fn is_zero(v: &u64) -> bool {
-    *v == 0
-}
-
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct WorkerEntry {
     pub id: u64,
     /// Last write by this worker (ms).
@@ -57,7 +47,6 @@ pub struct WorkerEntry {
     pub q: Vec<(i32, u32)>,
     /// (priority, tenant bucket) pairs held, highest priority first, at most
     /// `crate::flow::fairshare::MAX_PUBLISHED`.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub t: Vec<(i32, u16)>,
 }
 
@@ -68,10 +57,79 @@ impl WorkerEntry {
 }
 
 impl Record {
+    /// Reads the stored value; an empty, malformed or truncated value is the neutral record
+    /// (reset rather than trusted), and so is one of a version this build does not read.
+    #[cfg(test)]
     pub(super) fn decode(bytes: &[u8]) -> Record {
-        // An empty value is "removed"; a value we cannot read (another build's format) is reset
-        // rather than trusted.
-        serde_json::from_slice(bytes).unwrap_or_default()
+        Record::read(bytes).unwrap_or_default()
+    }
+
+    /// [`Record::decode`], but `None` for a value of a version this build does not read
+    /// (another build's ledger: never overwritten by this one).
+    ///
+    /// Layout (`crate::base::codec`, tag `FlowLedger`): `u64 epoch · u64 reset_ms · u32 left ·
+    /// u32 n · n × worker · u32 m · m × (i32 priority · u16 bucket · u32 count) · u64
+    /// declined_ms`; worker = `u64 id · u64 hb · u32 a · a × (i32 priority · u32 count) · u32 b ·
+    /// b × (i32 priority · u16 bucket)`.
+    pub(super) fn read(bytes: &[u8]) -> Option<Record> {
+        let mut r = match codec::open(bytes, Tag::FlowLedger) {
+            Ok(r) => r,
+            Err(Refusal::UnknownVersion(_)) => return None,
+            Err(Refusal::Malformed) => return Some(Record::default()),
+        };
+        Some(Self::fields(&mut r).filter(|_| r.finish().is_some()).unwrap_or_default())
+    }
+
+    fn fields(r: &mut Reader<'_>) -> Option<Record> {
+        let epoch = r.u64()?;
+        let reset_ms = r.u64()?;
+        let left = r.u32()?;
+        let n = r.count(24, usize::MAX)?;
+        let mut workers = Vec::with_capacity(n);
+        for _ in 0..n {
+            let id = r.u64()?;
+            let hb = r.u64()?;
+            let a = r.count(8, usize::MAX)?;
+            let mut q = Vec::with_capacity(a);
+            for _ in 0..a {
+                q.push((r.i32()?, r.u32()?));
+            }
+            let b = r.count(6, usize::MAX)?;
+            let mut t = Vec::with_capacity(b);
+            for _ in 0..b {
+                t.push((r.i32()?, r.u16()?));
+            }
+            workers.push(WorkerEntry { id, hb, q, t });
+        }
+        let m = r.count(10, usize::MAX)?;
+        let mut served = Vec::with_capacity(m);
+        for _ in 0..m {
+            served.push((r.i32()?, r.u16()?, r.u32()?));
+        }
+        let declined_ms = r.u64()?;
+        Some(Record { epoch, reset_ms, left, workers, served: Served(served), declined_ms })
+    }
+
+    pub(super) fn encode(&self) -> Vec<u8> {
+        let Record { epoch, reset_ms, left, workers, served, declined_ms } = self;
+        let mut w = Writer::new(Tag::FlowLedger, 40 + workers.len() * 48 + served.0.len() * 10);
+        w.u64(*epoch).u64(*reset_ms).u32(*left).len(workers.len());
+        for WorkerEntry { id, hb, q, t } in workers {
+            w.u64(*id).u64(*hb).len(q.len());
+            for (p, c) in q {
+                w.i32(*p).u32(*c);
+            }
+            w.len(t.len());
+            for (p, b) in t {
+                w.i32(*p).u16(*b);
+            }
+        }
+        w.len(served.0.len());
+        for (p, b, c) in &served.0 {
+            w.i32(*p).u16(*b).u32(*c);
+        }
+        w.u64(*declined_ms);
+        w.finish()
     }
 
     /// Drops workers whose heartbeat is older than `ttl_ms` (never `me`). True if any went.
@@ -165,7 +223,11 @@ pub(super) fn read_modify_write<R>(
         let found = store.get(key)?;
         let absent = found.is_none();
         let (bytes, cas) = found.unwrap_or_default();
-        let mut rec = Record::decode(&bytes);
+        let Some(mut rec) = Record::read(&bytes) else {
+            // Another build's ledger (a rolling upgrade): not ours to overwrite. The queue
+            // handles it as a store error (local decisions, retried on the next tick).
+            return Err(StoreError::Host("the flow ledger is another build's".into()));
+        };
         let (r, write) = f(&mut rec);
         if !write {
             return Ok((r, rec));
@@ -179,8 +241,7 @@ pub(super) fn read_modify_write<R>(
                 Err(e) => return Err(e),
             }
         }
-        let bytes = serde_json::to_vec(&rec).map_err(|e| StoreError::Host(e.to_string()))?;
-        match store.set(key, &bytes, cas) {
+        match store.set(key, &rec.encode(), cas) {
             Ok(()) => return Ok((r, rec)),
             Err(StoreError::CasMismatch) => continue,
             Err(e) => return Err(e),

@@ -681,3 +681,38 @@ fn config_defaults_and_validation() {
     )
     .is_err());
 }
+
+/// The ledger's binary form: round trip; truncations and trailing bytes read as the neutral
+/// record (whole). Mixed builds: a ledger of the next release is never overwritten here (the
+/// queue decides locally, as on a store error); the next release reads this one's.
+#[test]
+fn the_ledger_record_and_another_release() {
+    let rec = Record {
+        epoch: 3,
+        reset_ms: 9,
+        left: 2,
+        workers: vec![WorkerEntry { id: 1, hb: 5, q: vec![(3, 2), (-1, 1)], t: vec![(3, 7)] }],
+        served: fairshare::Served(vec![(3, 7, 1)]),
+        declined_ms: 11,
+    };
+    let b = rec.encode();
+    assert_eq!(Record::decode(&b), rec);
+    for cut in 0..b.len() {
+        assert_eq!(Record::decode(&b[..cut]), Record::default(), "cut at {cut}");
+    }
+    let mut longer = b.clone();
+    longer.push(0);
+    assert_eq!(Record::decode(&longer), Record::default());
+    let theirs = crate::base::codec::as_next(&b, crate::base::codec::Tag::FlowLedger);
+    let s = MemStore::new();
+    s.set(&shared_key("m"), &theirs, 0).unwrap();
+    let mut q = FlowQueue::new(&cfg(), "m", 1);
+    assert!(held(&q.admit(&s, &t(1, 0, "a"), &SAT, 0)));
+    let stored = s.get(&shared_key("m")).unwrap().unwrap().0;
+    if cfg!(feature = "codec-next") {
+        assert!(record(&s, "m").workers.iter().any(|w| w.id == 1));
+    } else {
+        assert_eq!(stored, theirs, "another build's ledger is not overwritten");
+        assert_eq!(Record::read(&theirs), None);
+    }
+}

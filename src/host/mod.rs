@@ -203,6 +203,7 @@ impl Worker {
         let updates = self.gate.borrow_mut().take_metrics();
         let mut metrics = self.metrics.borrow_mut();
         metrics.report_vm_memory();
+        report_skipped_records(&mut metrics);
         for u in updates {
             match u {
                 MetricUpdate::Count { name, delta } => metrics.add(name, delta),
@@ -210,6 +211,14 @@ impl Worker {
                 MetricUpdate::Sample { name, value } => metrics.sample(name, value),
             }
         }
+    }
+}
+
+/// Adds the records this VM skipped since the last call (another build's versions,
+/// `crate::base::codec`) to `inference_picker_records_skipped_total{reason=<record>}`.
+pub(crate) fn report_skipped_records(metrics: &mut io::Metrics) {
+    for (tag, n) in crate::base::codec::take_skipped() {
+        metrics.add(telemetry::name(telemetry::RECORDS_SKIPPED, &[("reason", tag.name())]), n);
     }
 }
 

@@ -123,7 +123,7 @@ impl PollerRole {
     /// that workers see our next publish as newer.
     fn continue_versions(&mut self) {
         if let Ok(Some((v, _))) = io::HostStore.get(SNAPSHOT_VERSION_KEY) {
-            if let Some(n) = std::str::from_utf8(&v).ok().and_then(|s| s.parse().ok()) {
+            if let Some(n) = snapshot::decode_version(&v) {
                 self.core.resume_version_after(n);
             }
         }
@@ -133,6 +133,7 @@ impl PollerRole {
     /// Callouts start from ticks, never from configuration: clusters may not be ready yet.
     /// It may be called at any tick rate: the core decides which scrapes and refreshes are due.
     pub fn tick(&mut self, now: u64) {
+        super::report_skipped_records(&mut self.metrics);
         self.tick_pod_models(now);
         self.tick_peers(now);
         if let Some(k) = self.cfg.discovery.as_ref().map(|d| &d.kubernetes) {
@@ -330,7 +331,7 @@ impl PollerRole {
         targets.extend(ps.found.iter().filter(|f| !pc.addresses.contains(f)));
         // The filter caps the peers' load records at this count (`peers::load_sender_limit`).
         if ps.published_count != Some(targets.len()) {
-            match io::HostStore.set(peers::PEER_COUNT_KEY, targets.len().to_string().as_bytes(), 0) {
+            match io::HostStore.set(peers::PEER_COUNT_KEY, &peers::encode_peer_count(targets.len()), 0) {
                 Ok(()) => ps.published_count = Some(targets.len()),
                 Err(e) => {
                     if self.errors.allow("peer_count", now).is_some() {

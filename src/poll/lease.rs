@@ -7,7 +7,9 @@
 //! is [`LeaseState::Held`].
 //!
 //! ## The record
-//! One shared-data key, [`LEASE_KEY`], holds the text `1 <holder as 16 hex digits> <expires_ms>`.
+//! One shared-data key, [`LEASE_KEY`], holds a `crate::base::codec` record (tag `Lease`): the
+//! holder (`u64`, 0 = free) and its expiry (`u64` ms). A record of a version this build does
+//! not read (a root of another build holds the lease) is handled as a garbled one (step 5).
 //! Holder 0 means "nobody" (written by [`Lease::release`]); an empty value, the shared-data
 //! convention for "removed", means the same. Anything else is *garbled* (a future format, a
 //! truncated write): its holder and expiry are unknown.
@@ -50,13 +52,11 @@
 //! Holder ids must be unique per root context across all VMs of the process: use a random u64
 //! (0 is reserved for "nobody").
 
+use crate::base::codec::{self, Tag, Writer};
 use crate::base::ports::{SharedStore, StoreError};
 
 /// The shared-data key of the lease record (one key, whatever the number of roots).
 pub const LEASE_KEY: &str = "inference-picker/poller-lease";
-
-/// The record format version written in front of every record.
-const RECORD_VERSION: &str = "1";
 
 /// What one call of [`Lease::try_acquire_or_renew`] found.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -101,23 +101,21 @@ enum Record {
     Garbled,
 }
 
+/// Reads the lease record (`crate::base::codec`, tag `Lease`: `u64 holder · u64 expires_ms`;
+/// holder 0 = free). An empty value is free; anything else that is not such a record, or one of
+/// a version this build does not read (a root of another build holds it), is `Garbled`: observed,
+/// and taken over only when it stays unchanged for the ttl, so a live holder of another build,
+/// which renews it, keeps it.
 fn parse_record(raw: &[u8]) -> Record {
     if raw.is_empty() {
         return Record::Free;
     }
-    let Ok(text) = std::str::from_utf8(raw) else {
-        return Record::Garbled;
+    let read = || {
+        let mut r = codec::open(raw, Tag::Lease).ok()?;
+        let fields = (r.u64()?, r.u64()?);
+        r.finish().map(|()| fields)
     };
-    let mut parts = text.split(' ');
-    let (Some(version), Some(holder), Some(expires), None) =
-        (parts.next(), parts.next(), parts.next(), parts.next())
-    else {
-        return Record::Garbled;
-    };
-    if version != RECORD_VERSION || holder.len() != 16 {
-        return Record::Garbled;
-    }
-    let (Ok(holder), Ok(expires_ms)) = (u64::from_str_radix(holder, 16), expires.parse::<u64>()) else {
+    let Some((holder, expires_ms)) = read() else {
         return Record::Garbled;
     };
     if holder == 0 {
@@ -128,7 +126,9 @@ fn parse_record(raw: &[u8]) -> Record {
 }
 
 fn encode_record(holder: u64, expires_ms: u64) -> Vec<u8> {
-    format!("{RECORD_VERSION} {holder:016x} {expires_ms}").into_bytes()
+    let mut w = Writer::new(Tag::Lease, 16);
+    w.u64(holder).u64(expires_ms);
+    w.finish()
 }
 
 /// A CAS token of someone else's record, and when this root first saw it.
@@ -273,20 +273,38 @@ mod tests {
 
     #[test]
     fn record_round_trip_and_garbage() {
-        assert_eq!(encode_record(0xab, 42), b"1 00000000000000ab 42");
-        assert_eq!(parse_record(b"1 00000000000000ab 42"), Record::Taken { holder: 0xab, expires_ms: 42 });
+        let rec = encode_record(0xab, 42);
+        assert_eq!(rec.len(), 18);
+        assert_eq!(parse_record(&rec), Record::Taken { holder: 0xab, expires_ms: 42 });
         assert_eq!(parse_record(b""), Record::Free);
-        assert_eq!(parse_record(b"1 0000000000000000 0"), Record::Free);
-        for bad in [
-            &b"2 00000000000000ab 42"[..], // a future version
-            b"1 ab 42",                    // holder not 16 digits
-            b"1 00000000000000ab",         // missing expiry
-            b"1 00000000000000ab 42 x",    // trailing field
-            b"1 00000000000000zz 42",      // not hex
-            b"1 00000000000000ab -1",      // negative expiry
-            b"\xff\xfe",                   // not UTF-8
-        ] {
-            assert_eq!(parse_record(bad), Record::Garbled, "{:?}", String::from_utf8_lossy(bad));
+        assert_eq!(parse_record(&encode_record(0, 0)), Record::Free);
+        let mut longer = rec.clone();
+        longer.push(0);
+        let mut bad: Vec<Vec<u8>> = (0..rec.len()).map(|cut| rec[..cut].to_vec()).collect();
+        bad.extend([
+            longer,                                            // trailing byte
+            b"1 00000000000000ab 42".to_vec(),                 // the old text form
+            codec::as_version(&rec, Tag::Lease.current() + 7), // a future version
+            b"\xff\xfe".to_vec(),
+        ]);
+        for b in bad.iter().filter(|b| !b.is_empty()) {
+            assert_eq!(parse_record(b), Record::Garbled, "{b:?}");
+        }
+    }
+
+    /// Mixed builds: a lease the next release holds (and renews) is never taken by this one;
+    /// the next release reads this one's lease as its own format.
+    #[test]
+    fn a_lease_held_by_another_release_is_observed_not_taken() {
+        let store = MemStore::new();
+        let mut b = Lease::new(0xB, TTL);
+        for i in 0..30u64 {
+            let theirs = codec::as_next(&encode_record(0xC, i * TICK + TTL), Tag::Lease);
+            store.set(LEASE_KEY, &theirs, 0).unwrap();
+            let state = b.try_acquire_or_renew(&store, i * TICK);
+            assert!(!state.is_held());
+            let holder = if cfg!(feature = "codec-next") { 0xC } else { 0 };
+            assert!(matches!(state, LeaseState::NotHeld { holder: h, .. } if h == holder), "{state:?}");
         }
     }
 

@@ -16,25 +16,29 @@
 //! Records a gateway received look new to its own next read, so it passes them on once more;
 //! the replay measured that echo and it cost nothing (FINDINGS.md), so records carry no origin.
 //!
-//! **Wire format.** `IPX1` then 18-byte records exactly as the table stores them
-//! (`prefix_shared::RECORD_BYTES`: `le64 hash ‖ le32 endpoint key ‖ 3 × le16 step tag`). A body
-//! that does not start with the magic, whose length is not a whole number of records, or that
-//! holds more than [`MAX_RECORDS`] is refused whole: nothing of it is applied.
+//! **Wire format.** A `crate::base::codec` record, tag `PeerPrefixBatch`: a `u32` count, then
+//! 18-byte records exactly as the table stores them (`prefix_shared::RECORD_BYTES`:
+//! `le64 hash ‖ le32 endpoint key ‖ 3 × le16 step tag`). A body that is not such a record,
+//! whose length does not match its count, or that holds more than [`MAX_RECORDS`] is refused
+//! whole (400): nothing of it is applied. A body of a version this build does not read (a
+//! replica of another build, during a rolling upgrade) is answered 204 and ignored, so the
+//! sender sees no error; its records are sent again once both run one build.
 //!
 //! **Failure behaviour.** A peer that does not answer loses that batch (the table is a hint; the
 //! next turn's own write repairs it). A store error on read counts the shard as empty (its
 //! records are sent again later); on apply the shard is skipped.
 //!
 //! **Load reports (opt-in, `load_interval_ms`).** Every `load_interval_ms` the poller also
-//! POSTs this gateway's own in-flight counts and queued prefill ([`encode_load`]: `IPL1`, the
-//! gateway's sender nonce ([`gateway_sender`]), then `inflight::InflightCounts`' text form) on
+//! POSTs this gateway's own in-flight counts and queued prefill ([`encode_load`]: tag
+//! `PeerLoadReport`, the gateway's sender nonce ([`gateway_sender`]), then the counts) on
 //! the same path and token. The peer's filter writes them as that sender's record in the peer
 //! slots of its in-flight table (`inflight::put_peer`: apart from the workers' slots, and no
 //! more live senders than it has peers, [`load_sender_limit`]), which every reader there adds
 //! to its own; its own report (a gateway that lists itself) is recognised by the nonce
 //! ([`is_own_report`]) and ignored, and when that nonce cannot be read the report is not
 //! applied. A report that stops coming ages out after `inflight::TTL_MS`; one that fails to
-//! decode is refused whole (400). Without it, other replicas' requests are seen at the next
+//! decode is refused whole (400); one of a version this build does not read is answered 204
+//! and ignored. Without it, other replicas' requests are seen at the next
 //! scrape only.
 //!
 //! **Where.** `peers` in the configuration ([`PeersConfig`]); the poller's side is
@@ -42,10 +46,10 @@
 
 use serde::Serialize;
 
+use crate::base::codec::{self, Refusal, Tag, Writer};
 use crate::base::json::{self, ConfigError};
 use crate::base::ports::SharedStore;
-use crate::state::inflight::parse_nonce;
-use crate::state::prefix_shared::{decode as decode_shard, delta, Record, SharedPrefix, RECORD_BYTES};
+use crate::state::prefix_shared::{decode_raw, delta, put_raw, Record, SharedPrefix, RECORD_BYTES};
 
 /// The header that carries the shared token.
 pub const TOKEN_HEADER: &str = "x-inference-picker-peer-token";
@@ -235,16 +239,15 @@ impl PeersConfig {
     }
 }
 
-/// The body's first bytes (format version 1).
-pub const MAGIC: &[u8; 4] = b"IPX1";
-/// Most records in one batch (73,732 bytes): the default table holds 16,384 (256 shards × 64).
+/// Most records in one batch (73,734 bytes): the default table holds 16,384 (256 shards × 64).
 pub const MAX_RECORDS: usize = 4096;
-/// The largest valid body.
-pub const MAX_BODY_BYTES: usize = MAGIC.len() + MAX_RECORDS * RECORD_BYTES;
+/// The largest valid body: the codec header, the count, the records.
+pub const MAX_BODY_BYTES: usize = 2 + 4 + MAX_RECORDS * RECORD_BYTES;
 
 /// Why a body was refused.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum WireError {
+    /// Not a message of this kind (wrong tag, or no header).
     BadMagic,
     Truncated {
         len: usize,
@@ -252,35 +255,57 @@ pub enum WireError {
     TooMany {
         records: usize,
     },
-    /// A load body ([`LOAD_MAGIC`]) without a well-formed sender nonce.
+    /// A load body without a well-formed sender nonce.
     BadSender,
+    /// A message of a version this build does not read (a replica of another build during a
+    /// rolling upgrade): ignored, answered 204 (`crate::base::codec`).
+    UnknownVersion(u8),
 }
 
-/// The first bytes of a load body (`peers.load_interval_ms`; format version 1).
-pub const LOAD_MAGIC: &[u8; 4] = b"IPL1";
-/// Shared-data key of this gateway's sender nonce (16 hex digits): one per Envoy process,
-/// created by the first poller that sends ([`gateway_sender`]) and kept when the poller moves
-/// (lease mode) or restarts, so peers keep one record for this gateway. The filter reads it to
-/// ignore this gateway's own report: `addresses` may list this gateway itself, and adding its
-/// own counts to themselves would double them.
+impl From<Refusal> for WireError {
+    fn from(r: Refusal) -> Self {
+        match r {
+            Refusal::Malformed => WireError::BadMagic,
+            Refusal::UnknownVersion(v) => WireError::UnknownVersion(v),
+        }
+    }
+}
+
+/// Whether a body is a load report (tag `PeerLoadReport`), not a prefix batch.
+pub fn is_load_report(body: &[u8]) -> bool {
+    codec::tag_byte(body) == Some(Tag::PeerLoadReport as u8)
+}
+
+/// Shared-data key of this gateway's sender nonce (a `LoadSender` record): one per Envoy
+/// process, created by the first poller that sends ([`gateway_sender`]) and kept when the
+/// poller moves (lease mode) or restarts, so peers keep one record for this gateway. The filter
+/// reads it to ignore this gateway's own report: `addresses` may list this gateway itself, and
+/// adding its own counts to themselves would double them.
 pub const LOAD_SENDER_KEY: &str = "inference-picker/peers/load-sender";
 
 /// This gateway's sender nonce: the one in [`LOAD_SENDER_KEY`], or `candidate` (non-zero)
 /// written there when there is none (or it is garbled). Of two pollers racing, the first write
-/// wins and both return it.
+/// wins and both return it. A nonce of a version this build does not read (a poller of another
+/// build wrote it) is an error: overwriting it would break that build's own-report guard, so
+/// this poller sends no load report until it reads one.
 pub fn gateway_sender(
     store: &dyn SharedStore,
     candidate: u64,
 ) -> Result<u64, crate::base::ports::StoreError> {
     for _ in 0..4 {
         let cas = match store.get(LOAD_SENDER_KEY)? {
-            Some((v, cas)) => match parse_nonce(&v) {
-                Some(n) => return Ok(n),
-                None => cas,
+            Some((v, cas)) => match codec::decode_u64(&v, Tag::LoadSender) {
+                Ok(n) if n != 0 => return Ok(n),
+                Err(Refusal::UnknownVersion(v)) => {
+                    return Err(crate::base::ports::StoreError::Host(format!(
+                        "the sender nonce is another build's (version {v})"
+                    )))
+                }
+                _ => cas,
             },
             None => crate::base::ports::CREATE_CAS,
         };
-        match store.set(LOAD_SENDER_KEY, format!("{:016x}", candidate.max(1)).as_bytes(), cas) {
+        match store.set(LOAD_SENDER_KEY, &codec::encode_u64(Tag::LoadSender, candidate.max(1)), cas) {
             Ok(()) | Err(crate::base::ports::StoreError::CasMismatch) => {}
             Err(e) => return Err(e),
         }
@@ -289,78 +314,85 @@ pub fn gateway_sender(
 }
 
 /// Shared-data key where the poller publishes how many peers it sends to (`addresses` and the
-/// pods found through `kubernetes`, without repeats), in decimal: the filter's cap on the peer
-/// records of the in-flight table ([`load_sender_limit`]).
+/// pods found through `kubernetes`, without repeats), a `PeerCount` record
+/// ([`encode_peer_count`]): the filter's cap on the peer records of the in-flight table
+/// ([`load_sender_limit`]).
 pub const PEER_COUNT_KEY: &str = "inference-picker/peers/count";
+
+/// The value of [`PEER_COUNT_KEY`].
+pub fn encode_peer_count(n: usize) -> Vec<u8> {
+    codec::encode_u64(Tag::PeerCount, n as u64)
+}
 
 /// How many senders may have a live load record here (`inflight::put_peer`'s `limit`): the peer
 /// count the poller published (`published`: the value of [`PEER_COUNT_KEY`]), or, before it
-/// has, the configured `addresses`; at most `inflight::MAX_PEER_SLOTS`.
+/// has (or when it is unreadable), the configured `addresses`; at most
+/// `inflight::MAX_PEER_SLOTS`.
 pub fn load_sender_limit(cfg: &PeersConfig, published: Option<&[u8]>) -> usize {
     published
-        .and_then(|v| std::str::from_utf8(v).ok())
-        .and_then(|t| t.parse::<usize>().ok())
+        .and_then(|v| codec::decode_u64(v, Tag::PeerCount).ok())
+        .and_then(|n| usize::try_from(n).ok())
         .unwrap_or(cfg.addresses.len())
         .min(crate::state::inflight::MAX_PEER_SLOTS)
 }
 
-/// Whether a report from `sender` is this gateway's own (`stored`: the value of
-/// [`LOAD_SENDER_KEY`], if any).
+/// Whether a report from `sender` may be this gateway's own (`stored`: the value of
+/// [`LOAD_SENDER_KEY`], if any). A nonce of a version this build does not read may be this
+/// gateway's own: it fails closed (true, the report is not applied).
 pub fn is_own_report(stored: Option<&[u8]>, sender: u64) -> bool {
-    stored.and_then(parse_nonce).is_some_and(|own| own == sender)
+    match stored.map(|v| codec::decode_u64(v, Tag::LoadSender)) {
+        Some(Ok(own)) => own == sender,
+        Some(Err(Refusal::UnknownVersion(_))) => true,
+        Some(Err(Refusal::Malformed)) | None => false,
+    }
 }
 
-/// `LOAD_MAGIC ‖ sender nonce (16 hex digits) ‖ ' ' ‖ counts`: the sending gateway's own
-/// in-flight counts and queued prefill (`inflight::gateway_counts`), in the in-flight table's
-/// text form (`InflightCounts::encode`: `addr=n` or `addr=n/prefill_n/prefill_tokens`, `;`
-/// between entries). `sender` is a random nonce per sending poller, never 0.
+/// A load report (tag `PeerLoadReport`): `u64 sender nonce · counts`
+/// (`inflight::InflightCounts::write`): the sending gateway's own in-flight counts and queued
+/// prefill (`inflight::gateway_counts`). `sender` is a random nonce per sending poller, never 0.
 pub fn encode_load(sender: u64, counts: &crate::state::inflight::InflightCounts) -> Vec<u8> {
-    let mut out = LOAD_MAGIC.to_vec();
-    out.extend_from_slice(format!("{:016x} ", sender.max(1)).as_bytes());
-    out.extend_from_slice(&counts.encode());
-    out
+    let mut w = Writer::new(Tag::PeerLoadReport, 64);
+    w.u64(sender.max(1));
+    counts.write(&mut w);
+    w.finish()
 }
 
-/// The sender and counts of a load body, or why it is refused (nothing applied). Malformed
-/// entries inside the counts are skipped, as the in-flight table's reader skips them.
+/// The sender and counts of a load body, or why it is refused (whole: nothing applied).
 pub fn decode_load(body: &[u8]) -> Result<(u64, crate::state::inflight::InflightCounts), WireError> {
-    let rest = body.strip_prefix(LOAD_MAGIC.as_slice()).ok_or(WireError::BadMagic)?;
-    if rest.len() > MAX_BODY_BYTES {
+    if body.len() > MAX_BODY_BYTES {
         return Err(WireError::Truncated { len: body.len() });
     }
-    let (head, counts) = match (rest.get(..16), rest.get(16), rest.get(17..)) {
-        (Some(h), Some(b' '), Some(c)) => (h, c),
-        _ => return Err(WireError::BadSender),
-    };
-    let sender = parse_nonce(head).ok_or(WireError::BadSender)?;
-    Ok((sender, crate::state::inflight::InflightCounts::decode(counts)))
+    let mut r = codec::open(body, Tag::PeerLoadReport)?;
+    let sender = r.u64().filter(|&n| n != 0).ok_or(WireError::BadSender)?;
+    let counts = crate::state::inflight::InflightCounts::read(&mut r)
+        .ok_or(WireError::Truncated { len: body.len() })?;
+    r.finish().ok_or(WireError::Truncated { len: body.len() })?;
+    Ok((sender, counts))
 }
 
-/// `MAGIC ‖ records`. Callers keep batches within [`MAX_RECORDS`] ([`Exporter::collect`] does).
+/// A prefix batch (tag `PeerPrefixBatch`): `u32 count · count × 18-byte records`. Callers keep
+/// batches within [`MAX_RECORDS`] ([`Exporter::collect`] does).
 pub fn encode(records: &[Record]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(MAGIC.len() + records.len() * RECORD_BYTES);
-    out.extend_from_slice(MAGIC);
-    for (h, e, tags) in records {
-        out.extend_from_slice(&h.to_le_bytes());
-        out.extend_from_slice(&e.to_le_bytes());
-        for t in tags {
-            out.extend_from_slice(&t.to_le_bytes());
-        }
+    let mut w = Writer::new(Tag::PeerPrefixBatch, 4 + records.len() * RECORD_BYTES);
+    w.len(records.len());
+    for r in records {
+        put_raw(&mut w, r);
     }
-    out
+    w.finish()
 }
 
 /// The records of a body, or why it is refused (whole).
 pub fn decode(body: &[u8]) -> Result<Vec<Record>, WireError> {
-    let rest = body.strip_prefix(MAGIC.as_slice()).ok_or(WireError::BadMagic)?;
-    if !rest.len().is_multiple_of(RECORD_BYTES) {
-        return Err(WireError::Truncated { len: body.len() });
-    }
-    let n = rest.len() / RECORD_BYTES;
+    let mut r = codec::open(body, Tag::PeerPrefixBatch)?;
+    let n = usize::try_from(r.u32().ok_or(WireError::Truncated { len: body.len() })?).unwrap_or(usize::MAX);
     if n > MAX_RECORDS {
         return Err(WireError::TooMany { records: n });
     }
-    Ok(decode_shard(rest))
+    let rest = r.remaining();
+    if rest.len() != n.saturating_mul(RECORD_BYTES) {
+        return Err(WireError::Truncated { len: body.len() });
+    }
+    Ok(decode_raw(rest))
 }
 
 /// What the poller read of its table at its last exchange, to send only what changed since.
@@ -478,53 +510,92 @@ mod tests {
     #[test]
     fn a_load_body_round_trips_and_a_bad_sender_is_refused() {
         use crate::state::inflight::InflightCounts;
-        let counts = InflightCounts::decode(b"10.0.0.1:8000=3/2/9000;[fd00::1]:8000=1");
+        let counts = InflightCounts::from_text(b"10.0.0.1:8000=3/2/9000;[fd00::1]:8000=1");
         let body = encode_load(0xF00, &counts);
-        assert!(body.starts_with(b"IPL10000000000000f00 "));
-        assert_eq!(decode_load(&body), Ok((0xF00, counts)));
+        assert!(is_load_report(&body));
+        assert_eq!(&body[..2], &[Tag::PeerLoadReport as u8, Tag::PeerLoadReport.write_version()]);
+        assert_eq!(decode_load(&body), Ok((0xF00, counts.clone())));
         // Nothing in flight is a valid report (it clears the peer's earlier counts).
         assert_eq!(
             decode_load(&encode_load(7, &InflightCounts::default())),
             Ok((7, InflightCounts::default()))
         );
-        assert_eq!(decode_load(b"IPX10000000000000f00 a=1"), Err(WireError::BadMagic));
-        for bad in [
-            &b"IPL1"[..],
-            b"IPL10000000000000000 a=1",
-            b"IPL10000000000000f00a=1",
-            b"IPL1000000000000zzzz a=1",
-            b"IPL1+000000000000f00 a=1",
-            b"IPL1f00 a=1",
-        ] {
-            assert_eq!(decode_load(bad), Err(WireError::BadSender), "{bad:?}");
+        assert_eq!(decode_load(&encode(&[])), Err(WireError::BadMagic));
+        assert_eq!(decode_load(b"IPL10000000000000f00 a=1"), Err(WireError::BadMagic));
+        // A zero sender; a body too short for one.
+        let mut zero = body.clone();
+        zero[2..10].copy_from_slice(&[0; 8]);
+        assert_eq!(decode_load(&zero), Err(WireError::BadSender));
+        assert_eq!(decode_load(&body[..5]), Err(WireError::BadSender));
+        // Every other truncation, and a trailing byte: refused whole.
+        for cut in 10..body.len() {
+            assert!(matches!(decode_load(&body[..cut]), Err(WireError::Truncated { .. })), "cut {cut}");
         }
-        // Garbled entries are skipped, as the in-flight reader skips them.
-        let (_, c) = decode_load(b"IPL10000000000000f00 a=x;b=2;=3;c").unwrap();
-        assert_eq!((c.get("a"), c.get("b"), c.total()), (0, 2, 2));
+        let mut longer = body.clone();
+        longer.push(0);
+        assert!(matches!(decode_load(&longer), Err(WireError::Truncated { .. })));
         // One sender nonce per gateway: the first poller's, whoever sends later.
         let store = MemStore::new();
         assert_eq!(gateway_sender(&store, 0xAAA), Ok(0xAAA));
         assert_eq!(gateway_sender(&store, 0xBBB), Ok(0xAAA));
         store.set(LOAD_SENDER_KEY, b"garbage", 0).unwrap();
         assert_eq!(gateway_sender(&store, 0xCCC), Ok(0xCCC));
-        assert!(is_own_report(Some(b"0000000000000f00"), 0xF00));
-        assert!(!is_own_report(Some(b"0000000000000f01"), 0xF00));
+        let nonce = |n| codec::encode_u64(Tag::LoadSender, n);
+        assert!(is_own_report(Some(&nonce(0xF00)), 0xF00));
+        assert!(!is_own_report(Some(&nonce(0xF01)), 0xF00));
         assert!(!is_own_report(None, 0xF00));
         assert!(!is_own_report(Some(b"garbage"), 0xF00));
-        let huge = [&b"IPL10000000000000f00 "[..], &vec![b'a'; MAX_BODY_BYTES][..]].concat();
+        let huge = [&body[..], &vec![b'a'; MAX_BODY_BYTES][..]].concat();
         assert!(matches!(decode_load(&huge), Err(WireError::Truncated { .. })));
+    }
+
+    /// Mixed builds: a load report, a batch, a sender nonce of the next release. This one
+    /// ignores the messages (the filter answers 204), keeps the other build's nonce, sends no
+    /// report meanwhile, and counts a report as possibly its own (not applied).
+    #[test]
+    fn messages_and_nonces_of_another_release_are_skipped() {
+        use crate::state::inflight::InflightCounts;
+        let next = cfg!(feature = "codec-next");
+        let load =
+            codec::as_next(&encode_load(0xF00, &InflightCounts::from_text(b"a=1")), Tag::PeerLoadReport);
+        let batch = codec::as_next(&encode(&[(1, 2, T)]), Tag::PeerPrefixBatch);
+        assert!(is_load_report(&load) && !is_load_report(&batch));
+        let store = MemStore::new();
+        let theirs = codec::as_next(&codec::encode_u64(Tag::LoadSender, 0xAAA), Tag::LoadSender);
+        store.set(LOAD_SENDER_KEY, &theirs, 0).unwrap();
+        let count = codec::as_next(&encode_peer_count(5), Tag::PeerCount);
+        if next {
+            assert!(decode_load(&load).is_ok());
+            assert_eq!(decode(&batch), Ok(vec![(1, 2, T)]));
+            assert_eq!(gateway_sender(&store, 0xBBB), Ok(0xAAA));
+            assert!(!is_own_report(Some(&theirs), 0xF00));
+            assert_eq!(codec::decode_u64(&count, Tag::PeerCount), Ok(5));
+        } else {
+            let v = Tag::PeerLoadReport.current() + 1;
+            assert_eq!(decode_load(&load), Err(WireError::UnknownVersion(v)));
+            assert_eq!(decode(&batch), Err(WireError::UnknownVersion(v)));
+            assert!(receive(&store, &table(), &batch).is_err());
+            assert!(gateway_sender(&store, 0xBBB).is_err());
+            assert_eq!(store.get(LOAD_SENDER_KEY).unwrap().unwrap().0, theirs, "the nonce is kept");
+            assert!(is_own_report(Some(&theirs), 0xF00));
+            // The peer count: unreadable, so the configured addresses count (config tests).
+            assert!(codec::decode_u64(&count, Tag::PeerCount).is_err());
+        }
     }
 
     #[test]
     fn a_batch_round_trips_and_bad_bodies_are_refused_whole() {
         let recs = vec![(1u64, 10u32, [1, 2, 3]), (u64::MAX, u32::MAX, T)];
         let body = encode(&recs);
-        assert_eq!(body.len(), 4 + 2 * RECORD_BYTES);
+        assert_eq!(body.len(), 2 + 4 + 2 * RECORD_BYTES);
         assert_eq!(decode(&body), Ok(recs));
         assert_eq!(decode(&encode(&[])), Ok(vec![]));
-        assert_eq!(decode(b"IPX2"), Err(WireError::BadMagic));
+        assert_eq!(decode(b"IPX1"), Err(WireError::BadMagic));
         assert_eq!(decode(b""), Err(WireError::BadMagic));
         assert_eq!(decode(&body[..body.len() - 1]), Err(WireError::Truncated { len: body.len() - 1 }));
+        let mut longer = body.clone();
+        longer.push(0);
+        assert_eq!(decode(&longer), Err(WireError::Truncated { len: body.len() + 1 }));
         let big = encode(&vec![(7, 7, T); MAX_RECORDS + 1]);
         assert_eq!(decode(&big), Err(WireError::TooMany { records: MAX_RECORDS + 1 }));
         assert_eq!(encode(&vec![(7, 7, T); MAX_RECORDS]).len(), MAX_BODY_BYTES);

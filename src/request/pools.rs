@@ -39,6 +39,7 @@
 //! address is not a member of the route's cluster and `override_host` refuses it (503): a request
 //! never reaches a pod of another pool.
 
+use crate::base::codec::{self, Tag, Writer};
 use crate::base::errors::Rejection;
 use crate::base::json::{self, ConfigError};
 use crate::request::body::{ApiKind, ParsedRequest};
@@ -141,69 +142,30 @@ pub fn passes_on(pool: Option<&PoolConfig>, rejection: &Rejection) -> bool {
 /// follows from the path, which the next filter sees too). Filter state is set only by filters,
 /// never by the client.
 pub fn encode_parsed(p: &ParsedRequest) -> Vec<u8> {
-    let mut out = Vec::with_capacity(16 + p.model.len() + p.prompt.len());
-    out.push(1); // format version
-    out.push(u8::from(p.stream));
-    put(&mut out, p.model.as_bytes());
-    match &p.cache_salt {
-        Some(salt) => {
-            out.push(1);
-            put(&mut out, salt.as_bytes());
-        }
-        None => out.push(0),
-    }
-    put(&mut out, p.prompt.as_bytes());
-    out
+    let mut w = Writer::new(Tag::ParsedRequest, 16 + p.model.len() + p.prompt.len());
+    w.bool(p.stream).str(&p.model);
+    w.opt(p.cache_salt.as_deref(), |w, salt| {
+        w.str(salt);
+    });
+    w.str(&p.prompt);
+    w.finish()
 }
 
-fn put(out: &mut Vec<u8>, bytes: &[u8]) {
-    out.extend_from_slice(&u32::try_from(bytes.len()).unwrap_or(u32::MAX).to_le_bytes());
-    out.extend_from_slice(bytes);
-}
-
-/// Reads what [`encode_parsed`] wrote; `None` for anything else (then the filter parses the body
-/// itself). `kind` comes from the request path.
+/// Reads what [`encode_parsed`] wrote (`crate::base::codec`, tag `ParsedRequest`: `bool stream ·
+/// str model · opt str cache_salt · str prompt`); `None` for anything else, a record of a
+/// version this build does not read included (then the filter parses the body itself). `kind`
+/// comes from the request path.
 pub fn decode_parsed(bytes: &[u8], kind: ApiKind) -> Option<ParsedRequest> {
-    let mut r = Reader(bytes);
-    if r.byte()? != 1 {
-        return None;
-    }
-    let stream = match r.byte()? {
-        0 => false,
-        1 => true,
-        _ => return None,
-    };
-    let model = r.string()?;
-    let cache_salt = match r.byte()? {
-        0 => None,
-        1 => Some(r.string()?),
-        _ => return None,
-    };
-    let prompt = r.string()?;
-    if !r.0.is_empty() || model.is_empty() {
+    let mut r = codec::open(bytes, Tag::ParsedRequest).ok()?;
+    let stream = r.bool()?;
+    let model = r.string(usize::MAX)?;
+    let cache_salt = r.opt(|r| r.string(usize::MAX))?;
+    let prompt = r.string(usize::MAX)?;
+    r.finish()?;
+    if model.is_empty() {
         return None;
     }
     Some(ParsedRequest { kind, model, stream, cache_salt, prompt })
-}
-
-struct Reader<'a>(&'a [u8]);
-
-impl Reader<'_> {
-    fn byte(&mut self) -> Option<u8> {
-        let (b, rest) = self.0.split_first()?;
-        self.0 = rest;
-        Some(*b)
-    }
-    fn string(&mut self) -> Option<String> {
-        let (len, rest) = self.0.split_first_chunk::<4>()?;
-        let len = usize::try_from(u32::from_le_bytes(*len)).ok()?;
-        if rest.len() < len {
-            return None;
-        }
-        let (s, rest) = rest.split_at(len);
-        self.0 = rest;
-        String::from_utf8(s.to_vec()).ok()
-    }
 }
 
 /// The suffix every metric name of this instance carries (`;pool=<name>`), empty for a single
@@ -298,13 +260,21 @@ mod tests {
         longer.push(0);
         assert_eq!(decode_parsed(&longer, ApiKind::ChatCompletions), None);
         let mut other = b.clone();
-        other[0] = 2;
+        other[1] = Tag::ParsedRequest.current() + 9;
         assert_eq!(decode_parsed(&other, ApiKind::ChatCompletions), None);
         let mut flag = b.clone();
-        flag[1] = 7;
+        flag[2] = 7;
         assert_eq!(decode_parsed(&flag, ApiKind::ChatCompletions), None);
         // A length past the end.
-        assert_eq!(decode_parsed(&[1, 0, 255, 255, 255, 255, b'a'], ApiKind::Other), None);
+        let v = Tag::ParsedRequest.write_version();
+        assert_eq!(
+            decode_parsed(&[Tag::ParsedRequest as u8, v, 0, 255, 255, 255, 255, b'a'], ApiKind::Other),
+            None
+        );
+        // The next release's record: read by the next release only (then this one parses the
+        // body itself).
+        let next = codec::as_next(&b, Tag::ParsedRequest);
+        assert_eq!(decode_parsed(&next, ApiKind::ChatCompletions).is_some(), cfg!(feature = "codec-next"));
         // An empty model is not a parsed request (the parser refuses it too).
         let empty = ParsedRequest { model: String::new(), ..p };
         assert_eq!(decode_parsed(&encode_parsed(&empty), ApiKind::ChatCompletions), None);

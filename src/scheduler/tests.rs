@@ -127,7 +127,7 @@ fn picks_least_loaded_with_fallbacks_in_score_order() {
         ep("c:1", &["llama"], 5.0, 0.2),
         ep("d:1", &["qwen"], 0.0, 0.0),
     ]);
-    let inf = InflightCounts::decode(b"a:1=1");
+    let inf = InflightCounts::from_text(b"a:1=1");
     let p = pick(&mut s, &req("llama"), &sn, &inf, 7).unwrap();
     assert_eq!(p.primary, "b:1");
     assert_eq!(p.fallbacks, vec!["c:1", "a:1"]);
@@ -171,7 +171,7 @@ fn fail_open_picks_lowest_inflight_with_seeded_tie_break() {
     };
     let sn = snap(vec![stale("a:1"), stale("b:1"), stale("c:1"), ep("q:1", &["qwen"], 0.0, 0.0)]);
     // In flight: a 3, b 1, c 1 → b and c tie at 1; a is the last fallback.
-    let inf = InflightCounts::decode(b"a:1=3;b:1=1;c:1=1;q:1=0");
+    let inf = InflightCounts::from_text(b"a:1=3;b:1=1;c:1=1;q:1=0");
     let mut seen = hashbrown::HashSet::new();
     for seed in 0..40 {
         let p = pick(&mut s, &req("llama"), &sn, &inf, seed).unwrap();
@@ -259,7 +259,7 @@ fn per_model_weights_override_pool_weights() {
         r#","scheduler":{"model_weights":{"qwen":{"queue":5,"kv_cache":0,"inflight":0}}}"#,
     ));
     let sn = snap(vec![ep("a:1", &["llama", "qwen"], 0.0, 0.0), ep("b:1", &["llama", "qwen"], 9.0, 0.0)]);
-    let inf = InflightCounts::decode(b"a:1=2");
+    let inf = InflightCounts::from_text(b"a:1=2");
     // qwen: a: 1.0×5 = 5 vs b: 0.
     assert_eq!(pick(&mut s, &req("qwen"), &sn, &inf, 1).unwrap().primary, "a:1");
     // llama keeps the pool weights (queue 0.5, kv 0.5, inflight 2):
@@ -301,7 +301,7 @@ proptest! {
         eps in prop::collection::vec(arb_endpoint(), 1..20),
         counts in prop::collection::vec(0u32..500, 20),
     ) {
-        let inf = InflightCounts::decode(
+        let inf = InflightCounts::from_text(
             eps.iter().zip(&counts).map(|(e, n)| format!("{}={n}", e.address)).collect::<Vec<_>>().join(";").as_bytes(),
         );
         let cands: Vec<Candidate<'_>> = eps.iter().map(|e| Candidate {
@@ -471,7 +471,7 @@ fn hot_spot_guard_moves_affinity_off_an_overloaded_endpoint() {
     // t1 is 2312 bytes = 9 full blocks of 256, t2 3450 bytes = 13 blocks, sharing the first 9.
     // Holder: prefix (local, exact) 9/13 = 0.692×3 + queue 1×2 + kv 0.7×2 +
     // inflight (1/31)×1 ≈ 5.51; others: 0 + 2 + 1.4 + 1 = 4.4.
-    let inf = InflightCounts::decode(format!("{}=30", p1.primary).as_bytes());
+    let inf = InflightCounts::from_text(format!("{}=30", p1.primary).as_bytes());
     let r2 = PickRequest { model: "llama", prompt: &t2, ..Default::default() };
     let mut s2 = s.clone();
     let store2 = MemStore::new();
@@ -480,7 +480,7 @@ fn hot_spot_guard_moves_affinity_off_an_overloaded_endpoint() {
     assert!((p3.prefix_score - 9.0 / 13.0).abs() < 1e-9, "{}", p3.prefix_score);
     // At 100 in flight (load 100 vs 2 elsewhere: gap 98 > 64 and 100 > 1.5×2) it is
     // overloaded: its prefix score is forced to 0 and the request goes elsewhere.
-    let inf = InflightCounts::decode(format!("{}=100", p1.primary).as_bytes());
+    let inf = InflightCounts::from_text(format!("{}=100", p1.primary).as_bytes());
     let p2 = s.pick_model(&r2, &sn, &inf, &store, &mut SplitMix64::new(1), NOW).unwrap();
     assert_ne!(p2.primary, p1.primary);
     assert_eq!((p2.overloaded, p2.prefix_score), (1, 0.0));
@@ -525,7 +525,7 @@ proptest! {
         prop_assert!(store.key_count() <= shards);
         for k in store.keys() {
             prop_assert!(k.starts_with(prefix_shared::KEY_PREFIX));
-            prop_assert!(store.get(&k).unwrap().unwrap().0.len() <= 8 * prefix_shared::RECORD_BYTES);
+            prop_assert!(store.get(&k).unwrap().unwrap().0.len() <= 2 + 8 * prefix_shared::RECORD_BYTES);
         }
     }
 }
@@ -718,7 +718,7 @@ fn live_queue_switch_makes_the_queue_scorer_see_what_was_sent_since_the_scrape()
     let mut b = ep("b:1", &["llama"], 1.0, 0.0);
     b.inflight_at_scrape = Some(3);
     let sn = snap(vec![a, b]);
-    let inf = InflightCounts::decode(b"a:1=3;b:1=3");
+    let inf = InflightCounts::from_text(b"a:1=3;b:1=3");
     // Default (off): the scraped queues decide, a wins.
     let mut off = Scheduler::new(&config(&format!("{only_queue}}}")));
     assert_eq!(pick(&mut off, &req("llama"), &sn, &inf, 1).unwrap().primary, "a:1");
@@ -862,7 +862,7 @@ fn pick_with_peers(inflight: &[u8]) -> String {
     let sn = snap(vec![ep("a:1", &["llama"], 0.0, 0.1), ep("b:1", &["llama"], 0.0, 0.3)]);
     let prompt = fresh_prompt(9, 8);
     let r = PickRequest { model: "llama", prompt: &prompt, ..Default::default() };
-    let inf = InflightCounts::decode(inflight);
+    let inf = InflightCounts::from_text(inflight);
     s.pick_model(&r, &sn, &inf, &MemStore::new(), &mut SplitMix64::new(1), NOW).unwrap().primary
 }
 

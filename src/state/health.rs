@@ -49,8 +49,8 @@
 //! from 1 after a quiet `failure_load_ms`, and is capped at [`MAX_PHANTOM_LOAD`]).
 //!
 //! # Shared data, and why races are safe
-//! One key, [`HEALTH_KEY`], holding one line per endpoint with anything to remember (clean
-//! entries are dropped, at most [`MAX_ENTRIES`]): the number of keys is one whatever the pool
+//! One key, [`HEALTH_KEY`], holding a `crate::base::codec` record (tag `Health`) with one entry
+//! per endpoint with anything to remember (clean entries are dropped, at most [`MAX_ENTRIES`]): the number of keys is one whatever the pool
 //! and the traffic. Every update is a CAS loop (read, apply, write with the token read) bounded
 //! by [`crate::state::inflight::MAX_CAS_ATTEMPTS`], so two workers never overwrite each other once the
 //! key exists. The key's *creation* is the only unconditional write (Envoy's CAS cannot say
@@ -61,7 +61,9 @@
 //! - each worker keeps the ejections it decided in its own [`Recorder`] and merges them back
 //!   into every later write and into what it reads, so an ejection it made is never lost, even
 //!   if its write was overwritten;
-//! - a value that does not parse reads as empty, and the next write replaces it.
+//! - a value that does not parse reads as empty, and the next write replaces it;
+//! - a value of a version this build does not read (another build's, during a rolling upgrade)
+//!   reads as empty and is never written by this build: its ejections stay local to the worker.
 //!
 //! The view read by a request is at most one request old: each pick reads the key (one small
 //! copy, usually empty).
@@ -69,6 +71,7 @@
 use hashbrown::HashMap;
 use serde::Serialize;
 
+use crate::base::codec::{self, Reader, Refusal, Tag, Writer, MAX_NAME_BYTES};
 use crate::base::json::{self, ConfigError};
 use crate::base::ports::{SharedStore, StoreError};
 use crate::state::inflight::MAX_CAS_ATTEMPTS;
@@ -477,47 +480,45 @@ impl Entry {
         self.last_busy_ms = now_ms;
     }
 
-    fn encode(&self, addr: &str, out: &mut String) {
-        use std::fmt::Write as _;
-        let _ = write!(
-            out,
-            "{addr} {} {} {} {} {} {} {} {} {} {} {} {}",
-            self.consecutive_5xx,
-            self.consecutive_gateway,
-            self.window_start_ms,
-            self.window_total,
-            self.window_failures,
-            self.busy,
-            self.last_busy_ms,
-            self.ejected_at_ms,
-            self.ejected_until_ms,
-            self.ejections,
-            u8::from(self.probation),
-            self.touched_ms,
-        );
+    fn write(&self, addr: &str, w: &mut Writer) {
+        w.str(addr)
+            .u32(self.consecutive_5xx)
+            .u32(self.consecutive_gateway)
+            .u64(self.window_start_ms)
+            .u32(self.window_total)
+            .u32(self.window_failures)
+            .u32(self.busy)
+            .u64(self.last_busy_ms)
+            .u64(self.ejected_at_ms)
+            .u64(self.ejected_until_ms)
+            .u32(self.ejections)
+            .bool(self.probation)
+            .u64(self.touched_ms);
     }
 
-    fn decode(line: &str) -> Option<(String, Entry)> {
-        let mut it = line.split(' ');
-        let addr = it.next().filter(|a| !a.is_empty())?.to_string();
-        let mut n = || it.next().and_then(|v| v.parse::<u64>().ok());
+    fn read(r: &mut Reader<'_>) -> Option<(String, Entry)> {
+        let addr = r.str(MAX_NAME_BYTES)?.to_string();
         let e = Entry {
-            consecutive_5xx: u32::try_from(n()?).ok()?,
-            consecutive_gateway: u32::try_from(n()?).ok()?,
-            window_start_ms: n()?,
-            window_total: u32::try_from(n()?).ok()?,
-            window_failures: u32::try_from(n()?).ok()?,
-            busy: u32::try_from(n()?).ok()?,
-            last_busy_ms: n()?,
-            ejected_at_ms: n()?,
-            ejected_until_ms: n()?,
-            ejections: u32::try_from(n()?).ok()?,
-            probation: n()? != 0,
-            touched_ms: n()?,
+            consecutive_5xx: r.u32()?,
+            consecutive_gateway: r.u32()?,
+            window_start_ms: r.u64()?,
+            window_total: r.u32()?,
+            window_failures: r.u32()?,
+            busy: r.u32()?,
+            last_busy_ms: r.u64()?,
+            ejected_at_ms: r.u64()?,
+            ejected_until_ms: r.u64()?,
+            ejections: r.u32()?,
+            probation: r.bool()?,
+            touched_ms: r.u64()?,
         };
         Some((addr, e))
     }
 }
+
+/// Bytes of an entry without its address: six `u32`, five `u64`, one flag, and the address's
+/// length prefix.
+const ENTRY_MIN_BYTES: usize = 4 + 6 * 4 + 5 * 8 + 1;
 
 /// Every endpoint's entry, as read from (or written to) the store.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -526,32 +527,53 @@ pub struct HealthView {
 }
 
 impl HealthView {
-    /// Parses the stored value; lines that do not parse are skipped.
+    /// Parses the stored value (`crate::base::codec`, tag `Health`: `u32 n · n × (str address ·
+    /// the entry's fields)`). An empty, malformed or truncated value reads as empty (the next
+    /// write replaces it), and so does one of a version this build does not read.
     pub fn decode(bytes: &[u8]) -> Self {
-        let mut entries = HashMap::new();
-        if let Ok(text) = std::str::from_utf8(bytes) {
-            for line in text.split('\n') {
-                if let Some((a, e)) = Entry::decode(line) {
+        Self::read(bytes).unwrap_or_default()
+    }
+
+    /// [`HealthView::decode`], but `None` for a value of a version this build does not read
+    /// (another build's: never to be overwritten by this one).
+    fn read(bytes: &[u8]) -> Option<Self> {
+        let mut r = match codec::open(bytes, Tag::Health) {
+            Ok(r) => r,
+            Err(Refusal::UnknownVersion(_)) => return None,
+            Err(Refusal::Malformed) => return Some(Self::default()),
+        };
+        let read = |r: &mut Reader<'_>| -> Option<HashMap<String, Entry>> {
+            let n = r.count(ENTRY_MIN_BYTES, usize::MAX)?;
+            let mut entries = HashMap::with_capacity(n.min(MAX_ENTRIES));
+            for _ in 0..n {
+                let (a, e) = Entry::read(r)?;
+                if !a.is_empty() {
                     entries.insert(a, e);
                 }
             }
-        }
-        Self { entries }
+            Some(entries)
+        };
+        let entries = read(&mut r).filter(|_| r.finish().is_some()).unwrap_or_default();
+        Some(Self { entries })
+    }
+
+    /// A view holding these entries (tests).
+    #[cfg(test)]
+    pub fn from_entries(entries: impl IntoIterator<Item = (String, Entry)>) -> Self {
+        Self { entries: entries.into_iter().collect() }
     }
 
     pub fn encode(&self) -> Vec<u8> {
         let mut keys: Vec<&String> = self.entries.keys().collect();
         crate::base::sorting::sort(&mut keys);
-        let mut out = String::with_capacity(keys.len() * 96);
-        for (i, k) in keys.into_iter().enumerate() {
-            if i > 0 {
-                out.push('\n');
-            }
+        let mut w = Writer::new(Tag::Health, 4 + keys.len() * 96);
+        w.len(keys.len());
+        for k in keys {
             if let Some(e) = self.entries.get(k) {
-                e.encode(k, &mut out);
+                e.write(k, &mut w);
             }
         }
-        out.into_bytes()
+        w.finish()
     }
 
     pub fn entry(&self, addr: &str) -> Option<&Entry> {
@@ -680,6 +702,8 @@ pub fn without_ejected(
 #[derive(Debug, Default)]
 pub struct Recorder {
     local: HashMap<String, Entry>,
+    /// This worker's own view while the shared record is another build's (never written).
+    shadow: HealthView,
 }
 
 impl Recorder {
@@ -716,10 +740,27 @@ impl Recorder {
         let mut last = StoreError::CasMismatch;
         for _ in 0..MAX_CAS_ATTEMPTS {
             let (stored, mut view, cas) = match store.get(HEALTH_KEY)? {
-                Some((v, cas)) => {
-                    let view = HealthView::decode(&v);
-                    (Some(v), view, cas)
-                }
+                Some((v, cas)) => match HealthView::read(&v) {
+                    Some(view) => {
+                        self.shadow = HealthView::default();
+                        (Some(v), view, cas)
+                    }
+                    None => {
+                        // Another build's record: not ours to overwrite. This worker judges the
+                        // outcome on what it saw itself (`shadow`, kept while the record stays
+                        // unreadable) and keeps an ejection locally.
+                        let view = &mut self.shadow;
+                        view.merge_local(&self.local, now_ms);
+                        let entry = view.entries.entry(addr.to_string()).or_default();
+                        let ejection = entry.apply(outcome, now_ms, cfg);
+                        let snapshot = *entry;
+                        view.prune(now_ms, cfg);
+                        if ejection.is_some() {
+                            self.local.insert(addr.to_string(), snapshot);
+                        }
+                        return Ok(ejection);
+                    }
+                },
                 None => (None, HealthView::default(), 0),
             };
             view.merge_local(&self.local, now_ms);

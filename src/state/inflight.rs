@@ -8,8 +8,8 @@
 //! # One record per VM (single writer)
 //! Each VM keeps its own counts locally ([`InflightTable`]) and publishes them in ONE slot key,
 //! `inference-picker/inflight/<k>` ([`slot_key`]), that only it writes. The record
-//! ([`encode`]/[`decode`]) is `i1 <owner nonce, 16 hex> <heartbeat ms> addr=n;addr=n`; an empty
-//! value is a free slot. Readers sum the records of the live slots; a record whose heartbeat is
+//! ([`encode`]/[`decode`]) is a `crate::base::codec` record (tag `InflightVm`: owner nonce,
+//! heartbeat ms, the counts by address); an empty value is a free slot. Readers sum the records of the live slots; a record whose heartbeat is
 //! older than [`TTL_MS`] is ignored. So the +1 of a VM that dies (panic, reload, config change)
 //! mid-request stops counting within `TTL_MS`: a count never survives its VM. The root context's
 //! `on_done` writes an empty record at once ([`InflightTable::release`]).
@@ -35,7 +35,7 @@
 //! again only when their CAS token changed.
 //!
 //! # Other gateways' records (`peers.load_interval_ms`)
-//! A peer gateway's report is written as a *peer* record (tag `f1` instead of `i1`, owner = the
+//! A peer gateway's report is written as a *peer* record (tag `InflightPeer`, owner = the
 //! sending gateway's nonce, heartbeat = when this gateway received it; [`put_peer`]) in a key
 //! space of its own, `inference-picker/inflight-peer/<k>` ([`peer_slot_key`]), never in a VM's
 //! slot: however many sender ids a peer invents, the workers' own records keep their slots.
@@ -44,15 +44,17 @@
 //! of a gateway with `peers` add them like any record ([`InflightTable::with_peers`]), so every
 //! count there then includes the other replicas' requests; [`gateway_counts`], what this
 //! gateway reports to its peers, reads only the VM slots, so nothing is passed on. A peer that
-//! stops reporting ages out after [`TTL_MS`], like a dead VM. (A release before the peer slots
-//! wrote `f1` records into the VM slots; readers still add those and [`gateway_counts`] still
-//! leaves them out, so a rolling upgrade neither loses nor echoes them.)
+//! stops reporting ages out after [`TTL_MS`], like a dead VM. (A peer record found in a VM slot
+//! is still added by readers and still left out by [`gateway_counts`].)
 //!
 //! # Failure behaviour
-//! A garbled record reads as a free slot (its counts are ignored and its slot reusable). If the
+//! A garbled record reads as a free slot (its counts are ignored and its slot reusable). A
+//! record of a version this build does not read (a VM of another build during a rolling
+//! upgrade, `crate::base::codec`) is skipped: not counted, and its slot is never taken. If the
 //! store fails, counts stay local and the next sync publishes them. If all slots are live, the
 //! VM keeps counting locally and its counts are invisible to the others (the host logs it).
 
+use crate::base::codec::{self, Reader, Refusal, Tag, Writer, MAX_NAME_BYTES};
 use crate::base::ports::{SharedStore, StoreError, CREATE_CAS};
 use crate::state::by_address::{address_hash, ByAddress};
 
@@ -71,12 +73,6 @@ pub const HEARTBEAT_MS: u64 = TTL_MS / 4;
 pub const MAX_CAS_ATTEMPTS: usize = 64;
 /// Write attempts of one sync (lost CAS races, or moves after losing the slot).
 const MAX_SYNC_ATTEMPTS: usize = 8;
-/// Format tag in front of every slot record.
-const RECORD_TAG: &str = "i1";
-/// Format tag of a record another gateway replica sent (`peers.load_interval_ms`,
-/// [`put_peer`]): readers add it like a VM's record; [`gateway_counts`] leaves it out, so a
-/// gateway never passes on what it received.
-const FOREIGN_TAG: &str = "f1";
 
 /// One endpoint's entry in a VM's record: its in-flight count, and of those the requests still in
 /// prefill (sent, no first response byte yet) with their uncached prompt tokens, as the VM's
@@ -145,62 +141,59 @@ impl InflightCounts {
         self.counts.iter().map(|(k, v)| (k, v.n))
     }
 
-    /// Parses the stored value; malformed entries are skipped. An entry is `addr=n` or
-    /// `addr=n/prefill_n/prefill_tokens` (a VM that has nothing in prefill there writes the
-    /// short form; a VM of a release before the prefill part skips the long form's entries, so
-    /// during a rolling reload it undercounts, never misreads).
-    pub fn decode(bytes: &[u8]) -> Self {
+    /// Reads the counts of a record (`crate::base::codec`): `u32 n · n × (str address · u32 n ·
+    /// u32 prefill_n · u64 prefill_tokens)`. A structurally malformed list refuses the record
+    /// whole; an entry with a zero count is dropped, and a prefill part beyond the count is
+    /// garbled (the count alone is kept).
+    pub fn read(r: &mut Reader<'_>) -> Option<Self> {
+        // An entry takes at least 20 bytes.
+        let n = r.count(20, usize::MAX)?;
         let mut counts = ByAddress::default();
-        let Ok(text) = std::str::from_utf8(bytes) else {
-            return Self { counts };
-        };
-        for entry in text.split(';') {
-            let Some((addr, v)) = entry.rsplit_once('=') else { continue };
-            if addr.is_empty() {
+        for _ in 0..n {
+            let addr = r.str(MAX_NAME_BYTES)?;
+            let l = EndpointLoad { n: r.u32()?, prefill_n: r.u32()?, prefill_tokens: r.u64()? };
+            if addr.is_empty() || l.n == 0 {
                 continue;
             }
-            let mut parts = v.split('/');
-            let load = match (parts.next(), parts.next(), parts.next(), parts.next()) {
-                (Some(n), None, None, None) => {
-                    n.parse().ok().map(|n| EndpointLoad { n, ..Default::default() })
-                }
-                (Some(n), Some(pn), Some(pt), None) => match (n.parse(), pn.parse(), pt.parse()) {
-                    (Ok(n), Ok(prefill_n), Ok(prefill_tokens)) => {
-                        Some(EndpointLoad { n, prefill_n, prefill_tokens })
-                    }
-                    _ => None,
-                },
-                _ => None,
-            };
-            if let Some(l) = load.filter(|l| l.n > 0) {
-                // A prefill part beyond the count is garbled: keep the count alone.
-                let l = if l.prefill_n > l.n { EndpointLoad { n: l.n, ..Default::default() } } else { l };
-                counts.insert(address_hash(addr), addr, l);
-            }
+            let l = if l.prefill_n > l.n { EndpointLoad { n: l.n, ..Default::default() } } else { l };
+            counts.insert(address_hash(addr), addr, l);
         }
-        Self { counts }
+        Some(Self { counts })
     }
 
-    pub fn encode(&self) -> Vec<u8> {
+    /// Writes the counts (see [`InflightCounts::read`]), sorted by address so equal contents
+    /// give equal bytes.
+    pub fn write(&self, w: &mut Writer) {
         let mut entries: Vec<(&str, &EndpointLoad)> = self.counts.iter().filter(|(_, l)| l.n > 0).collect();
-        // Sorted so equal contents give equal bytes (stable for tests and debugging).
         entries.sort_by(|a, b| a.0.cmp(b.0));
-        let mut out = String::with_capacity(entries.len() * 32);
-        for (i, (addr, l)) in entries.into_iter().enumerate() {
-            if i > 0 {
-                out.push(';');
-            }
-            out.push_str(addr);
-            out.push('=');
-            out.push_str(&l.n.to_string());
-            if l.prefill_n > 0 {
-                out.push('/');
-                out.push_str(&l.prefill_n.to_string());
-                out.push('/');
-                out.push_str(&l.prefill_tokens.to_string());
-            }
+        w.len(entries.len());
+        for (addr, l) in entries {
+            w.str(addr).u32(l.n).u32(l.prefill_n).u64(l.prefill_tokens);
         }
-        out.into_bytes()
+    }
+
+    /// Counts from `addr=n` / `addr=n/prefill_n/prefill_tokens` entries separated by `;`
+    /// (malformed entries skipped): a compact way to write them in tests and fuzz targets.
+    pub fn from_text(bytes: &[u8]) -> Self {
+        let mut c = Self::default();
+        let Ok(text) = std::str::from_utf8(bytes) else { return c };
+        for entry in text.split(';') {
+            let Some((addr, v)) = entry.rsplit_once('=') else { continue };
+            let mut parts = v.split('/').map(|p| p.parse::<u64>().ok());
+            let l = match (parts.next(), parts.next(), parts.next(), parts.next()) {
+                (Some(Some(n)), None, None, None) => EndpointLoad { n: n as u32, ..Default::default() },
+                (Some(Some(n)), Some(Some(pn)), Some(Some(pt)), None) => {
+                    EndpointLoad { n: n as u32, prefill_n: pn as u32, prefill_tokens: pt }
+                }
+                _ => continue,
+            };
+            if addr.is_empty() || l.n == 0 {
+                continue;
+            }
+            let l = if l.prefill_n > l.n { EndpointLoad { n: l.n, ..Default::default() } } else { l };
+            c.counts.insert(address_hash(addr), addr, l);
+        }
+        c
     }
 
     /// Adds `other`'s counts to these.
@@ -265,39 +258,47 @@ pub struct SlotRecord {
     pub foreign: bool,
 }
 
-/// Parses a slot record. `None` for an empty value (a free slot) or anything that is not a
-/// well-formed record (treated as free). Pure; never panics.
-pub fn decode(bytes: &[u8]) -> Option<SlotRecord> {
-    let (owner, heartbeat_ms, rest, foreign) = decode_head(bytes)?;
-    let counts = InflightCounts::decode(rest);
-    Some(SlotRecord { owner, heartbeat_ms, counts, foreign })
+/// What a slot holds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Slot {
+    /// A record this build reads.
+    Record(SlotRecord),
+    /// Empty, or not a well-formed record: free for the taking.
+    Free,
+    /// A record of a version this build does not read: a VM (or a peer) of another build owns
+    /// it. Never counted, never claimed or rewritten.
+    Other,
 }
 
-/// A record's owner, heartbeat, the bytes of its counts, and whether another gateway sent it,
-/// without decoding the counts: the write path only checks who owns the slot.
-fn decode_head(bytes: &[u8]) -> Option<(u64, u64, &[u8], bool)> {
-    let text = std::str::from_utf8(bytes).ok()?;
-    let mut parts = text.splitn(4, ' ');
-    let (Some(tag), Some(owner), Some(hb)) = (parts.next(), parts.next(), parts.next()) else {
-        return None;
-    };
-    let foreign = match tag {
-        RECORD_TAG => false,
-        FOREIGN_TAG => true,
-        _ => return None,
-    };
-    let owner = parse_nonce(owner.as_bytes())?;
-    let heartbeat_ms = hb.parse().ok()?;
-    Some((owner, heartbeat_ms, parts.next().unwrap_or("").as_bytes(), foreign))
-}
-
-/// An owner nonce as records (and `peers`' load reports) write it: exactly 16 hex digits, not
-/// 0. `None` for anything else.
-pub fn parse_nonce(text: &[u8]) -> Option<u64> {
-    if text.len() != 16 || !text.iter().all(u8::is_ascii_hexdigit) {
-        return None;
+fn read_slot(bytes: &[u8]) -> Slot {
+    for (tag, foreign) in [(Tag::InflightVm, false), (Tag::InflightPeer, true)] {
+        match codec::open(bytes, tag) {
+            Ok(mut r) => {
+                let rec = (|| {
+                    let owner = r.u64().filter(|&o| o != 0)?;
+                    let heartbeat_ms = r.u64()?;
+                    let counts = InflightCounts::read(&mut r)?;
+                    r.finish()?;
+                    Some(SlotRecord { owner, heartbeat_ms, counts, foreign })
+                })();
+                return rec.map_or(Slot::Free, Slot::Record);
+            }
+            Err(Refusal::UnknownVersion(_)) => return Slot::Other,
+            Err(Refusal::Malformed) => {}
+        }
     }
-    std::str::from_utf8(text).ok().and_then(|t| u64::from_str_radix(t, 16).ok()).filter(|&n| n != 0)
+    Slot::Free
+}
+
+/// Parses a slot record (tag `InflightVm`, or `InflightPeer` for another gateway's: `u64 owner
+/// · u64 heartbeat_ms · counts`, [`InflightCounts::read`]). `None` for an empty value (a free
+/// slot), anything that is not a well-formed record (treated as free), or a record of another
+/// build's version (skipped: not counted, and its slot is never taken). Pure; never panics.
+pub fn decode(bytes: &[u8]) -> Option<SlotRecord> {
+    match read_slot(bytes) {
+        Slot::Record(r) => Some(r),
+        Slot::Free | Slot::Other => None,
+    }
 }
 
 /// Serialises a slot record (see [`decode`]).
@@ -306,10 +307,11 @@ pub fn encode(rec: &SlotRecord) -> Vec<u8> {
 }
 
 fn encode_record(owner: u64, heartbeat_ms: u64, counts: &InflightCounts, foreign: bool) -> Vec<u8> {
-    let tag = if foreign { FOREIGN_TAG } else { RECORD_TAG };
-    let mut out = format!("{tag} {owner:016x} {heartbeat_ms} ").into_bytes();
-    out.extend_from_slice(&counts.encode());
-    out
+    let tag = if foreign { Tag::InflightPeer } else { Tag::InflightVm };
+    let mut w = Writer::new(tag, 20 + counts.counts.len() * 40);
+    w.u64(owner).u64(heartbeat_ms);
+    counts.write(&mut w);
+    w.finish()
 }
 
 /// This gateway's own in-flight counts: every live VM record of this Envoy, summed, without the
@@ -383,12 +385,16 @@ pub fn put_peer(
                     free = free.or(Some((k, CREATE_CAS)));
                     break;
                 }
-                Some((bytes, cas)) => match decode_head(&bytes) {
-                    Some((o, _, _, true)) if o == owner => {
+                Some((bytes, cas)) => match read_slot(&bytes) {
+                    Slot::Record(r) if r.foreign && r.owner == owner => {
                         found = Some((k, cas));
                         break;
                     }
-                    Some((_, hb, _, true)) if now_ms.saturating_sub(hb) <= TTL_MS => live_others += 1,
+                    Slot::Record(r) if r.foreign && now_ms.saturating_sub(r.heartbeat_ms) <= TTL_MS => {
+                        live_others += 1
+                    }
+                    // Another build's record: its slot is not ours to take.
+                    Slot::Other => {}
                     _ => free = free.or(Some((k, cas))),
                 },
             }
@@ -609,7 +615,7 @@ impl InflightTable {
                 self.slot = None;
                 continue;
             };
-            if decode_head(&bytes).is_none_or(|(owner, _, _, _)| owner != self.owner) {
+            if decode(&bytes).is_none_or(|r| r.owner != self.owner) {
                 // Another VM owns this slot now: move, with our full state.
                 self.slot = None;
                 continue;
@@ -639,9 +645,13 @@ impl InflightTable {
                     Err(e) => return Err(e),
                 },
                 Some((bytes, cas)) => {
-                    let reusable = match decode(&bytes) {
-                        None => true,
-                        Some(r) => r.owner == self.owner || now_ms.saturating_sub(r.heartbeat_ms) > TTL_MS,
+                    let reusable = match read_slot(&bytes) {
+                        Slot::Free => true,
+                        Slot::Record(r) => {
+                            r.owner == self.owner || now_ms.saturating_sub(r.heartbeat_ms) > TTL_MS
+                        }
+                        // A live VM of another build (its record is unreadable here): never taken.
+                        Slot::Other => false,
                     };
                     reusable
                         && match store.set(&key, &mine, cas) {

@@ -9,9 +9,10 @@
 //! load actually sent a conversation. The table records the real decision.
 //!
 //! **Layout (bounded whatever the traffic).** `shared_shards` keys
-//! `inference-picker/prefix2/NNNN` (default 256). Each value is a sequence of 18-byte records
+//! `inference-picker/prefix2/NNNN` (default 256). Each value is a `crate::base::codec` record
+//! (tag `PrefixShard`) holding a sequence of 18-byte records
 //! `le64(octave hash) ‖ le32(endpoint key) ‖ 3 × le16(step tag)`, oldest first, at most
-//! `shared_entries_per_shard` (default 64 → 1,152 bytes, which every read copies) records. A
+//! `shared_entries_per_shard` (default 64 → 1,154 bytes, which every read copies) records. A
 //! hash names the endpoint that received it last (a worker's local index knows every pod it sent
 //! it to). Keeping the last 8 endpoints per hash was measured and rejected: the table does not see evictions, so a pod that received a
 //! prefix long ago stayed listed for it, and Mooncake's hit rate and TTFT p90 at 1 × 1 got
@@ -56,9 +57,11 @@
 //! (`two_first_writers_of_a_shard_both_land`).
 //!
 //! **Failure behaviour.** A store error on read counts as a miss; on write the update is
-//! skipped. A value whose length is not a multiple of 18 is read as empty and replaced on the
-//! next write. Neither can make the scheduler fail a request.
+//! skipped. A value that is not a shard record (a wrong header, a length that is not a multiple
+//! of 18 after it) is read as empty and replaced on the next write. A shard of a version this
+//! build does not read (another build's, during a rolling upgrade) is a miss, and is left alone. Neither can make the scheduler fail a request.
 
+use crate::base::codec::{self, Refusal, Tag, Writer};
 use crate::base::ports::{SharedStore, StoreError};
 
 /// `prefix2`: the 18-byte records with step tags (a release with the 12-byte records of
@@ -131,8 +134,43 @@ fn reach(n: usize, b: usize) -> usize {
     step_positions(b).filter(|&p| p <= n).last().unwrap_or(b)
 }
 
-fn records(value: &[u8]) -> impl DoubleEndedIterator<Item = Record> + '_ {
-    let usable = if value.len().is_multiple_of(RECORD_BYTES) { value } else { &[] };
+/// What a shard value holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Shard<'a> {
+    /// The records (a whole number of [`RECORD_BYTES`]), oldest first; empty for an empty value.
+    Records(&'a [u8]),
+    /// Not a shard record of this build's format: read as empty, replaced by the next write.
+    Garbled,
+    /// A shard of a version this build does not read (another build's table): a miss for the
+    /// reader, and the writer leaves it alone.
+    Other,
+}
+
+/// Reads a shard value's header (`crate::base::codec`, tag `PrefixShard`: then the 18-byte
+/// records, no count).
+pub fn shard(value: &[u8]) -> Shard<'_> {
+    if value.is_empty() {
+        return Shard::Records(&[]);
+    }
+    match codec::open(value, Tag::PrefixShard) {
+        Ok(r) if r.remaining().len().is_multiple_of(RECORD_BYTES) => Shard::Records(r.remaining()),
+        Ok(_) | Err(Refusal::Malformed) => Shard::Garbled,
+        Err(Refusal::UnknownVersion(_)) => Shard::Other,
+    }
+}
+
+/// The records of a shard value (none unless it is one of this build's format).
+fn usable(value: &[u8]) -> &[u8] {
+    match shard(value) {
+        Shard::Records(r) => r,
+        Shard::Garbled | Shard::Other => &[],
+    }
+}
+
+/// Records packed back to back (a whole number of [`RECORD_BYTES`], else none): a shard's body
+/// or a peer batch's.
+fn raw_records(raw: &[u8]) -> impl DoubleEndedIterator<Item = Record> + '_ {
+    let usable = if raw.len().is_multiple_of(RECORD_BYTES) { raw } else { &[] };
     usable.chunks_exact(RECORD_BYTES).map(|r| {
         let mut h = [0u8; 8];
         let mut e = [0u8; 4];
@@ -149,6 +187,33 @@ fn records(value: &[u8]) -> impl DoubleEndedIterator<Item = Record> + '_ {
     })
 }
 
+fn records(value: &[u8]) -> impl DoubleEndedIterator<Item = Record> + '_ {
+    raw_records(usable(value))
+}
+
+/// Records packed back to back (see [`decode_raw`]).
+pub fn put_raw(w: &mut Writer, (h, e, t): &Record) {
+    w.u64(*h).u32(*e);
+    for x in t {
+        w.u16(*x);
+    }
+}
+
+/// Records packed back to back, oldest first (none unless a whole number of
+/// [`RECORD_BYTES`]): the body of a shard or of a peer batch.
+pub fn decode_raw(raw: &[u8]) -> Vec<Record> {
+    raw_records(raw).collect()
+}
+
+/// A shard value holding `records` (tests and tools).
+pub fn encode(records: &[Record]) -> Vec<u8> {
+    let mut w = Writer::new(Tag::PrefixShard, records.len() * RECORD_BYTES);
+    for r in records {
+        put_raw(&mut w, r);
+    }
+    w.finish()
+}
+
 /// The record stored most recently for `h` in a shard value: (endpoint key, step tags).
 pub fn find_record(value: &[u8], h: u64) -> Option<(u32, [u16; STEPS - 1])> {
     records(value).rev().find(|r| r.0 == h).map(|r| (r.1, r.2))
@@ -162,9 +227,9 @@ pub fn find(value: &[u8], h: u64) -> Option<u32> {
 /// `value` with `updates` put at the end (each replacing the record of the same hash: a hash
 /// names the endpoint that received it last) and the oldest records dropped beyond `max`.
 pub fn upsert(value: &[u8], updates: &[Record], max: usize) -> Vec<u8> {
-    let usable = if value.len().is_multiple_of(RECORD_BYTES) { value } else { &[] };
+    let usable = usable(value);
     let updated = |h: u64| updates.iter().any(|u| u.0 == h);
-    let kept = records(usable).filter(|r| !updated(r.0)).count();
+    let kept = raw_records(usable).filter(|r| !updated(r.0)).count();
     // A hash twice in `updates`: its last record wins.
     let fresh: Vec<&Record> = updates
         .iter()
@@ -173,8 +238,8 @@ pub fn upsert(value: &[u8], updates: &[Record], max: usize) -> Vec<u8> {
         .map(|(_, u)| u)
         .collect();
     let mut skip = (kept + fresh.len()).saturating_sub(max);
-    let mut out = Vec::with_capacity((kept + fresh.len()).min(max) * RECORD_BYTES);
-    for (rec, r) in usable.chunks_exact(RECORD_BYTES).zip(records(usable)) {
+    let mut w = Writer::new(Tag::PrefixShard, (kept + fresh.len()).min(max) * RECORD_BYTES);
+    for (rec, r) in usable.chunks_exact(RECORD_BYTES).zip(raw_records(usable)) {
         if updated(r.0) {
             continue;
         }
@@ -182,24 +247,20 @@ pub fn upsert(value: &[u8], updates: &[Record], max: usize) -> Vec<u8> {
             skip -= 1;
             continue;
         }
-        out.extend_from_slice(rec);
+        w.raw(rec);
     }
-    for (h, e, t) in fresh {
+    for r in fresh {
         if skip > 0 {
             skip -= 1;
             continue;
         }
-        out.extend_from_slice(&h.to_le_bytes());
-        out.extend_from_slice(&e.to_le_bytes());
-        for x in t {
-            out.extend_from_slice(&x.to_le_bytes());
-        }
+        put_raw(&mut w, r);
     }
-    out
+    w.finish()
 }
 
-/// The records of a shard value, oldest first (none when its length is not a multiple of
-/// [`RECORD_BYTES`]).
+/// The records of a shard value, oldest first (none when it is not a shard record of this
+/// build's format, [`shard`]).
 pub fn decode(value: &[u8]) -> Vec<Record> {
     records(value).collect()
 }
@@ -372,6 +433,10 @@ impl SharedPrefix {
                     Err(_) => return false,
                 },
             };
+            if self::shard(&value) == Shard::Other {
+                // Another build's shard: left to it (its table, not ours to overwrite).
+                return false;
+            }
             if cas == 0 {
                 // Never written (a real token is never 0): create it empty with the creation CAS,
                 // which fails if a racing worker created it first, then update with CAS.
@@ -425,7 +490,7 @@ mod tests {
     #[test]
     fn upsert_moves_to_end_and_bounds() {
         let v = upsert(&[], &[(1, 10, T), (2, 20, T)], 3);
-        assert_eq!(v.len(), 2 * RECORD_BYTES);
+        assert_eq!(v.len(), 2 + 2 * RECORD_BYTES);
         // Re-writing (1, 10) moves it to the end with its new tags; (3, 30) is added; max 3.
         let v = upsert(&v, &[(1, 10, [5, 6, 7]), (3, 30, T)], 3);
         assert_eq!(records(&v).collect::<Vec<_>>(), vec![(2, 20, T), (1, 10, [5, 6, 7]), (3, 30, T)]);
@@ -435,7 +500,33 @@ mod tests {
         assert_eq!((find(&v, 3), find(&v, 2)), (Some(30), None));
         // Garbage length reads as empty.
         assert_eq!(find(&[1, 2, 3], 0), None);
-        assert_eq!(upsert(&[1, 2, 3], &[(5, 50, T)], 3).len(), RECORD_BYTES);
+        assert_eq!(upsert(&[1, 2, 3], &[(5, 50, T)], 3).len(), 2 + RECORD_BYTES);
+    }
+
+    /// Mixed builds: a shard of the next release is a miss here and is never overwritten by
+    /// this build; the next release reads and updates this one's.
+    #[test]
+    fn a_shard_of_another_release_is_skipped_and_left_alone() {
+        let table = SharedPrefix::new(1, 8);
+        let store = MemStore::new();
+        let hashes: Vec<u64> = (1..=8).collect();
+        let theirs = codec::as_next(&upsert(&[], &[(4, 77, T)], 8), Tag::PrefixShard);
+        store.set(&table.keys()[0], &theirs, 0).unwrap();
+        let mut lookup = table.lookup(&store, &hashes);
+        let next = cfg!(feature = "codec-next");
+        assert_eq!(lookup.matched(77) > 0, next);
+        let wrote = table.record(&store, &hashes, 9, &mut lookup);
+        let stored = store.get(&table.keys()[0]).unwrap().unwrap().0;
+        if next {
+            assert_eq!(wrote, 1);
+            assert_eq!(find(&stored, 4), Some(9));
+        } else {
+            assert_eq!(wrote, 0);
+            assert_eq!(stored, theirs, "another build's shard is not overwritten");
+        }
+        // This build's shard, both read.
+        let ours = codec::as_version(&upsert(&[], &[(4, 77, T)], 8), Tag::PrefixShard.current());
+        assert_eq!(find(&ours, 4), Some(77));
     }
 
     #[test]
@@ -447,7 +538,7 @@ mod tests {
         // The same hash twice in one update: the last wins.
         let v = upsert(&v, &[(3, 30, T), (3, 31, T)], 64);
         assert_eq!(find_record(&v, 3), Some((31, T)));
-        assert_eq!(v.len(), 3 * RECORD_BYTES);
+        assert_eq!(v.len(), 2 + 3 * RECORD_BYTES);
     }
 
     #[test]
@@ -528,7 +619,7 @@ mod tests {
         }
         assert_eq!(store.key_count(), 4);
         for k in store.keys() {
-            assert!(store.get(&k).unwrap().unwrap().0.len() <= 16 * RECORD_BYTES);
+            assert!(store.get(&k).unwrap().unwrap().0.len() <= 2 + 16 * RECORD_BYTES);
         }
         let off = SharedPrefix::new(0, 16);
         assert!(off.lookup(&store, &[1, 2, 3, 4]).hits.is_empty());

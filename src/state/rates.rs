@@ -28,15 +28,18 @@
 //!
 //! # Storage: bounded keys, CAS
 //! [`SHARDS`] keys `inference-picker/rate/NN` (shard = endpoint key mod [`SHARDS`]), each holding
-//! at most [`ENTRIES_PER_SHARD`] records of 12 bytes (`endpoint key u32 ‖ W f32 ‖ M f32`, little
-//! endian), most recently updated last; the oldest record is dropped when a shard is full. An
+//! a `crate::base::codec` record (tag `RateShard`) of at most [`ENTRIES_PER_SHARD`] records of 12
+//! bytes (`endpoint key u32 ‖ W f32 ‖ M f32`, little endian), most recently updated last; the
+//! oldest record is dropped when a shard is full. An
 //! observation is one read and one CAS write of one shard, retried [`MAX_CAS_ATTEMPTS`] times
 //! on a lost race (then dropped: a lost observation only slows learning). A garbled value reads
-//! as empty. Reading for a pick goes through [`RateCache`], which re-reads the shards it needs at
+//! as empty. A shard of a version this build does not read (another build's, during a rolling
+//! upgrade) reads as empty and is not written by this build. Reading for a pick goes through [`RateCache`], which re-reads the shards it needs at
 //! most every [`REFRESH_MS`].
 
 use hashbrown::HashMap;
 
+use crate::base::codec::{self, Refusal, Tag, Writer};
 use crate::base::ports::{SharedStore, StoreError, CREATE_CAS};
 
 /// Prefix of the shard keys.
@@ -64,31 +67,60 @@ pub fn shard_key(endpoint_key: u32) -> String {
     format!("{KEY_PREFIX}{:02}", endpoint_key % SHARDS)
 }
 
-/// Decodes a shard value into `(endpoint key, W, M)` records; a garbled value reads as empty.
-pub fn decode(value: &[u8]) -> Vec<(u32, f64, f64)> {
-    if !value.len().is_multiple_of(RECORD) {
-        return Vec::new();
+/// A shard value's records, or why there are none.
+#[derive(Debug, Clone, PartialEq)]
+enum Shard {
+    Records(Vec<(u32, f64, f64)>),
+    /// A shard of a version this build does not read (another build's): skipped, never
+    /// rewritten by this build.
+    Other,
+}
+
+/// Reads a shard value (`crate::base::codec`, tag `RateShard`: `u32 count · count × (u32
+/// endpoint key · f32 W · f32 M)`). Empty, garbled or truncated: no records (the next write
+/// replaces it); a record whose W or M is not plausible is left out.
+fn read_shard(value: &[u8]) -> Shard {
+    let mut r = match codec::open(value, Tag::RateShard) {
+        Ok(r) => r,
+        Err(Refusal::UnknownVersion(_)) => return Shard::Other,
+        Err(Refusal::Malformed) => return Shard::Records(Vec::new()),
+    };
+    let read = |r: &mut codec::Reader<'_>| -> Option<Vec<(u32, f64, f64)>> {
+        let n = r.count(RECORD, ENTRIES_PER_SHARD)?;
+        let mut out = Vec::with_capacity(n);
+        for _ in 0..n {
+            let k = r.u32()?;
+            let w = f64::from(r.f32()?);
+            let m = f64::from(r.f32()?);
+            if w.is_finite() && m.is_finite() && w > 0.0 && m >= 0.0 {
+                out.push((k, w, m));
+            }
+        }
+        Some(out)
+    };
+    match read(&mut r) {
+        Some(v) if r.finish().is_some() => Shard::Records(v),
+        _ => Shard::Records(Vec::new()),
     }
-    value
-        .chunks_exact(RECORD)
-        .filter_map(|c| {
-            let k = u32::from_le_bytes(c.get(0..4)?.try_into().ok()?);
-            let w = f64::from(f32::from_le_bytes(c.get(4..8)?.try_into().ok()?));
-            let m = f64::from(f32::from_le_bytes(c.get(8..12)?.try_into().ok()?));
-            (w.is_finite() && m.is_finite() && w > 0.0 && m >= 0.0).then_some((k, w, m))
-        })
-        .collect()
+}
+
+/// Decodes a shard value into `(endpoint key, W, M)` records; a garbled value, or one of a
+/// version this build does not read, reads as empty.
+pub fn decode(value: &[u8]) -> Vec<(u32, f64, f64)> {
+    match read_shard(value) {
+        Shard::Records(v) => v,
+        Shard::Other => Vec::new(),
+    }
 }
 
 fn encode(records: &[(u32, f64, f64)]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(records.len() * RECORD);
-    for &(k, w, m) in records {
-        out.extend_from_slice(&k.to_le_bytes());
+    let mut w = Writer::new(Tag::RateShard, 4 + records.len() * RECORD);
+    w.len(records.len());
+    for &(k, wt, m) in records {
         // f32 is plenty for a decayed sum; the values are finite by construction.
-        out.extend_from_slice(&(w as f32).to_le_bytes());
-        out.extend_from_slice(&(m as f32).to_le_bytes());
+        w.u32(k).f32(wt as f32).f32(m as f32);
     }
-    out
+    w.finish()
 }
 
 /// One record's rate, clamped around the prior.
@@ -137,6 +169,10 @@ pub fn observe(
             Some(v) => v,
             None => (Vec::new(), CREATE_CAS),
         };
+        if read_shard(&value) == Shard::Other {
+            // Another build's shard: its learning, not ours to overwrite.
+            return Ok(());
+        }
         let next = apply(&value, endpoint_key, work, ms as f64, prior);
         match store.set(&key, &next, cas) {
             Ok(()) => return Ok(()),
@@ -276,8 +312,17 @@ mod tests {
     fn garbled_and_implausible_inputs() {
         assert!(decode(&[1, 2, 3]).is_empty());
         let mut bad = encode(&[(1, 5.0, 1.0)]);
-        bad[4..8].copy_from_slice(&f32::NAN.to_le_bytes());
+        bad[10..14].copy_from_slice(&f32::NAN.to_le_bytes());
         assert!(decode(&bad).is_empty());
+        // Truncated or longer: refused whole.
+        let good = encode(&[(1, 5.0, 1.0), (2, 5.0, 1.0)]);
+        assert_eq!(decode(&good).len(), 2);
+        for cut in 0..good.len() {
+            assert!(decode(&good[..cut]).is_empty(), "cut at {cut}");
+        }
+        let mut longer = good.clone();
+        longer.push(0);
+        assert!(decode(&longer).is_empty());
         let store = MemStore::new();
         observe(&store, 1, f64::NAN, 10, PRIOR).unwrap();
         observe(&store, 1, 0.0, 10, PRIOR).unwrap();
@@ -286,6 +331,23 @@ mod tests {
         // A rate is clamped within 100× of the prior either way.
         assert_eq!(rate_of(1.0, 1e9, PRIOR), PRIOR * 100.0);
         assert_eq!(rate_of(1e9, 0.0, PRIOR), PRIOR / 100.0);
+    }
+
+    /// Mixed builds: a shard of the next release reads as empty here and is not overwritten.
+    #[test]
+    fn a_shard_of_another_release_is_skipped_and_left_alone() {
+        let store = MemStore::new();
+        let theirs = codec::as_next(&encode(&[(1, 5.0, 1.0)]), Tag::RateShard);
+        store.set(&shard_key(1), &theirs, 0).unwrap();
+        observe(&store, 1, 100.0, 10, PRIOR).unwrap();
+        let stored = store.get(&shard_key(1)).unwrap().unwrap().0;
+        if cfg!(feature = "codec-next") {
+            assert_eq!(decode(&stored).len(), 1);
+            assert_ne!(stored, theirs);
+        } else {
+            assert!(decode(&theirs).is_empty());
+            assert_eq!(stored, theirs, "another build's shard is not overwritten");
+        }
     }
 
     #[test]

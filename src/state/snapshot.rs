@@ -1,11 +1,12 @@
 //! The versioned snapshot the poller publishes and the filter reads.
 //!
 //! Shared-data layout (bounded: two keys, whatever the pool size):
-//! - [`SNAPSHOT_KEY`]: the [`Snapshot`] in the compact binary form of [`encode`] (a value that
-//!   starts with `{` is read as the JSON form older builds wrote, so a filter VM and a poller of
-//!   different builds still agree during an upgrade);
-//! - [`SNAPSHOT_VERSION_KEY`]: the snapshot's version as decimal text, so that a worker can see
-//!   cheaply (a few bytes copied) whether its cached, decoded snapshot is still current.
+//! - [`SNAPSHOT_KEY`]: the [`Snapshot`] in the compact binary form of [`encode`] (a record of
+//!   `crate::base::codec`, tag `Snapshot`; a snapshot of a version this build does not read, from
+//!   a poller of another build, is skipped: the reader keeps its last snapshot);
+//! - [`SNAPSHOT_VERSION_KEY`]: the snapshot's version number ([`encode_version`], tag
+//!   `SnapshotVersion`), so that a worker can see cheaply (a few bytes copied) whether its
+//!   cached, decoded snapshot is still current.
 
 use serde::{Deserialize, Serialize};
 
@@ -72,7 +73,7 @@ use crate::base::ports::{SharedStore, StoreError};
 /// Writes a snapshot: the body first, then the version key that readers poll.
 pub fn publish(store: &dyn SharedStore, snapshot: &Snapshot) -> Result<(), StoreError> {
     store.set(SNAPSHOT_KEY, &encode(snapshot), 0)?;
-    store.set(SNAPSHOT_VERSION_KEY, snapshot.version.to_string().as_bytes(), 0)
+    store.set(SNAPSHOT_VERSION_KEY, &encode_version(snapshot.version), 0)
 }
 
 /// A worker's decoded copy of the latest snapshot. Refreshing costs one small read when nothing
@@ -94,11 +95,12 @@ impl SnapshotCache {
         self.current.clone()
     }
 
-    /// Re-reads the snapshot if the poller published a new version. A garbled value keeps the
-    /// previous snapshot, whose endpoints then age into staleness on their own.
+    /// Re-reads the snapshot if the poller published a new version. A garbled value, or one of
+    /// a version this build does not read, keeps the previous snapshot, whose endpoints then age
+    /// into staleness on their own.
     pub fn refresh(&mut self, store: &dyn SharedStore) -> Result<std::rc::Rc<Snapshot>, StoreError> {
         let version = match store.get(SNAPSHOT_VERSION_KEY)? {
-            Some((v, _)) => std::str::from_utf8(&v).ok().and_then(|s| s.parse::<u64>().ok()).unwrap_or(0),
+            Some((v, _)) => decode_version(&v).unwrap_or(0),
             None => 0,
         };
         if version != 0 && version != self.seen_version {
@@ -114,105 +116,88 @@ impl SnapshotCache {
 }
 
 // ---------------------------------------------------------------------------------------------
-// The binary codec.
+// The binary form (`crate::base::codec`, tag `Snapshot`).
 //
 // Every worker decodes each new snapshot version (every `poller.interval_ms`, 200 ms by default)
-// and the poller encodes it; at 1,024 endpoints the JSON form cost milliseconds of V8 time per
-// version on every worker. This form is read field by field with bounds checks:
+// and the poller encodes it; this form is read field by field with bounds checks:
 //
-//   "IPS2" · u64 version · u64 published_ms · u32 endpoint count · endpoints
+//   tag 0x01 · version · u64 version · u64 published_ms · u32 endpoint count · endpoints
 //   endpoint: str address · u8 role (0 decode, 1 prefill, 2 both) · u32 n · n × str model
-//             · u64 scraped_ms · u32 failures · u64 poll_ms · opt u32 inflight_at_scrape · u8 has metrics [· metrics]
+//             · u64 scraped_ms · u32 failures · u64 poll_ms · opt u32 inflight_at_scrape · opt metrics
 //   metrics:  u8 engine · opt f64 queue · opt f64 running · opt f64 kv_usage · opt u32 block_size
 //             · opt u64 num_gpu_blocks · opt u32 max_lora · strs running · strs waiting
 //   str = u32 length · UTF-8 bytes; opt x = u8 0 | u8 1 · x; integers little-endian; f64 as bits.
 //
 // Adding a field to `EndpointStatus` or `EndpointMetrics`: the destructuring in `put_endpoint`
 // and `put_metrics` stops compiling until the field is encoded here too (and decoded). Any change
-// of the layout takes a new `MAGIC` ("IPS3", ...), so a filter VM and a poller of different
-// builds (shared data outlives a configuration reload) never read each other's values as their
-// own: the reader keeps its last snapshot until one it knows arrives.
+// of the layout takes the tag's next version (`crate::base::codec`), so a filter VM and a poller
+// of different builds (shared data outlives a configuration reload) never read each other's
+// values as their own: the reader keeps its last snapshot until one it knows arrives.
 
-const MAGIC: &[u8; 4] = b"IPS2";
+use crate::base::codec::{self, Reader, Tag, Writer, MAX_NAME_BYTES};
 
 /// The snapshot in its shared-data form (see the codec comment above).
 pub fn encode(snapshot: &Snapshot) -> Vec<u8> {
-    let mut out = Vec::with_capacity(32 + snapshot.endpoints.len() * 96);
-    out.extend_from_slice(MAGIC);
-    out.extend_from_slice(&snapshot.version.to_le_bytes());
-    out.extend_from_slice(&snapshot.published_ms.to_le_bytes());
-    put_len(&mut out, snapshot.endpoints.len());
+    let mut w = Writer::new(Tag::Snapshot, 32 + snapshot.endpoints.len() * 96);
+    w.u64(snapshot.version).u64(snapshot.published_ms).len(snapshot.endpoints.len());
     for e in &snapshot.endpoints {
-        put_endpoint(&mut out, e);
+        put_endpoint(&mut w, e);
     }
-    out
+    w.finish()
 }
 
-/// Reads a stored snapshot: the binary form, or the JSON form of older builds. `None` for
-/// anything malformed or truncated. Never panics, allocates at most in proportion to the input.
+/// Reads a stored snapshot. `None` for anything malformed or truncated, or written by a build
+/// whose snapshot version this one does not read (counted as skipped). Never panics, allocates
+/// at most in proportion to the input.
 pub fn decode(bytes: &[u8]) -> Option<Snapshot> {
-    if bytes.first() == Some(&b'{') {
-        return serde_json::from_slice(bytes).ok();
-    }
-    let mut r = Reader(bytes);
-    if r.take(4)? != MAGIC {
-        return None;
-    }
+    let mut r = codec::open(bytes, Tag::Snapshot).ok()?;
     let version = r.u64()?;
     let published_ms = r.u64()?;
     // An endpoint takes at least 27 bytes: a count beyond that is garbage.
-    let n = r.count(27)?;
+    let n = r.count(27, usize::MAX)?;
     let mut endpoints = Vec::with_capacity(n);
     for _ in 0..n {
-        endpoints.push(r.endpoint()?);
+        endpoints.push(endpoint(&mut r)?);
     }
-    r.0.is_empty().then_some(Snapshot { version, published_ms, endpoints })
+    r.finish()?;
+    Some(Snapshot { version, published_ms, endpoints })
 }
 
-fn put_len(out: &mut Vec<u8>, n: usize) {
-    out.extend_from_slice(&u32::try_from(n).unwrap_or(u32::MAX).to_le_bytes());
+/// The snapshot version number as the version key holds it.
+pub fn encode_version(version: u64) -> Vec<u8> {
+    codec::encode_u64(Tag::SnapshotVersion, version)
 }
 
-fn put_str(out: &mut Vec<u8>, s: &str) {
-    put_len(out, s.len());
-    out.extend_from_slice(s.as_bytes());
+/// The version key's number; `None` when absent, malformed or of an unknown version (no news).
+pub fn decode_version(bytes: &[u8]) -> Option<u64> {
+    codec::decode_u64(bytes, Tag::SnapshotVersion).ok()
 }
 
-fn put_strs(out: &mut Vec<u8>, v: &[String]) {
-    put_len(out, v.len());
+fn put_strs(w: &mut Writer, v: &[String]) {
+    w.len(v.len());
     for s in v {
-        put_str(out, s);
+        w.str(s);
     }
 }
 
-fn put_opt<T>(out: &mut Vec<u8>, v: Option<T>, put: impl FnOnce(&mut Vec<u8>, T)) {
-    match v {
-        Some(x) => {
-            out.push(1);
-            put(out, x);
-        }
-        None => out.push(0),
-    }
-}
-
-fn put_endpoint(out: &mut Vec<u8>, e: &EndpointStatus) {
+fn put_endpoint(w: &mut Writer, e: &EndpointStatus) {
     let EndpointStatus { address, models, metrics, scraped_ms, failures, inflight_at_scrape, role, poll_ms } =
         e;
-    put_str(out, address);
-    out.push(match role {
+    w.str(address);
+    w.u8(match role {
         crate::state::catalog::Role::Decode => 0,
         crate::state::catalog::Role::Prefill => 1,
         crate::state::catalog::Role::Both => 2,
     });
-    put_strs(out, models);
-    out.extend_from_slice(&scraped_ms.to_le_bytes());
-    out.extend_from_slice(&failures.to_le_bytes());
-    out.extend_from_slice(&poll_ms.to_le_bytes());
-    put_opt(out, *inflight_at_scrape, |o, x| o.extend_from_slice(&x.to_le_bytes()));
-    put_opt(out, metrics.as_ref(), put_metrics);
+    put_strs(w, models);
+    w.u64(*scraped_ms).u32(*failures).u64(*poll_ms);
+    w.opt(*inflight_at_scrape, |w, x| {
+        w.u32(x);
+    });
+    w.opt(metrics.as_ref(), put_metrics);
 }
 
-fn put_metrics(out: &mut Vec<u8>, m: &EndpointMetrics) {
+fn put_metrics(w: &mut Writer, m: &EndpointMetrics) {
     let EndpointMetrics {
         engine,
         queue,
@@ -224,134 +209,83 @@ fn put_metrics(out: &mut Vec<u8>, m: &EndpointMetrics) {
         running_adapters,
         waiting_adapters,
     } = m;
-    out.push(match engine {
+    w.u8(match engine {
         Engine::Unknown => 0,
         Engine::Vllm => 1,
         Engine::Sglang => 2,
         Engine::Trtllm => 3,
     });
     for f in [queue, running, kv_usage] {
-        put_opt(out, *f, |o, x| o.extend_from_slice(&x.to_bits().to_le_bytes()));
+        w.opt(*f, |w, x| {
+            w.f64(x);
+        });
     }
-    put_opt(out, *block_size, |o, x| o.extend_from_slice(&x.to_le_bytes()));
-    put_opt(out, *num_gpu_blocks, |o, x| o.extend_from_slice(&x.to_le_bytes()));
-    put_opt(out, *max_lora, |o, x| o.extend_from_slice(&x.to_le_bytes()));
-    put_strs(out, running_adapters);
-    put_strs(out, waiting_adapters);
+    w.opt(*block_size, |w, x| {
+        w.u32(x);
+    });
+    w.opt(*num_gpu_blocks, |w, x| {
+        w.u64(x);
+    });
+    w.opt(*max_lora, |w, x| {
+        w.u32(x);
+    });
+    put_strs(w, running_adapters);
+    put_strs(w, waiting_adapters);
 }
 
-/// Bounds-checked reads from the front of a byte slice.
-struct Reader<'a>(&'a [u8]);
-
-impl<'a> Reader<'a> {
-    fn take(&mut self, n: usize) -> Option<&'a [u8]> {
-        if self.0.len() < n {
-            return None;
-        }
-        let (head, rest) = self.0.split_at(n);
-        self.0 = rest;
-        Some(head)
+fn strings(r: &mut Reader<'_>) -> Option<Vec<String>> {
+    let n = r.count(4, usize::MAX)?;
+    let mut v = Vec::with_capacity(n);
+    for _ in 0..n {
+        v.push(r.string(MAX_NAME_BYTES)?);
     }
+    Some(v)
+}
 
-    fn array<const N: usize>(&mut self) -> Option<[u8; N]> {
-        self.take(N)?.try_into().ok()
-    }
+fn endpoint(r: &mut Reader<'_>) -> Option<EndpointStatus> {
+    let address = r.string(MAX_NAME_BYTES)?;
+    let role = match r.u8()? {
+        0 => crate::state::catalog::Role::Decode,
+        1 => crate::state::catalog::Role::Prefill,
+        2 => crate::state::catalog::Role::Both,
+        _ => return None,
+    };
+    let models = strings(r)?;
+    let scraped_ms = r.u64()?;
+    let failures = r.u32()?;
+    let poll_ms = r.u64()?;
+    let inflight_at_scrape = r.opt(Reader::u32)?;
+    let metrics = r.opt(metrics)?;
+    Some(EndpointStatus { address, models, metrics, scraped_ms, failures, inflight_at_scrape, role, poll_ms })
+}
 
-    fn u8(&mut self) -> Option<u8> {
-        Some(self.array::<1>()?[0])
-    }
-
-    fn u32(&mut self) -> Option<u32> {
-        Some(u32::from_le_bytes(self.array()?))
-    }
-
-    fn u64(&mut self) -> Option<u64> {
-        Some(u64::from_le_bytes(self.array()?))
-    }
-
-    /// A count of items each at least `min_bytes` long, checked against what is left.
-    fn count(&mut self, min_bytes: usize) -> Option<usize> {
-        let n = usize::try_from(self.u32()?).ok()?;
-        (n <= self.0.len() / min_bytes.max(1)).then_some(n)
-    }
-
-    fn opt<T>(&mut self, read: impl FnOnce(&mut Self) -> Option<T>) -> Option<Option<T>> {
-        match self.u8()? {
-            0 => Some(None),
-            1 => read(self).map(Some),
-            _ => None,
-        }
-    }
-
-    fn string(&mut self) -> Option<String> {
-        let n = usize::try_from(self.u32()?).ok()?;
-        std::str::from_utf8(self.take(n)?).ok().map(str::to_string)
-    }
-
-    fn strings(&mut self) -> Option<Vec<String>> {
-        let n = self.count(4)?;
-        let mut v = Vec::with_capacity(n);
-        for _ in 0..n {
-            v.push(self.string()?);
-        }
-        Some(v)
-    }
-
-    fn endpoint(&mut self) -> Option<EndpointStatus> {
-        let address = self.string()?;
-        let role = match self.u8()? {
-            0 => crate::state::catalog::Role::Decode,
-            1 => crate::state::catalog::Role::Prefill,
-            2 => crate::state::catalog::Role::Both,
-            _ => return None,
-        };
-        let models = self.strings()?;
-        let scraped_ms = self.u64()?;
-        let failures = self.u32()?;
-        let poll_ms = self.u64()?;
-        let inflight_at_scrape = self.opt(Self::u32)?;
-        let metrics = self.opt(Self::metrics)?;
-        Some(EndpointStatus {
-            address,
-            models,
-            metrics,
-            scraped_ms,
-            failures,
-            inflight_at_scrape,
-            role,
-            poll_ms,
-        })
-    }
-
-    fn metrics(&mut self) -> Option<EndpointMetrics> {
-        let engine = match self.u8()? {
-            0 => Engine::Unknown,
-            1 => Engine::Vllm,
-            2 => Engine::Sglang,
-            3 => Engine::Trtllm,
-            _ => return None,
-        };
-        let float = |r: &mut Self| r.u64().map(f64::from_bits);
-        let queue = self.opt(float)?;
-        let running = self.opt(float)?;
-        let kv_usage = self.opt(float)?;
-        let block_size = self.opt(Self::u32)?;
-        let num_gpu_blocks = self.opt(Self::u64)?;
-        let max_lora = self.opt(Self::u32)?;
-        let running_adapters = self.strings()?;
-        let waiting_adapters = self.strings()?;
-        Some(EndpointMetrics {
-            engine,
-            queue,
-            running,
-            kv_usage,
-            block_size,
-            num_gpu_blocks,
-            max_lora,
-            running_adapters,
-            waiting_adapters,
-        })
-    }
+fn metrics(r: &mut Reader<'_>) -> Option<EndpointMetrics> {
+    let engine = match r.u8()? {
+        0 => Engine::Unknown,
+        1 => Engine::Vllm,
+        2 => Engine::Sglang,
+        3 => Engine::Trtllm,
+        _ => return None,
+    };
+    let queue = r.opt(Reader::f64)?;
+    let running = r.opt(Reader::f64)?;
+    let kv_usage = r.opt(Reader::f64)?;
+    let block_size = r.opt(Reader::u32)?;
+    let num_gpu_blocks = r.opt(Reader::u64)?;
+    let max_lora = r.opt(Reader::u32)?;
+    let running_adapters = strings(r)?;
+    let waiting_adapters = strings(r)?;
+    Some(EndpointMetrics {
+        engine,
+        queue,
+        running,
+        kv_usage,
+        block_size,
+        num_gpu_blocks,
+        max_lora,
+        running_adapters,
+        waiting_adapters,
+    })
 }
 
 impl EndpointStatus {
@@ -448,9 +382,35 @@ mod tests {
         assert_eq!(cache.refresh(&store).unwrap().version, 2);
         // A garbled body keeps the last good snapshot.
         store.set(SNAPSHOT_KEY, b"{not json", 0).unwrap();
-        store.set(SNAPSHOT_VERSION_KEY, b"3", 0).unwrap();
+        store.set(SNAPSHOT_VERSION_KEY, &encode_version(3), 0).unwrap();
         assert_eq!(cache.refresh(&store).unwrap().version, 2);
         assert_eq!(store.key_count(), 2);
+    }
+
+    /// Mixed builds: a snapshot of the next release is skipped by this one (the last snapshot
+    /// stays) until one it reads arrives; the next release reads this one's.
+    #[test]
+    fn a_snapshot_of_another_release_is_skipped_until_a_readable_one_comes() {
+        let store = MemStore::new();
+        let mut cache = SnapshotCache::new();
+        publish(&store, &snap(1)).unwrap();
+        assert_eq!(cache.refresh(&store).unwrap().version, 1);
+        store.set(SNAPSHOT_KEY, &codec::as_next(&encode(&snap(2)), Tag::Snapshot), 0).unwrap();
+        store.set(SNAPSHOT_VERSION_KEY, &encode_version(2), 0).unwrap();
+        let expect = if cfg!(feature = "codec-next") { 2 } else { 1 };
+        assert_eq!(cache.refresh(&store).unwrap().version, expect);
+        // A version key of the next release is no news to this one.
+        store
+            .set(SNAPSHOT_VERSION_KEY, &codec::as_next(&encode_version(3), Tag::SnapshotVersion), 0)
+            .unwrap();
+        assert_eq!(
+            decode_version(&store.get(SNAPSHOT_VERSION_KEY).unwrap().unwrap().0).is_some(),
+            cfg!(feature = "codec-next")
+        );
+        publish(&store, &snap(4)).unwrap();
+        assert_eq!(cache.refresh(&store).unwrap().version, 4);
+        // What this build writes, both read.
+        assert_eq!(decode(&codec::as_version(&encode(&full()), Tag::Snapshot.current())), Some(full()));
     }
 
     /// Every field set, adapters and an absent metrics block included.
@@ -498,10 +458,10 @@ mod tests {
     }
 
     #[test]
-    fn the_json_form_of_older_builds_is_still_read() {
+    fn the_json_form_of_older_builds_is_refused() {
         let s = full();
         let json = serde_json::to_vec(&s).unwrap();
-        assert_eq!(decode(&json), Some(s));
+        assert_eq!(decode(&json), None);
     }
 
     #[test]
@@ -525,7 +485,7 @@ mod tests {
             }
         }
         // A huge count is refused before allocating.
-        let mut huge = b"IPS2".to_vec();
+        let mut huge = vec![Tag::Snapshot as u8, Tag::Snapshot.write_version()];
         huge.extend_from_slice(&[0; 16]);
         huge.extend_from_slice(&u32::MAX.to_le_bytes());
         assert_eq!(decode(&huge), None);

@@ -25,6 +25,9 @@ from fake_k8s_api import FakeK8sApi  # noqa: E402
 TOKEN = "e2e-peer-token-0123456789"
 PATH = "/.inference-picker/v1/prefixes"
 SCORES = "x-inference-picker-scores"
+# Peer messages (src/base/codec.rs): a tag byte and a version byte, then little-endian fields.
+BATCH = bytes([0x05, 1])  # prefix records: u32 count, then 18-byte records
+LOAD = bytes([0x06, 1])  # load report: u64 sender nonce, then the counts (u32 count, entries)
 
 
 def _config(sims, peer_port, **peers):
@@ -214,7 +217,7 @@ def test_replicas_that_exchange_load_count_each_others_requests():
         assert _counted(a, "error") == 0 and _counted(a, "refused_full") == 0
         # A malformed report is refused whole, and counted.
         url = b.url + PATH
-        bad = requests.post(url, data=b"IPL1not-a-sender a=1", timeout=5,
+        bad = requests.post(url, data=LOAD + bytes(8) + bytes(4), timeout=5,
                             headers={"x-inference-picker-peer-token": TOKEN})
         assert bad.status_code == 400 and bad.json()["error"]["code"] == "bad_peer_load", bad.text
         assert _counted(b, "refused") == 1
@@ -254,7 +257,7 @@ def test_a_flood_of_sender_ids_cannot_hide_the_workers_counts():
         answers = []
         with requests.Session() as peer:
             for i in range(1000):
-                body = b"IPL1" + f"{0x1000 + i:016x} ".encode()
+                body = LOAD + (0x1000 + i).to_bytes(8, "little") + bytes(4)
                 sent = time.monotonic()
                 r = peer.post(url, data=body, headers={"x-inference-picker-peer-token": TOKEN}, timeout=5)
                 answers.append((sent, time.monotonic(), r.status_code))
@@ -293,22 +296,29 @@ def test_the_exchange_path_answers_locally_and_only_to_the_token():
         url = envoy.url + PATH
         good = {"x-inference-picker-peer-token": TOKEN}
         # No token, a wrong token (same length), another method, a malformed body, too large.
-        assert requests.post(url, data=b"IPX1", timeout=5).status_code == 403
+        assert requests.post(url, data=BATCH, timeout=5).status_code == 403
         wrong = {"x-inference-picker-peer-token": TOKEN[:-1] + "x"}
-        assert requests.post(url, data=b"IPX1", headers=wrong, timeout=5).status_code == 403
+        assert requests.post(url, data=BATCH, headers=wrong, timeout=5).status_code == 403
         assert requests.get(url, headers=good, timeout=5).status_code == 405
-        bad = requests.post(url, data=b"IPX1" + b"\x00" * 17, headers=good, timeout=5)
+        bad = requests.post(url, data=BATCH + b"\x00" * 17, headers=good, timeout=5)
         assert bad.status_code == 400 and bad.json()["error"]["code"] == "bad_peer_records", bad.text
-        big = requests.post(url, data=b"IPX1" + b"\x00" * (18 * 4097), headers=good, timeout=5)
+        big = requests.post(url, data=BATCH + b"\x00" * (4 + 18 * 4097), headers=good, timeout=5)
         assert big.status_code == 413, big.text
         # A well-formed batch is applied and answered 204.
         record = (7).to_bytes(8, "little") + (1).to_bytes(4, "little") + b"\x00" * 6
-        ok = requests.post(url, data=b"IPX1" + record, headers=good, timeout=5)
+        ok = requests.post(url, data=BATCH + (1).to_bytes(4, "little") + record, headers=good, timeout=5)
         assert ok.status_code == 204, ok.text
         assert envoy.metric("inference_picker_peer_records_total", outcome="applied") == 1
         assert envoy.metric("inference_picker_peer_records_total", outcome="refused") == 1
+        # A batch of a format version this build does not read (a replica of another build during
+        # a rolling upgrade): 204, ignored, counted.
+        other = requests.post(url, data=bytes([0x05, 99]) + (1).to_bytes(4, "little") + record, headers=good,
+                              timeout=5)
+        assert other.status_code == 204, other.text
+        assert envoy.metric("inference_picker_peer_records_total", outcome="skipped") == 1
+        assert envoy.metric("inference_picker_peer_records_total", outcome="applied") == 1
         # With a query string it is not the exchange path, and not an inference path either.
-        assert requests.post(url + "?x=1", data=b"IPX1", headers=good, timeout=5).status_code == 404
+        assert requests.post(url + "?x=1", data=BATCH, headers=good, timeout=5).status_code == 404
         # Each answer above came back before this line: one that went upstream would have been
         # answered by the pod, after the pod counted it. So no wait is needed.
         assert sims[0].requests_total() == before, "an exchange request reached a pod"

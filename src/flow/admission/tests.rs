@@ -61,7 +61,7 @@ fn fresh_at(version: u64, now: u64) -> Snapshot {
 
 /// In-flight counts from `addr=n;...` text.
 fn inflight(text: &str) -> InflightCounts {
-    InflightCounts::decode(text.as_bytes())
+    InflightCounts::from_text(text.as_bytes())
 }
 
 const FULL: &str = "10.0.0.1:8000=2;10.0.0.2:8000=2";
@@ -427,7 +427,7 @@ fn two_vms_starting_together_get_different_worker_ids() {
     let store = MemStore::new();
     let a = claim_worker_id(&Racing { inner: &store, other: std::cell::Cell::new(true) });
     assert_eq!(a, Ok(2));
-    assert_eq!(store.get(WORKER_SEQ_KEY).unwrap().unwrap().0, b"2");
+    assert_eq!(decode_u64(&store.get(WORKER_SEQ_KEY).unwrap().unwrap().0, Tag::WorkerSeq), Ok(2));
 }
 
 #[test]
@@ -510,4 +510,19 @@ fn groups_are_independent() {
     ));
     assert_eq!(g.admit(&store, &snap(1, 10), &inflight(FULL), 2, "other", &prio(0), NOW), Decision::Go);
     assert_eq!(store.keys(), vec![flow::shared_key("m")]);
+}
+
+/// Mixed builds: a worker-id sequence of the next release is never reset by this one (its ids
+/// would repeat); the VM then takes a random id (host). The next release counts on from it.
+#[test]
+fn a_worker_sequence_of_another_release_is_left_alone() {
+    let store = MemStore::new();
+    let theirs = crate::base::codec::as_next(&encode_u64(Tag::WorkerSeq, 41), Tag::WorkerSeq);
+    store.set(WORKER_SEQ_KEY, &theirs, 0).unwrap();
+    if cfg!(feature = "codec-next") {
+        assert_eq!(claim_worker_id(&store), Ok(42));
+    } else {
+        assert!(matches!(claim_worker_id(&store), Err(StoreError::Host(_))));
+        assert_eq!(store.get(WORKER_SEQ_KEY).unwrap().unwrap().0, theirs);
+    }
 }

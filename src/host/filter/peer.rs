@@ -62,7 +62,7 @@ impl Filter {
             return Action::Pause;
         }
         let body = if body_size == 0 { Vec::new() } else { io::request_body(body_size).unwrap_or_default() };
-        if body.starts_with(peers::LOAD_MAGIC) {
+        if peers::is_load_report(&body) {
             return self.peer_load(&body);
         }
         let received = peers::receive(&io::HostStore, self.worker.scheduler.borrow().shared_prefix(), &body);
@@ -70,6 +70,14 @@ impl Filter {
         match received {
             Ok(n) => {
                 m.add(telemetry::name(telemetry::PEER_RECORDS, &[("outcome", "applied")]), n as u64);
+                drop(m);
+                self.ex.borrow_mut().answered = true;
+                io::send_local_reply(204, &[], &[]);
+                Action::Pause
+            }
+            // Another build's batch (a rolling upgrade): ignored without an error for the sender.
+            Err(peers::WireError::UnknownVersion(_)) => {
+                m.count(telemetry::name(telemetry::PEER_RECORDS, &[("outcome", "skipped")]));
                 drop(m);
                 self.ex.borrow_mut().answered = true;
                 io::send_local_reply(204, &[], &[]);
@@ -96,6 +104,7 @@ impl Filter {
         let store = io::HostStore;
         let Some(pc) = self.worker.cfg.peers.as_ref() else { return Action::Continue };
         let outcome = match peers::decode_load(body) {
+            Err(peers::WireError::UnknownVersion(_)) => LoadOutcome::Skipped,
             Err(e) => LoadOutcome::Refused(format!("{e:?}")),
             Ok((sender, counts)) => match store.get(peers::LOAD_SENDER_KEY) {
                 Err(e) => LoadOutcome::Error(format!("this gateway's sender nonce cannot be read: {e:?}")),
@@ -119,7 +128,7 @@ impl Filter {
             .borrow_mut()
             .count(telemetry::name(telemetry::PEER_LOAD_REPORTS, &[("outcome", outcome.tag())]));
         match outcome {
-            LoadOutcome::Applied | LoadOutcome::Own => {
+            LoadOutcome::Applied | LoadOutcome::Own | LoadOutcome::Skipped => {
                 self.ex.borrow_mut().answered = true;
                 io::send_local_reply(204, &[], &[]);
                 Action::Pause
@@ -157,6 +166,8 @@ impl Filter {
 enum LoadOutcome {
     Applied,
     Own,
+    /// Another build's report (a version this one does not read): ignored (204).
+    Skipped,
     /// Malformed: refused whole (400).
     Refused(String),
     /// More senders than peers (`inflight::PeerPut::Full`, 429).
@@ -170,6 +181,7 @@ impl LoadOutcome {
         match self {
             LoadOutcome::Applied => "applied",
             LoadOutcome::Own => "own",
+            LoadOutcome::Skipped => "skipped",
             LoadOutcome::Refused(_) => "refused",
             LoadOutcome::Full(_) => "refused_full",
             LoadOutcome::Error(_) => "error",

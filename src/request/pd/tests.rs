@@ -240,8 +240,16 @@ fn stale_or_ejected_prefill_pods_are_never_named() {
         assert_eq!(p.prefiller.as_deref(), Some("10.0.0.4:8000"), "seed {seed}");
     }
     // 10.0.0.4 is ejected by passive health too: no prefill pod left, the decode pod prefills.
-    let line = format!("10.0.0.4:8000 5 0 0 0 0 0 0 {} {} 1 1 {}", NOW - 10, NOW + 10_000, NOW - 10);
-    let health = HealthView::decode(line.as_bytes());
+    let entry = crate::state::health::Entry {
+        consecutive_5xx: 5,
+        ejected_at_ms: NOW - 10,
+        ejected_until_ms: NOW + 10_000,
+        ejections: 1,
+        probation: true,
+        touched_ms: NOW - 10,
+        ..Default::default()
+    };
+    let health = HealthView::from_entries([("10.0.0.4:8000".to_string(), entry)]);
     assert!(health.ejected("10.0.0.4:8000", NOW));
     let mut r = Run::new(pd_config(0));
     let p = r.go(&sn, &prompt("s", 4000), &health, 1).unwrap();

@@ -347,3 +347,39 @@ fn config_validation_names_paths() {
     assert!(errs.is_empty());
     assert_eq!(HealthConfig::default().ejection_ms(40), 300_000);
 }
+
+/// Mixed builds: a health record of the next release reads as empty here and is never
+/// overwritten; an ejection decided here is kept by this worker. The next release reads and
+/// updates it. Malformed records read as empty, whole.
+#[test]
+fn a_record_of_another_release_is_skipped_and_left_alone() {
+    let c = cfg();
+    let mut view = HealthView::default();
+    view.entries.insert(A.to_string(), Entry { consecutive_5xx: 2, touched_ms: T0, ..Default::default() });
+    let ours = view.encode();
+    assert_eq!(HealthView::decode(&ours), view);
+    for cut in 0..ours.len() {
+        assert!(HealthView::decode(&ours[..cut]).is_empty(), "cut at {cut}");
+    }
+    let mut longer = ours.clone();
+    longer.push(0);
+    assert!(HealthView::decode(&longer).is_empty());
+    let theirs = crate::base::codec::as_next(&ours, crate::base::codec::Tag::Health);
+    let store = MemStore::new();
+    store.set(HEALTH_KEY, &theirs, 0).unwrap();
+    let mut r = Recorder::new();
+    let next = cfg!(feature = "codec-next");
+    assert_eq!(r.read(&store, T0).unwrap().entry(A).is_some(), next);
+    let mut ejected = false;
+    for i in 0..10 {
+        ejected |= r.record(&store, &c, B, GW, T0 + i).unwrap().is_some();
+    }
+    assert!(ejected);
+    assert!(r.read(&store, T0 + 20).unwrap().ejected(B, T0 + 20));
+    let stored = store.get(HEALTH_KEY).unwrap().unwrap().0;
+    if next {
+        assert!(HealthView::decode(&stored).entry(A).is_some());
+    } else {
+        assert_eq!(stored, theirs, "another build's record is not overwritten");
+    }
+}

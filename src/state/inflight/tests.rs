@@ -20,7 +20,9 @@ fn one_vm_counts_and_releases() {
     assert_eq!(a.adjust(&s, "10.0.0.1:8000", -1, T0).unwrap(), 0);
     // Releasing below zero saturates instead of wrapping.
     assert_eq!(a.adjust(&s, "10.0.0.1:8000", -1, T0).unwrap(), 0);
-    assert_eq!(s.get(&slot_key(0)).unwrap().unwrap().0, b"i1 000000000000000a 1000000 10.0.0.2:8000=1");
+    let rec = decode(&s.get(&slot_key(0)).unwrap().unwrap().0).unwrap();
+    assert_eq!((rec.owner, rec.heartbeat_ms, rec.foreign), (0xA, T0, false));
+    assert_eq!(rec.counts, InflightCounts::from_text(b"10.0.0.2:8000=1"));
     assert_eq!(s.keys(), vec![slot_key(0)]);
 }
 
@@ -53,7 +55,7 @@ fn the_prefill_part_is_published_with_the_count_and_summed() {
 
 #[test]
 fn records_with_and_without_a_prefill_part_decode() {
-    let c = InflightCounts::decode(b"a:1=3/2/7000;b:1=1;c:1=2/5/9;d:1=2/1;e:1=0/0/0");
+    let c = InflightCounts::from_text(b"a:1=3/2/7000;b:1=1;c:1=2/5/9;d:1=2/1;e:1=0/0/0");
     let pf = |a: &str| c.load_hashed(address_hash(a), a).prefill();
     // The short form (and an older release's record) has no prefill part; a part beyond
     // the count is garbled and dropped, the count kept; a malformed entry is skipped.
@@ -61,8 +63,17 @@ fn records_with_and_without_a_prefill_part_decode() {
     assert_eq!((c.get("b:1"), pf("b:1")), (1, (0.0, 0)));
     assert_eq!((c.get("c:1"), pf("c:1")), (2, (0.0, 0)));
     assert_eq!((c.get("d:1"), c.get("e:1")), (0, 0));
-    assert_eq!(InflightCounts::decode(&c.encode()), c);
-    assert_eq!(c.encode(), b"a:1=3/2/7000;b:1=1;c:1=2".to_vec());
+    let rec = SlotRecord { owner: 1, heartbeat_ms: 2, counts: c.clone(), foreign: false };
+    assert_eq!(decode(&encode(&rec)).map(|r| r.counts), Some(c.clone()));
+    assert_eq!(c, InflightCounts::from_text(b"a:1=3/2/7000;b:1=1;c:1=2"));
+    // In the binary form too: a zero count is dropped, a prefill part beyond the count dropped.
+    let mut w = Writer::new(Tag::InflightVm, 0);
+    w.u64(1).u64(2).u32(3);
+    w.str("a").u32(2).u32(5).u64(9);
+    w.str("b").u32(0).u32(0).u64(0);
+    w.str("").u32(4).u32(0).u64(0);
+    let c = decode(&w.finish()).unwrap().counts;
+    assert_eq!((c.get("a"), c.load_hashed(address_hash("a"), "a").prefill(), c.total()), (2, (0.0, 0), 2));
 }
 
 #[test]
@@ -174,7 +185,7 @@ fn a_clobbered_slot_is_detected_on_the_next_tick_and_the_loser_moves_with_its_st
         &encode(&SlotRecord {
             owner: 0xB,
             heartbeat_ms: T0,
-            counts: InflightCounts::decode(b"e=1"),
+            counts: InflightCounts::from_text(b"e=1"),
             foreign: false,
         }),
         0,
@@ -206,22 +217,29 @@ fn records_round_trip_and_garbage_reads_as_free() {
     let rec = SlotRecord {
         owner: 7,
         heartbeat_ms: 42,
-        counts: InflightCounts::decode(b"[fd00::1]:8000=3;a=1"),
+        counts: InflightCounts::from_text(b"[fd00::1]:8000=3;a=1"),
         foreign: false,
     };
     assert_eq!(decode(&encode(&rec)), Some(rec.clone()));
-    let foreign = SlotRecord { foreign: true, ..rec };
+    let foreign = SlotRecord { foreign: true, ..rec.clone() };
     assert_eq!(decode(&encode(&foreign)), Some(foreign));
-    for junk in [
-        &b""[..],
-        b"\xff\xfe",
-        b"i1",
-        b"i1 0000000000000000 5 a=1",
-        b"i2 0000000000000001 5 ",
-        b"i1 1 5 a=1",
-        b"i1 0000000000000001 x a=1",
-    ] {
-        assert_eq!(decode(junk), None, "{junk:?}");
+    let good = encode(&rec);
+    let mut longer = good.clone();
+    longer.push(0);
+    let mut junk: Vec<Vec<u8>> = (0..good.len()).map(|n| good[..n].to_vec()).collect();
+    junk.extend([longer, b"\xff\xfe".to_vec(), b"i1 0000000000000001 5 a=1".to_vec()]);
+    // A zero owner; a count beyond the bytes left; another tag.
+    let mut zero = good.clone();
+    zero[2..10].copy_from_slice(&[0; 8]);
+    junk.push(zero);
+    let mut many = good.clone();
+    many[18..22].copy_from_slice(&u32::MAX.to_le_bytes());
+    junk.push(many);
+    let mut other = good.clone();
+    other[0] = Tag::Health as u8;
+    junk.push(other);
+    for j in &junk {
+        assert_eq!(decode(j), None, "{j:?}");
     }
     // A garbled slot is reusable, and its counts are never read.
     let s = MemStore::new();
@@ -232,11 +250,51 @@ fn records_round_trip_and_garbage_reads_as_free() {
     assert_eq!(a.slot(), Some(0));
 }
 
+/// Mixed builds: a VM of the next release holds slot 0 with a record this release does not
+/// read. It is not counted here, and never claimed or overwritten: this VM takes slot 1. The
+/// next release reads this one's records.
+#[test]
+fn a_record_of_another_release_is_skipped_and_its_slot_kept() {
+    let s = MemStore::new();
+    let theirs = SlotRecord {
+        owner: 0xC,
+        heartbeat_ms: T0,
+        counts: InflightCounts::from_text(b"e=5"),
+        foreign: false,
+    };
+    let theirs = codec::as_next(&encode(&theirs), Tag::InflightVm);
+    s.set(&slot_key(0), &theirs, 0).unwrap();
+    let mut a = InflightTable::new(0xA);
+    a.adjust(&s, "e", 1, T0).unwrap();
+    let next = cfg!(feature = "codec-next");
+    let mut r = InflightTable::new(0xB);
+    assert_eq!(r.read(&s, T0).unwrap().get("e"), if next { 6 } else { 1 });
+    if !next {
+        assert_eq!(a.slot(), Some(1));
+        assert_eq!(s.get(&slot_key(0)).unwrap().unwrap().0, theirs, "another build's slot is kept");
+        // Even stale, it is not taken (its owner may be a live VM of another build).
+        let mut c = InflightTable::new(0xD);
+        c.adjust(&s, "e", 1, T0 + 10 * TTL_MS).unwrap();
+        assert_ne!(c.slot(), Some(0));
+    }
+    // Peer slots: another build's record is neither counted nor taken.
+    let p = MemStore::new();
+    let peer =
+        SlotRecord { owner: 0xF, heartbeat_ms: T0, counts: InflightCounts::from_text(b"e=2"), foreign: true };
+    let peer = codec::as_next(&encode(&peer), Tag::InflightPeer);
+    p.set(&peer_slot_key(0), &peer, 0).unwrap();
+    assert_eq!(put_peer(&p, 0x10, &InflightCounts::from_text(b"e=1"), T0, 4).unwrap(), PeerPut::Applied);
+    if !next {
+        assert_eq!(p.get(&peer_slot_key(0)).unwrap().unwrap().0, peer);
+        assert!(decode(&p.get(&peer_slot_key(1)).unwrap().unwrap().0).is_some());
+    }
+}
+
 #[test]
 fn counts_parse_tolerates_garbage() {
-    let c = InflightCounts::decode(b"a=x;b=2;=3;c");
+    let c = InflightCounts::from_text(b"a=x;b=2;=3;c");
     assert_eq!((c.get("a"), c.get("b"), c.total()), (0, 2, 2));
-    assert_eq!(InflightCounts::decode(b"\xff").total(), 0);
+    assert_eq!(InflightCounts::from_text(b"\xff").total(), 0);
 }
 
 #[test]
@@ -297,7 +355,7 @@ fn a_peer_gateways_counts_are_read_by_every_vm_but_never_sent_on() {
     let mut b = InflightTable::new(0xB).with_peers(true);
     a.adjust(&s, "p", 1, T0).unwrap();
     // Another gateway (nonce 0xF00) has 3 requests on p, 2 of them in prefill, and 1 on q.
-    let peer = InflightCounts::decode(b"p=3/2/9000;q=1");
+    let peer = InflightCounts::from_text(b"p=3/2/9000;q=1");
     assert_eq!(put_peer(&s, 0xF00, &peer, T0, 1).unwrap(), PeerPut::Applied);
     // Every VM of this gateway reads them with its own and the other VMs' counts.
     let seen = b.read(&s, T0).unwrap();
@@ -310,7 +368,7 @@ fn a_peer_gateways_counts_are_read_by_every_vm_but_never_sent_on() {
     let own = gateway_counts(&s, T0).unwrap();
     assert_eq!((own.get("p"), own.get("q")), (1, 0));
     // The peer's next report replaces its record in place (same slot), even an empty one.
-    put_peer(&s, 0xF00, &InflightCounts::decode(b"q=2"), T0 + 100, 1).unwrap();
+    put_peer(&s, 0xF00, &InflightCounts::from_text(b"q=2"), T0 + 100, 1).unwrap();
     put_peer(&s, 0xF00, &InflightCounts::default(), T0 + 200, 1).unwrap();
     let seen = b.read(&s, T0 + 200).unwrap();
     assert_eq!((seen.get("p"), seen.get("q")), (1, 0));
@@ -324,14 +382,14 @@ fn a_peer_gateways_counts_are_read_by_every_vm_but_never_sent_on() {
 #[test]
 fn a_peer_that_stops_sending_ages_out_and_its_slot_is_reused() {
     let s = MemStore::new();
-    put_peer(&s, 0xF00, &InflightCounts::decode(b"p=5"), T0, 1).unwrap();
+    put_peer(&s, 0xF00, &InflightCounts::from_text(b"p=5"), T0, 1).unwrap();
     let mut a = InflightTable::new(0xA).with_peers(true);
     assert_eq!(a.read(&s, T0 + TTL_MS).unwrap().get("p"), 5);
     assert_eq!(a.read(&s, T0 + TTL_MS + 1).unwrap().get("p"), 0);
     // While it is live, a second sender does not fit a gateway with one peer.
-    assert_eq!(put_peer(&s, 0xF01, &InflightCounts::decode(b"p=1"), T0 + 1, 1).unwrap(), PeerPut::Full);
+    assert_eq!(put_peer(&s, 0xF01, &InflightCounts::from_text(b"p=1"), T0 + 1, 1).unwrap(), PeerPut::Full);
     // Once it is stale its slot is free for another sender (a restarted peer's new nonce).
-    let put = put_peer(&s, 0xF01, &InflightCounts::decode(b"p=1"), T0 + TTL_MS + 1, 1).unwrap();
+    let put = put_peer(&s, 0xF01, &InflightCounts::from_text(b"p=1"), T0 + TTL_MS + 1, 1).unwrap();
     assert_eq!(put, PeerPut::Applied);
     assert_eq!(peer_slots(&s), 1, "slot 0 was reused");
     assert_eq!(a.read(&s, T0 + TTL_MS + 1).unwrap().get("p"), 1);
@@ -343,7 +401,8 @@ fn a_flood_of_sender_ids_cannot_hide_the_workers_counts() {
     let s = MemStore::new();
     let mut applied = 0;
     for id in 0..1_000u64 {
-        if put_peer(&s, 0x1_0000 + id, &InflightCounts::decode(b"p=1"), T0, 2).unwrap() == PeerPut::Applied {
+        if put_peer(&s, 0x1_0000 + id, &InflightCounts::from_text(b"p=1"), T0, 2).unwrap() == PeerPut::Applied
+        {
             applied += 1;
         }
     }
@@ -351,7 +410,7 @@ fn a_flood_of_sender_ids_cannot_hide_the_workers_counts() {
     assert_eq!((applied, peer_slots(&s)), (2, 2));
     // Even with the largest limit, never more than the peer slots, and never a VM slot.
     for id in 0..1_000u64 {
-        let _ = put_peer(&s, 0x2_0000 + id, &InflightCounts::decode(b"p=1"), T0, usize::MAX).unwrap();
+        let _ = put_peer(&s, 0x2_0000 + id, &InflightCounts::from_text(b"p=1"), T0, usize::MAX).unwrap();
     }
     assert_eq!(peer_slots(&s), MAX_PEER_SLOTS);
     assert!(s.get(&slot_key(0)).unwrap().is_none(), "a peer record took a VM slot");
@@ -364,14 +423,18 @@ fn a_flood_of_sender_ids_cannot_hide_the_workers_counts() {
     assert_eq!(w1.read(&s, T0).unwrap().get("q"), 2);
     assert_eq!(w2.read(&s, T0).unwrap().get("q"), 2);
     // A known sender still updates its record while the table is full.
-    assert_eq!(put_peer(&s, 0x1_0000, &InflightCounts::decode(b"p=7"), T0, 2).unwrap(), PeerPut::Applied);
+    assert_eq!(put_peer(&s, 0x1_0000, &InflightCounts::from_text(b"p=7"), T0, 2).unwrap(), PeerPut::Applied);
 }
 
 #[test]
 fn records_an_older_release_wrote_as_foreign_in_the_vm_slots_are_read_but_not_reported() {
     let s = MemStore::new();
-    let old =
-        SlotRecord { owner: 0xF00, heartbeat_ms: T0, counts: InflightCounts::decode(b"p=3"), foreign: true };
+    let old = SlotRecord {
+        owner: 0xF00,
+        heartbeat_ms: T0,
+        counts: InflightCounts::from_text(b"p=3"),
+        foreign: true,
+    };
     s.set(&slot_key(0), &encode(&old), 0).unwrap();
     let mut a = InflightTable::new(0xA);
     a.adjust(&s, "p", 1, T0).unwrap();

@@ -469,5 +469,5 @@ fn counts_of(addresses: &[String], inflight: &[u32]) -> InflightCounts {
             s.push_str(&format!("{a}={c}"));
         }
     }
-    InflightCounts::decode(s.as_bytes())
+    InflightCounts::from_text(s.as_bytes())
 }
