@@ -378,6 +378,15 @@ macro_rules! from_json_enum {
                 }
             }
         }
+
+        #[cfg(feature = "schema")]
+        impl $crate::base::describe::Describe for $ty {
+            fn json_type() -> String {
+                let names: &[&str] = &[$($name),*];
+                let quoted: Vec<String> = names.iter().map(|n| format!("`{n}`")).collect();
+                format!("string, one of {}", quoted.join(", "))
+            }
+        }
     };
 }
 pub(crate) use from_json_enum;
