@@ -32,13 +32,19 @@
 //!   "must be at least {min}, got {v}", "must be at most {max}, got {v}" or "must be in
 //!   {min}..={max}, got {v}", or the field's own `#[reason = "..."]` (where `{v}`, `{min}` and
 //!   `{max}` are replaced). The section's hand-written `validate` calls it and adds the
-//!   cross-field checks;
-//! - with feature `schema`, [`Describe`](crate::base::describe::Describe): the field list of the configuration reference
-//!   (`docs/configuration.md`, `cargo run -q -p config-schema -- --reference`).
+//!   cross-field checks, or calls `validate_fields` with them, which puts all the section's
+//!   errors in declaration order;
+//! - with feature `schema`, [`Describe`](crate::base::describe::Describe): the field list of the
+//!   configuration reference (`docs/configuration.md`, `make config-docs`).
 //!
-//! The schema's default of a field in a struct with a required field is `T::default()` (schemars
-//! can only call a function for it), so there a field's default must be its type's `Default`; the
-//! schema test in `tools/config-schema` compares every schema default with the declared one.
+//! A range check is a simple bound, inclusive; anything else (an exclusive bound, a bound that
+//! depends on another field, a syntax) stays hand-written in the section's `validate`, with its
+//! schema keyword, if any, in `#[schema(...)]`.
+//!
+//! The schema's `default`s come from the declared ones too: a struct whose fields all have one
+//! gets `#[serde(default)]` and the generated `Default`; in a struct with a required field, each
+//! optional field's `default` is set from its declaration by a schemars `transform`. The tests in
+//! `tools/config-schema` compare the schema with the reference field by field.
 //!
 //! Field attributes come in this order: `///` docs, `#[range(...)]` (with an optional
 //! `#[reason = "..."]` after it), any `#[schema(...)]` (passed to schemars: `length`, `regex`,

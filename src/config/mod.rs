@@ -7,22 +7,23 @@
 //! reason. The scheduler then builds its model lookup once (`scheduler::models::ModelTable`) and
 //! only reads it per request.
 //!
-//! The field reference is `filter-config/README.md`; the JSON Schema is `filter-config/schema.json`,
-//! generated from these types (feature `schema`) and kept equal to them by a test.
+//! The field reference is `docs/configuration.md` and the JSON Schema is
+//! `filter-config/schema.json`, both generated from the `settings!` declarations (feature `schema`,
+//! `tools/config-schema`) and kept equal to them by tests.
 //!
 //! # Adding a field
-//! 1. Add it to its struct with a `///` doc (it becomes the schema description) and, when it is
-//!    optional, a per-field `#[serde(default = "default_x")]` whose value the doc states (the
-//!    schema's `default` and required list come from these attributes).
-//! 2. Add it to the struct's `json::from_json_struct!` list, with the same default
-//!    (`name = default_x()`) or none when it is required. A field missing there is an unknown
-//!    field to the reader.
-//! 3. Add its checks to that struct's `validate_into`, with a negative test in `config/tests.rs`
-//!    that asserts the exact path and a reason substring. Where a bound is simple (a minimum, a
-//!    non-empty string), mirror it in the schema with a `schemars(...)` attribute naming the same
-//!    constant.
-//! 4. Regenerate the schema: `cargo run -q -p config-schema > filter-config/schema.json`.
-//! 5. Document it in `filter-config/README.md` (a test fails when a schema field is missing there).
+//! 1. Declare it once, in its section's `settings!` block (`crate::base::settings`), in the
+//!    section's own config file: a `///` doc (the schema's description and the reference's text),
+//!    `name: Type = default` (no `= default` when it is required), and, for a simple inclusive
+//!    bound, `#[range(min = .., max = ..)]` (with `#[reason = ".."]` when the error needs its own
+//!    words). That gives the struct field, its `Default`, the reader (a key not declared is an
+//!    unknown field), the schema's default, description and bounds, the range check and its row
+//!    in the reference. Other schema keywords go in `#[schema(...)]`.
+//! 2. Call the section's `validate_ranges` (or `validate_fields`) from its `validate` if it does
+//!    not yet, and add the checks a range cannot say (between fields, syntax) there by hand, with
+//!    a negative test in `config/tests.rs` that asserts the exact path and a reason substring.
+//! 3. Regenerate: `make schema config-docs` (`filter-config/schema.json`, `docs/configuration.md`);
+//!    tests fail while either is out of date.
 
 pub mod live;
 mod locate;
