@@ -74,4 +74,3 @@ mod describe_impls {
         }
     }
 }
-

@@ -7,7 +7,7 @@ pub mod errors;
 pub mod hash;
 pub mod json;
 pub mod labels;
-pub mod settings;
 pub mod ports;
+pub mod settings;
 pub mod sorting;
 pub mod telemetry;

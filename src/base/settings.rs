@@ -50,13 +50,33 @@
 //! `#[reason = "..."]` after it), any `#[schema(...)]` (passed to schemars: `length`, `regex`,
 //! `extend`), any `#[serde(...)]` (passed to serde, e.g. `skip_serializing_if`).
 
+use std::cmp::Ordering;
 use std::fmt::Display;
 
 use crate::base::json::ConfigError;
 
+/// A value a `#[range]` can bound.
+pub trait Bounded: PartialOrd + Display + Copy {
+    /// False for a float that is not a number or infinite: out of every range.
+    fn is_finite_value(self) -> bool {
+        true
+    }
+}
+
+impl Bounded for u16 {}
+impl Bounded for u32 {}
+impl Bounded for u64 {}
+impl Bounded for usize {}
+impl Bounded for i32 {}
+impl Bounded for f64 {
+    fn is_finite_value(self) -> bool {
+        self.is_finite()
+    }
+}
+
 /// Appends the error of a value outside `min..=max` (either bound may be absent) to `errs`, at
-/// `path.key`. `reason` replaces the standard wording.
-pub fn check_range<T: PartialOrd + Display + Copy>(
+/// `path.key`. `reason` replaces the standard wording. A float that is not finite is out of range.
+pub fn check_range<T: Bounded>(
     errs: &mut Vec<ConfigError>,
     path: &str,
     key: &str,
@@ -65,10 +85,10 @@ pub fn check_range<T: PartialOrd + Display + Copy>(
     max: Option<T>,
     reason: Option<&str>,
 ) {
-    // Written so that a NaN is out of range too.
-    let low = min.is_some_and(|m| !(v >= m));
-    let high = max.is_some_and(|m| !(v <= m));
-    if low || high {
+    // A NaN is out of range too (it compares as `None`).
+    let low = min.is_some_and(|m| matches!(v.partial_cmp(&m), Some(Ordering::Less) | None));
+    let high = max.is_some_and(|m| matches!(v.partial_cmp(&m), Some(Ordering::Greater) | None));
+    if low || high || !v.is_finite_value() {
         errs.push(range_error(
             path,
             key,
@@ -242,7 +262,8 @@ macro_rules! settings {
         impl $name {
             /// Appends an error for every field outside its declared `#[range]`, with paths under
             /// `path` (e.g. `flow_control`).
-            #[allow(unused_variables)]
+            // A struct without ranges uses neither argument.
+            #[allow(unused_variables, clippy::ptr_arg)]
             pub fn validate_ranges(&self, path: &str, errs: &mut Vec<$crate::base::json::ConfigError>) {
                 $($crate::base::settings::settings!(@check self, path, errs, $field $(as $key)?, $ty, [$($range)*] [$($reason)?]);)*
             }
@@ -321,3 +342,88 @@ macro_rules! settings {
     }};
 }
 pub(crate) use settings;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::base::json::read_value;
+    use serde_json::json;
+
+    settings! {
+        /// A section with every kind of field.
+        #[derive(Debug, Clone, PartialEq)]
+        pub struct Section {
+            /// Default 3.
+            #[range(min = 1, max = 10)]
+            pub count: u32 = 3,
+            /// At least 0.5.
+            #[range(min = 0.5)]
+            #[reason = "must be {min} or more, not {v}"]
+            pub ratio: f64 = 1.0,
+            /// Renamed.
+            pub label as "Label": String = String::from("x"),
+            pub nested: Option<Inner> = None,
+        }
+    }
+
+    settings! {
+        #[derive(Debug, Clone, PartialEq)]
+        pub struct Inner {
+            pub name: String,
+            #[range(max = 5)]
+            pub level: u64 = 2,
+        }
+    }
+
+    fn errors(s: &Section) -> Vec<(String, String)> {
+        let mut errs = Vec::new();
+        s.validate_ranges("sec", &mut errs);
+        errs.into_iter().map(|e| (e.path, e.reason)).collect()
+    }
+
+    #[test]
+    fn defaults_reader_and_required_fields_come_from_the_declaration() {
+        let d = Section::default();
+        assert_eq!((d.count, d.ratio, d.label.as_str(), d.nested.is_none()), (3, 1.0, "x", true));
+        assert_eq!(read_value::<Section>(&json!({})).unwrap(), d);
+        let s: Section = read_value(&json!({"Label": "y", "nested": {"name": "n"}})).unwrap();
+        assert_eq!(s.label, "y");
+        assert_eq!(s.nested, Some(Inner { name: "n".into(), level: 2 }));
+        let e = read_value::<Section>(&json!({"nested": {}})).unwrap_err();
+        assert_eq!((e.path.as_str(), e.reason.as_str()), ("nested", "missing field `name`"));
+        let e = read_value::<Section>(&json!({"label": "y"})).unwrap_err();
+        assert_eq!(e.reason, "unknown field `label`, expected one of `count`, `ratio`, `Label`, `nested`");
+    }
+
+    #[test]
+    fn ranges_report_paths_and_reasons() {
+        assert!(errors(&Section::default()).is_empty());
+        let s = Section { count: 0, ratio: 0.25, ..Section::default() };
+        assert_eq!(
+            errors(&s),
+            [
+                ("sec.count".to_string(), "must be in 1..=10, got 0".to_string()),
+                ("sec.ratio".to_string(), "must be 0.5 or more, not 0.25".to_string()),
+            ]
+        );
+        for ratio in [f64::NAN, f64::INFINITY] {
+            assert_eq!(errors(&Section { ratio, ..Section::default() }).len(), 1, "{ratio}");
+        }
+        let mut errs = Vec::new();
+        Inner { name: "n".into(), level: 6 }.validate_ranges("", &mut errs);
+        assert_eq!((errs[0].path.as_str(), errs[0].reason.as_str()), ("level", "must be at most 5, got 6"));
+    }
+
+    #[test]
+    fn validate_fields_puts_a_sections_errors_in_declaration_order() {
+        let s = Section { count: 11, ..Section::default() };
+        let mut errs = vec![ConfigError::new("before", "kept first")];
+        s.validate_fields("sec", &mut errs, |errs| {
+            errs.push(ConfigError::new("sec.nested.name", "hand"));
+            errs.push(ConfigError::new("sec.Label", "hand"));
+            errs.push(ConfigError::new("elsewhere", "last"));
+        });
+        let paths: Vec<&str> = errs.iter().map(|e| e.path.as_str()).collect();
+        assert_eq!(paths, ["before", "sec.count", "sec.Label", "sec.nested.name", "elsewhere"]);
+    }
+}

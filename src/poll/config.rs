@@ -5,8 +5,8 @@
 use serde::Serialize;
 
 use crate::base::json::{self, ConfigError};
-use crate::base::settings::settings;
 use crate::base::labels::{is_label_key, is_label_value};
+use crate::base::settings::settings;
 use crate::state::catalog::Catalog;
 use crate::state::catalog::Role;
 

@@ -41,8 +41,8 @@
 //! `host::poller` (`PeerSender`), the filter's `host::filter` (the exchange path).
 
 use crate::base::json::ConfigError;
-use crate::base::settings::settings;
 use crate::base::ports::SharedStore;
+use crate::base::settings::settings;
 use crate::state::inflight::parse_nonce;
 use crate::state::prefix_shared::{decode as decode_shard, delta, Record, SharedPrefix, RECORD_BYTES};
 

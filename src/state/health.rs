@@ -66,12 +66,12 @@
 //! The view read by a request is at most one request old: each pick reads the key (one small
 //! copy, usually empty).
 
-use hashbrown::HashMap;
 use crate::base::json::ConfigError;
-use crate::base::settings::settings;
 use crate::base::ports::{SharedStore, StoreError};
+use crate::base::settings::settings;
 use crate::state::inflight::MAX_CAS_ATTEMPTS;
 use crate::state::snapshot::Snapshot;
+use hashbrown::HashMap;
 
 pub const HEALTH_KEY: &str = "inference-picker/health";
 /// Most endpoints remembered; beyond it the least recently active are dropped.

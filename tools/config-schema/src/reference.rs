@@ -56,7 +56,12 @@ fn walk(fields: &[FieldInfo], prefix: &str, out: &mut Vec<Row>) {
 /// Doc lines (each with the space after `///`) joined into paragraphs.
 fn unwrap_doc(doc: &str) -> String {
     let lines: Vec<&str> = doc.lines().map(str::trim).collect();
-    lines.split(|l| l.is_empty()).map(|p| p.join(" ")).filter(|p| !p.is_empty()).collect::<Vec<_>>().join("\n\n")
+    lines
+        .split(|l| l.is_empty())
+        .map(|p| p.join(" "))
+        .filter(|p| !p.is_empty())
+        .collect::<Vec<_>>()
+        .join("\n\n")
 }
 
 /// The reference as Markdown, exactly as committed.
