@@ -103,7 +103,7 @@ pub fn check_range<T: Bounded>(
 /// Sorts `errs` (stably) by the field under `path` each names, in the order of `keys`; an error
 /// naming no field of `keys` goes last.
 pub fn in_field_order(errs: &mut [ConfigError], path: &str, keys: &[&str]) {
-    errs.sort_by_key(|e| {
+    let rank = |e: &ConfigError| {
         let rest = if path.is_empty() {
             Some(e.path.as_str())
         } else {
@@ -111,7 +111,16 @@ pub fn in_field_order(errs: &mut [ConfigError], path: &str, keys: &[&str]) {
         };
         let key = rest.map(|r| r.split(['.', '[']).next().unwrap_or(r));
         key.and_then(|k| keys.iter().position(|x| *x == k)).unwrap_or(keys.len())
-    });
+    };
+    // An insertion sort: a section has few errors, and it keeps the module smaller than
+    // `sort_by_key`'s merge sort would.
+    for i in 1..errs.len() {
+        let mut j = i;
+        while j > 0 && rank(&errs[j - 1]) > rank(&errs[j]) {
+            errs.swap(j - 1, j);
+            j -= 1;
+        }
+    }
 }
 
 /// The error of [`check_range`], shared by every type.

@@ -38,8 +38,14 @@ settings! {
         /// are still broken at random).
         #[range(min = 1, max = 64)]
         pub top_k: usize = 1,
+        /// Prefix-cache affinity: how prompts are hashed into blocks and how much each endpoint's
+        /// local index and the cross-worker table hold. Defaults: see [`PrefixConfig`].
         pub prefix: PrefixConfig = PrefixConfig::default(),
+        /// Session affinity: the session header, and the token that names the endpoint that
+        /// served. Defaults: see [`SessionConfig`].
         pub session: SessionConfig = SessionConfig::default(),
+        /// The hot-spot guard, which moves a request off an overloaded endpoint. Defaults: see
+        /// [`GuardConfig`].
         pub guard: GuardConfig = GuardConfig::default(),
         /// Model-name rewrites and traffic splits (InferenceModelRewrite semantics). Default: none.
         pub rewrites: Vec<RewriteRule> = Vec::new(),
@@ -166,16 +172,22 @@ settings! {
     /// A per-model override of [`Weights`]; `None` keeps the pool-level weight.
     #[derive(Debug, Clone, Copy, PartialEq)]
     pub struct WeightOverrides {
+        /// Replaces `weights.prefix` for this model. Default: none (the pool-level weight).
         #[serde(skip_serializing_if = "Option::is_none")]
         pub prefix: Option<f64> = None,
+        /// Replaces `weights.queue` for this model. Default: none (the pool-level weight).
         #[serde(skip_serializing_if = "Option::is_none")]
         pub queue: Option<f64> = None,
+        /// Replaces `weights.kv_cache` for this model. Default: none (the pool-level weight).
         #[serde(skip_serializing_if = "Option::is_none")]
         pub kv_cache: Option<f64> = None,
+        /// Replaces `weights.inflight` for this model. Default: none (the pool-level weight).
         #[serde(skip_serializing_if = "Option::is_none")]
         pub inflight: Option<f64> = None,
+        /// Replaces `weights.session` for this model. Default: none (the pool-level weight).
         #[serde(skip_serializing_if = "Option::is_none")]
         pub session: Option<f64> = None,
+        /// Replaces `weights.lora` for this model. Default: none (the pool-level weight).
         #[serde(skip_serializing_if = "Option::is_none")]
         pub lora: Option<f64> = None,
     }
@@ -246,9 +258,13 @@ settings! {
     /// by more than `abs_gap` AND by more than `ratio` times. Defaults are SGLang's (64, 1.5).
     #[derive(Debug, Clone, PartialEq)]
     pub struct GuardConfig {
+        /// How much more load (the larger of queue + running and in-flight) than the least-loaded
+        /// candidate's makes an endpoint overloaded, together with `ratio`. At least 0. Default 64.
         #[range(min = 0.0)]
         #[reason = "must be a finite number >= 0"]
         pub abs_gap: f64 = 64.0,
+        /// How many times the least-loaded candidate's load makes an endpoint overloaded, together
+        /// with `abs_gap`. At least 1. Default 1.5.
         #[range(min = 1.0)]
         #[reason = "must be a finite number >= 1"]
         pub ratio: f64 = 1.5,
@@ -262,6 +278,7 @@ settings! {
     pub struct RewriteRule {
         /// Empty = catch-all. An exact match in any rule beats every catch-all.
         pub matches: Vec<RewriteMatch> = Vec::new(),
+        /// The models a matching request is rewritten to; at least one.
         pub targets: Vec<RewriteTarget>,
     }
 }
@@ -269,6 +286,7 @@ settings! {
 settings! {
     #[derive(Debug, Clone, PartialEq)]
     pub struct RewriteMatch {
+        /// The request's model (the body's `model`), as sent by the client.
         pub model: ModelMatch,
     }
 }
@@ -278,6 +296,7 @@ settings! {
     pub struct ModelMatch {
         /// Only `Exact` exists (as in the CRD). Default `Exact`.
         pub kind as "type": MatchType = MatchType::Exact,
+        /// The model name to match; not empty.
         pub value: String,
     }
 }
