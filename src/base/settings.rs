@@ -114,9 +114,11 @@ pub fn in_field_order(errs: &mut [ConfigError], path: &str, keys: &[&str]) {
     };
     // An insertion sort: a section has few errors, and it keeps the module smaller than
     // `sort_by_key`'s merge sort would.
+    let mut ranks: Vec<usize> = errs.iter().map(rank).collect();
     for i in 1..errs.len() {
         let mut j = i;
-        while j > 0 && rank(&errs[j - 1]) > rank(&errs[j]) {
+        while j > 0 && ranks.get(j - 1) > ranks.get(j) {
+            ranks.swap(j - 1, j);
             errs.swap(j - 1, j);
             j -= 1;
         }
