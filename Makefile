@@ -20,7 +20,7 @@ ENVOY_VERSION := 1.40.0
 # E2E_JOBS=1 runs the suite in one process.
 E2E_JOBS ?= 2
 
-.PHONY: all toolchain run test test-rust test-python wasm wasm-crash sim venv fmt-check clippy unit validate deploy-check e2e bench bench-check bench-routing schema oci fuzz clean passthrough-wasm wrk wasm-opt wasm-small bench-envoy bench-envoy-check docs-check wasm-next
+.PHONY: all toolchain run test test-rust test-python wasm wasm-crash sim venv fmt-check clippy unit validate deploy-check e2e bench bench-check bench-routing schema config-docs oci fuzz clean passthrough-wasm wrk wasm-opt wasm-small bench-envoy bench-envoy-check docs-check wasm-next
 
 all: wasm
 
@@ -128,6 +128,11 @@ oci: wasm
 ## schema: regenerate filter-config/schema.json from the Rust types.
 schema:
 	cargo run -q -p config-schema > filter-config/schema.json
+
+## config-docs: regenerate docs/configuration.md, the configuration reference, from the same
+## settings! declarations (a test in tools/config-schema fails when it is out of date).
+config-docs:
+	cargo run -q -p config-schema -- --reference > docs/configuration.md
 
 ## e2e: the suite in real Envoy, E2E_JOBS (default 2) files at a time with pytest-xdist.
 e2e: wasm wasm-crash wasm-next sim venv

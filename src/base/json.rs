@@ -8,7 +8,8 @@
 //! The rules are serde's, with its wording: an unknown field, a missing required field, a value of
 //! the wrong type, a negative, fractional or too-large number where an integer is expected, and an
 //! unknown enum variant are errors. A struct reads itself with [`from_json_struct!`], which lists
-//! each field once with its JSON name and default; a unit enum with [`from_json_enum!`].
+//! each field once with its JSON name and default (configuration structs get that list from their
+//! one declaration, `crate::base::settings::settings!`); a unit enum with [`from_json_enum!`].
 //!
 //! Paths are built in one `String`: a reader appends its segment (`.name`, `["odd key"]`, `[3]`)
 //! before reading a child and truncates it after. The root is the empty path, shown as `$`.
@@ -376,6 +377,15 @@ macro_rules! from_json_enum {
                     $(Some($name) => Ok($ty::$variant),)*
                     other => Err($crate::base::json::unknown_variant(v, other, NAMES, path)),
                 }
+            }
+        }
+
+        #[cfg(feature = "schema")]
+        impl $crate::base::describe::Describe for $ty {
+            fn json_type() -> String {
+                let names: &[&str] = &[$($name),*];
+                let quoted: Vec<String> = names.iter().map(|n| format!("`{n}`")).collect();
+                format!("string, one of {}", quoted.join(", "))
             }
         }
     };

@@ -7,22 +7,23 @@
 //! reason. The scheduler then builds its model lookup once (`scheduler::models::ModelTable`) and
 //! only reads it per request.
 //!
-//! The field reference is `filter-config/README.md`; the JSON Schema is `filter-config/schema.json`,
-//! generated from these types (feature `schema`) and kept equal to them by a test.
+//! The field reference is `docs/configuration.md` and the JSON Schema is
+//! `filter-config/schema.json`, both generated from the `settings!` declarations (feature `schema`,
+//! `tools/config-schema`) and kept equal to them by tests.
 //!
 //! # Adding a field
-//! 1. Add it to its struct with a `///` doc (it becomes the schema description) and, when it is
-//!    optional, a per-field `#[serde(default = "default_x")]` whose value the doc states (the
-//!    schema's `default` and required list come from these attributes).
-//! 2. Add it to the struct's `json::from_json_struct!` list, with the same default
-//!    (`name = default_x()`) or none when it is required. A field missing there is an unknown
-//!    field to the reader.
-//! 3. Add its checks to that struct's `validate_into`, with a negative test in `config/tests.rs`
-//!    that asserts the exact path and a reason substring. Where a bound is simple (a minimum, a
-//!    non-empty string), mirror it in the schema with a `schemars(...)` attribute naming the same
-//!    constant.
-//! 4. Regenerate the schema: `cargo run -q -p config-schema > filter-config/schema.json`.
-//! 5. Document it in `filter-config/README.md` (a test fails when a schema field is missing there).
+//! 1. Declare it once, in its section's `settings!` block (`crate::base::settings`), in the
+//!    section's own config file: a `///` doc (the schema's description and the reference's text),
+//!    `name: Type = default` (no `= default` when it is required), and, for a simple inclusive
+//!    bound, `#[range(min = .., max = ..)]` (with `#[reason = ".."]` when the error needs its own
+//!    words). That gives the struct field, its `Default`, the reader (a key not declared is an
+//!    unknown field), the schema's default, description and bounds, the range check and its row
+//!    in the reference. Other schema keywords go in `#[schema(...)]`.
+//! 2. Call the section's `validate_ranges` (or `validate_fields`) from its `validate` if it does
+//!    not yet, and add the checks a range cannot say (between fields, syntax) there by hand, with
+//!    a negative test in `config/tests.rs` that asserts the exact path and a reason substring.
+//! 3. Regenerate: `make schema config-docs` (`filter-config/schema.json`, `docs/configuration.md`);
+//!    tests fail while either is out of date.
 
 pub mod live;
 mod locate;
@@ -32,10 +33,9 @@ mod tests;
 use hashbrown::HashMap;
 use std::net::SocketAddr;
 
-use serde::Serialize;
-
 pub use crate::base::json::describe_errors;
 use crate::base::json::{self, ConfigError};
+use crate::base::settings::settings;
 
 pub use crate::poll::config::{
     DiscoveryConfig, KubernetesDiscoveryConfig, PollerConfig, PollerMode, MAX_RESPONSE_BYTES_LIMIT,
@@ -53,95 +53,66 @@ use crate::state::health::HealthConfig;
 /// The only configuration version this build understands.
 pub const CONFIG_VERSION: u32 = 1;
 
-/// Configuration of the inference-picker module: the same document for the HTTP filter and the
-/// poller.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
-// `endpoints` needs an entry only when there is no `discovery`.
-#[cfg_attr(
-    feature = "schema",
-    schemars(extend(
-        "if" = serde_json::json!({"not": {"required": ["discovery"], "properties": {"discovery": {"type": "object"}}}}),
-        "then" = serde_json::json!({"properties": {"endpoints": {"minItems": 1}}})
-    ))
-)]
-#[serde(deny_unknown_fields)]
-pub struct Config {
-    /// Version of this document's format. Must be 1.
-    #[cfg_attr(feature = "schema", schemars(extend("const" = CONFIG_VERSION)))]
-    pub version: u32,
-    /// The pool's endpoints (model servers) and the base models each serves. At least one, unless
-    /// `discovery` is set.
-    pub endpoints: Vec<EndpointConfig>,
-    /// The base models the pool serves, with their LoRA adapters. At least one.
-    #[cfg_attr(feature = "schema", schemars(length(min = 1)))]
-    pub models: Vec<ModelConfig>,
-    /// How the poller scrapes the endpoints' metrics. Default: every field at its default.
-    #[serde(default = "PollerConfig::default")]
-    pub poller: PollerConfig,
-    /// How the HTTP filter treats requests. Default: every field at its default.
-    #[serde(default = "FilterConfig::default")]
-    pub filter: FilterConfig,
-    /// Scorer weights, prefix/session/guard settings and model rewrites (see `crate::scheduler`).
-    #[serde(default = "SchedulerConfig::default")]
-    pub scheduler: SchedulerConfig,
-    /// Where a request's priority comes from and which priority headers are trusted (see
-    /// `crate::flow::priority`). Default: the model's criticality only, no header trusted.
-    #[serde(default = "PriorityConfig::default")]
-    pub priority: PriorityConfig,
-    /// When the endpoints of a model have no room (see `crate::flow::saturation`). Default: GIE's
-    /// thresholds.
-    #[serde(default = "SaturationConfig::default")]
-    pub saturation: SaturationConfig,
-    /// Holding requests inside the proxy while their endpoints are saturated (see `crate::flow`).
-    /// Default: every field at its default (off: `enabled` is false).
-    #[serde(default = "FlowControlConfig::default")]
-    pub flow_control: FlowControlConfig,
-    /// Passive health from upstream results (ejection with back-off) and the startup hold (see
-    /// `crate::state::health`). Default: every field at its default (on).
-    #[serde(default = "HealthConfig::default")]
-    pub health: HealthConfig,
-    /// Where endpoints come from besides `endpoints`. Default: none (only the static list).
-    #[serde(default)]
-    pub discovery: Option<DiscoveryConfig>,
-    /// Learn which models and LoRA adapters each pod serves from the pod itself (its
-    /// `/v1/models` and LoRA metrics; see `crate::poll::pod_models`). Default: none (only the
-    /// configured models, each pod assumed to serve what `endpoints` or discovery says).
-    #[serde(default)]
-    pub pod_models: Option<crate::poll::pod_models::PodModelsConfig>,
-    /// This instance's pool on a gateway with several pools, and body-based routing between them
-    /// (see `crate::request::pools`). Default: none (one unnamed pool; every request reaching the filter
-    /// is its own).
-    #[serde(default)]
-    pub pool: Option<crate::request::pools::PoolConfig>,
-    /// Disaggregated prefill/decode, llm-d's protocol (see `crate::request::pd` and `docs/pd.md`).
-    /// Default: none (endpoint roles are ignored and no request is split).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub pd: Option<crate::request::config::PdConfig>,
-    /// The other replicas of this gateway, with which it exchanges its prefix table (see
-    /// `crate::poll::peers`). Default: none (replicas share nothing).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub peers: Option<crate::poll::peers::PeersConfig>,
+settings! {
+    /// Configuration of the inference-picker module: the same document for the HTTP filter and the
+    /// poller.
+    #[derive(Debug, Clone, PartialEq)]
+    // `endpoints` needs an entry only when there is no `discovery`.
+    #[cfg_attr(
+        feature = "schema",
+        schemars(extend(
+            "if" = serde_json::json!({"not": {"required": ["discovery"], "properties": {"discovery": {"type": "object"}}}}),
+            "then" = serde_json::json!({"properties": {"endpoints": {"minItems": 1}}})
+        ))
+    )]
+    pub struct Config {
+        /// Version of this document's format. Must be 1.
+        #[schema(extend("const" = CONFIG_VERSION))]
+        pub version: u32,
+        /// The pool's endpoints (model servers) and the base models each serves. At least one, unless
+        /// `discovery` is set.
+        pub endpoints: Vec<EndpointConfig>,
+        /// The base models the pool serves, with their LoRA adapters. At least one.
+        #[schema(length(min = 1))]
+        pub models: Vec<ModelConfig>,
+        /// How the poller scrapes the endpoints' metrics. Default: every field at its default.
+        pub poller: PollerConfig = PollerConfig::default(),
+        /// How the HTTP filter treats requests. Default: every field at its default.
+        pub filter: FilterConfig = FilterConfig::default(),
+        /// Scorer weights, prefix/session/guard settings and model rewrites (see `crate::scheduler`).
+        pub scheduler: SchedulerConfig = SchedulerConfig::default(),
+        /// Where a request's priority comes from and which priority headers are trusted (see
+        /// `crate::flow::priority`). Default: the model's criticality only, no header trusted.
+        pub priority: PriorityConfig = PriorityConfig::default(),
+        /// When the endpoints of a model have no room (see `crate::flow::saturation`). Default: GIE's
+        /// thresholds.
+        pub saturation: SaturationConfig = SaturationConfig::default(),
+        /// Holding requests inside the proxy while their endpoints are saturated (see `crate::flow`).
+        /// Default: every field at its default (off: `enabled` is false).
+        pub flow_control: FlowControlConfig = FlowControlConfig::default(),
+        /// Passive health from upstream results (ejection with back-off) and the startup hold (see
+        /// `crate::state::health`). Default: every field at its default (on).
+        pub health: HealthConfig = HealthConfig::default(),
+        /// Where endpoints come from besides `endpoints`. Default: none (only the static list).
+        pub discovery: Option<DiscoveryConfig> = None,
+        /// Learn which models and LoRA adapters each pod serves from the pod itself (its
+        /// `/v1/models` and LoRA metrics; see `crate::poll::pod_models`). Default: none (only the
+        /// configured models, each pod assumed to serve what `endpoints` or discovery says).
+        pub pod_models: Option<crate::poll::pod_models::PodModelsConfig> = None,
+        /// This instance's pool on a gateway with several pools, and body-based routing between them
+        /// (see `crate::request::pools`). Default: none (one unnamed pool; every request reaching the filter
+        /// is its own).
+        pub pool: Option<crate::request::pools::PoolConfig> = None,
+        /// Disaggregated prefill/decode, llm-d's protocol (see `crate::request::pd` and `docs/pd.md`).
+        /// Default: none (endpoint roles are ignored and no request is split).
+        #[serde(skip_serializing_if = "Option::is_none")]
+        pub pd: Option<crate::request::config::PdConfig> = None,
+        /// The other replicas of this gateway, with which it exchanges its prefix table (see
+        /// `crate::poll::peers`). Default: none (replicas share nothing).
+        #[serde(skip_serializing_if = "Option::is_none")]
+        pub peers: Option<crate::poll::peers::PeersConfig> = None,
+    }
 }
-
-// The readers of this file's types (`read.rs`): each field with its default, in declaration order.
-json::from_json_struct!(Config {
-    version,
-    endpoints,
-    models,
-    poller = PollerConfig::default(),
-    filter = FilterConfig::default(),
-    scheduler = SchedulerConfig::default(),
-    priority = PriorityConfig::default(),
-    saturation = SaturationConfig::default(),
-    flow_control = FlowControlConfig::default(),
-    health = HealthConfig::default(),
-    discovery = None,
-    pod_models = None,
-    pool = None,
-    pd = None,
-    peers = None,
-});
 
 /// `parent.name`, or `name` at the root.
 fn field(parent: &str, name: &str) -> String {
@@ -445,21 +416,7 @@ impl Config {
 
 impl PollerConfig {
     fn validate_into(&self, at: &str, errs: &mut Errors) {
-        if self.interval_ms < MIN_INTERVAL_MS {
-            errs.push(
-                field(at, "interval_ms"),
-                format!("must be at least {MIN_INTERVAL_MS}, got {}", self.interval_ms),
-            );
-        }
-        if self.timeout_ms < MIN_TIMEOUT_MS {
-            errs.push(
-                field(at, "timeout_ms"),
-                format!(
-                    "must be at least {MIN_TIMEOUT_MS} (0 would mean no timeout), got {}",
-                    self.timeout_ms
-                ),
-            );
-        }
+        self.validate_ranges(at, &mut errs.0);
         if self.stale_after_ms < self.interval_ms {
             errs.push(
                 field(at, "stale_after_ms"),
@@ -475,12 +432,6 @@ impl PollerConfig {
                 format!("must be at least interval_ms ({}), got {}", self.interval_ms, self.idle_interval_ms),
             );
         }
-        if self.max_scrapes_per_s == 0 {
-            errs.push(field(at, "max_scrapes_per_s"), "must be at least 1, got 0");
-        }
-        if !(1..=1000).contains(&self.replicas) {
-            errs.push(field(at, "replicas"), format!("must be in 1..=1000, got {}", self.replicas));
-        }
         if self.cluster.is_empty() {
             errs.push(field(at, "cluster"), "must not be empty");
         }
@@ -490,15 +441,6 @@ impl PollerConfig {
                 format!(
                     "must be at least twice interval_ms ({}), got {}: the holder renews once per tick",
                     self.interval_ms, self.lease_ttl_ms
-                ),
-            );
-        }
-        if !(MIN_RESPONSE_BYTES..=MAX_RESPONSE_BYTES_LIMIT).contains(&self.max_response_bytes) {
-            errs.push(
-                field(at, "max_response_bytes"),
-                format!(
-                    "must be in {MIN_RESPONSE_BYTES}..={MAX_RESPONSE_BYTES_LIMIT} (1 KiB to 64 MiB), got {}",
-                    self.max_response_bytes
                 ),
             );
         }
@@ -517,12 +459,7 @@ impl PollerConfig {
 
 impl FilterConfig {
     fn validate_into(&self, at: &str, errs: &mut Errors) {
-        if !(1..=MAX_BODY_BYTES_LIMIT).contains(&self.max_body_bytes) {
-            errs.push(
-                field(at, "max_body_bytes"),
-                format!("must be in 1..={MAX_BODY_BYTES_LIMIT} (64 MiB), got {}", self.max_body_bytes),
-            );
-        }
+        self.validate_ranges(at, &mut errs.0);
         for (i, prefix) in self.passthrough_prefixes.iter().enumerate() {
             let path = format!("{}[{i}]", field(at, "passthrough_prefixes"));
             if !prefix.starts_with('/') {

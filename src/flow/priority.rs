@@ -34,9 +34,8 @@
 
 use std::collections::BTreeMap;
 
-use serde::Serialize;
-
-use crate::base::json::{self, ConfigError};
+use crate::base::json::ConfigError;
+use crate::base::settings::settings;
 use crate::state::catalog::Criticality;
 
 /// GIE request header naming an InferenceObjective.
@@ -48,113 +47,66 @@ pub const DEFAULT_FAIRNESS_ID: &str = "default-flow";
 /// Longer fairness ids are cut (at a character boundary) to this many bytes.
 pub const MAX_FAIRNESS_ID_BYTES: usize = 128;
 
-/// Where a request's priority comes from, and which priority headers are trusted.
-// `Default` equals the per-field serde defaults.
-#[derive(Debug, Clone, Default, PartialEq, Serialize)]
-#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
-#[serde(deny_unknown_fields)]
-pub struct PriorityConfig {
-    /// Priority of each model criticality. Default `{Critical: 10, Standard: 0, Sheddable: -10}`
-    /// (the values InferenceObjective's own documentation uses as examples).
-    #[serde(default = "CriticalityPriorities::default")]
-    pub criticality: CriticalityPriorities,
-    /// Named objectives selectable with `x-gateway-inference-objective`. Default none.
-    #[serde(default)]
-    pub objectives: Vec<ObjectiveConfig>,
-    /// Read `x-gateway-inference-objective` from requests. Default false: set it only when a
-    /// filter in front of this one always sets or removes the header.
-    #[serde(default = "default_false")]
-    pub trust_objective_header: bool,
-    /// An SLA-tier header and its values. Default none.
-    #[serde(default)]
-    pub tier: Option<TierConfig>,
-    /// Read `x-gateway-inference-fairness-id` from requests. Default false (every request is in
-    /// `default-flow`): a client that can choose its fairness id can take a larger share by
-    /// sending many ids.
-    #[serde(default = "default_false")]
-    pub trust_fairness_header: bool,
+settings! {
+    /// Where a request's priority comes from, and which priority headers are trusted.
+    #[derive(Debug, Clone, PartialEq)]
+    pub struct PriorityConfig {
+        /// Priority of each model criticality. Default `{Critical: 10, Standard: 0, Sheddable: -10}`
+        /// (the values InferenceObjective's own documentation uses as examples).
+        pub criticality: CriticalityPriorities = CriticalityPriorities::default(),
+        /// Named objectives selectable with `x-gateway-inference-objective`. Default none.
+        pub objectives: Vec<ObjectiveConfig> = Vec::new(),
+        /// Read `x-gateway-inference-objective` from requests. Default false: set it only when a
+        /// filter in front of this one always sets or removes the header.
+        pub trust_objective_header: bool = false,
+        /// An SLA-tier header and its values. Default none.
+        pub tier: Option<TierConfig> = None,
+        /// Read `x-gateway-inference-fairness-id` from requests. Default false (every request is in
+        /// `default-flow`): a client that can choose its fairness id can take a larger share by
+        /// sending many ids.
+        pub trust_fairness_header: bool = false,
+    }
 }
 
-/// The priority of each model criticality.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
-#[serde(deny_unknown_fields)]
-pub struct CriticalityPriorities {
-    /// Default 10.
-    #[serde(rename = "Critical", default = "default_critical")]
-    pub critical: i32,
-    /// Default 0.
-    #[serde(rename = "Standard", default = "default_standard")]
-    pub standard: i32,
-    /// Default −10.
-    #[serde(rename = "Sheddable", default = "default_sheddable")]
-    pub sheddable: i32,
+settings! {
+    /// The priority of each model criticality.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub struct CriticalityPriorities {
+        /// Default 10.
+        pub critical as "Critical": i32 = 10,
+        /// Default 0.
+        pub standard as "Standard": i32 = 0,
+        /// Default −10.
+        pub sheddable as "Sheddable": i32 = -10,
+    }
 }
 
-/// One InferenceObjective: a name and its priority.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
-#[serde(deny_unknown_fields)]
-pub struct ObjectiveConfig {
-    /// The value of `x-gateway-inference-objective` that selects it. Unique, non-empty, no
-    /// surrounding spaces.
-    #[cfg_attr(feature = "schema", schemars(length(min = 1)))]
-    pub name: String,
-    /// Default 0 (InferenceObjective: "an unset value is treated as 0").
-    #[serde(default)]
-    pub priority: i32,
+settings! {
+    /// One InferenceObjective: a name and its priority.
+    #[derive(Debug, Clone, PartialEq, Eq)]
+    pub struct ObjectiveConfig {
+        /// The value of `x-gateway-inference-objective` that selects it. Unique, non-empty, no
+        /// surrounding spaces.
+        #[schema(length(min = 1))]
+        pub name: String,
+        /// Default 0 (InferenceObjective: "an unset value is treated as 0").
+        pub priority: i32 = 0,
+    }
 }
 
-/// An SLA-tier header, e.g. `x-llm-tier: premium|standard|free`.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
-#[serde(deny_unknown_fields)]
-pub struct TierConfig {
-    /// Header name, lower case (e.g. `x-llm-tier`); not one of the Inference Extension headers.
-    #[cfg_attr(feature = "schema", schemars(regex(pattern = r"^[a-z0-9!#$%&'*+.^_`|~-]+$")))]
-    pub header: String,
-    /// Read the header from requests. Default false (the header is only stripped).
-    #[serde(default = "default_false")]
-    pub trusted: bool,
-    /// Tier value → priority. At least one. Values are matched exactly (case-sensitive) after
-    /// trimming spaces.
-    #[cfg_attr(feature = "schema", schemars(extend("minProperties" = 1)))]
-    pub values: BTreeMap<String, i32>,
-}
-
-// The readers of this file's configuration types (`crate::base::json`), fields in declaration
-// order.
-json::from_json_struct!(PriorityConfig {
-    criticality = CriticalityPriorities::default(),
-    objectives = Vec::new(),
-    trust_objective_header = default_false(),
-    tier = None,
-    trust_fairness_header = default_false(),
-});
-json::from_json_struct!(CriticalityPriorities {
-    critical as "Critical" = default_critical(),
-    standard as "Standard" = default_standard(),
-    sheddable as "Sheddable" = default_sheddable(),
-});
-json::from_json_struct!(ObjectiveConfig { name, priority = 0 });
-json::from_json_struct!(TierConfig { header, trusted = default_false(), values });
-
-fn default_false() -> bool {
-    false
-}
-fn default_critical() -> i32 {
-    10
-}
-fn default_standard() -> i32 {
-    0
-}
-fn default_sheddable() -> i32 {
-    -10
-}
-
-impl Default for CriticalityPriorities {
-    fn default() -> Self {
-        Self { critical: default_critical(), standard: default_standard(), sheddable: default_sheddable() }
+settings! {
+    /// An SLA-tier header, e.g. `x-llm-tier: premium|standard|free`.
+    #[derive(Debug, Clone, PartialEq, Eq)]
+    pub struct TierConfig {
+        /// Header name, lower case (e.g. `x-llm-tier`); not one of the Inference Extension headers.
+        #[schema(regex(pattern = r"^[a-z0-9!#$%&'*+.^_`|~-]+$"))]
+        pub header: String,
+        /// Read the header from requests. Default false (the header is only stripped).
+        pub trusted: bool = false,
+        /// Tier value → priority. At least one. Values are matched exactly (case-sensitive) after
+        /// trimming spaces.
+        #[schema(extend("minProperties" = 1))]
+        pub values: BTreeMap<String, i32>,
     }
 }
 

@@ -48,65 +48,31 @@
 //! neither is known (KV only, or blind) the room is 1, a deliberately cautious probe per snapshot.
 //! Full and stale endpoints have room 0.
 
-use serde::Serialize;
-
-use crate::base::json::{self, ConfigError};
+use crate::base::json::ConfigError;
+use crate::base::settings::settings;
 use crate::state::snapshot::EndpointStatus;
 
-/// When the endpoints of a model count as full: per endpoint, the largest of queue /
-/// `queue_threshold`, KV use / `kv_threshold` and in-flight / `max_inflight_per_endpoint`
-/// reaching 1, or stale metrics; the model is saturated when all its endpoints are full.
-// Resolve once with `SaturationConfig::params` and pass the result to `saturated`.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
-#[serde(deny_unknown_fields)]
-pub struct SaturationConfig {
-    /// Queue length at which an endpoint is full; > 0. Default 5 (GIE).
-    #[serde(default = "default_queue_threshold")]
-    #[cfg_attr(feature = "schema", schemars(extend("exclusiveMinimum" = 0)))]
-    pub queue_threshold: f64,
-    /// KV-cache use (0..1) at which an endpoint is full; > 0. Default 0.8 (GIE). A value above 1
-    /// switches the KV term off.
-    #[serde(default = "default_kv_threshold")]
-    #[cfg_attr(feature = "schema", schemars(extend("exclusiveMinimum" = 0)))]
-    pub kv_threshold: f64,
-    /// Requests in flight from this proxy at which an endpoint is full. Default 0 = no limit.
-    /// A good value is the engine's batch size plus `queue_threshold` (vLLM: `max_num_seqs` + 5).
-    #[serde(default = "default_max_inflight")]
-    pub max_inflight_per_endpoint: u32,
-    /// Metrics older than this, in ms, make the endpoint stale (full). At least
-    /// `poller.interval_ms`. Default null: `poller.stale_after_ms` (1000, five polls at the
-    /// default 200 ms; GIE uses 200 ms with 50 ms polls, four polls).
-    #[serde(default)]
-    pub stale_after_ms: Option<u64>,
-}
-
-// The reader of `SaturationConfig` (`crate::base::json`), fields in declaration order.
-json::from_json_struct!(SaturationConfig {
-    queue_threshold = default_queue_threshold(),
-    kv_threshold = default_kv_threshold(),
-    max_inflight_per_endpoint = default_max_inflight(),
-    stale_after_ms = None,
-});
-
-fn default_queue_threshold() -> f64 {
-    5.0
-}
-fn default_kv_threshold() -> f64 {
-    0.8
-}
-fn default_max_inflight() -> u32 {
-    0
-}
-
-impl Default for SaturationConfig {
-    fn default() -> Self {
-        Self {
-            queue_threshold: default_queue_threshold(),
-            kv_threshold: default_kv_threshold(),
-            max_inflight_per_endpoint: default_max_inflight(),
-            stale_after_ms: None,
-        }
+settings! {
+    /// When the endpoints of a model count as full: per endpoint, the largest of queue /
+    /// `queue_threshold`, KV use / `kv_threshold` and in-flight / `max_inflight_per_endpoint`
+    /// reaching 1, or stale metrics; the model is saturated when all its endpoints are full.
+    // Resolve once with `SaturationConfig::params` and pass the result to `saturated`.
+    #[derive(Debug, Clone, PartialEq)]
+    pub struct SaturationConfig {
+        /// Queue length at which an endpoint is full; > 0. Default 5 (GIE).
+        #[schema(extend("exclusiveMinimum" = 0))]
+        pub queue_threshold: f64 = 5.0,
+        /// KV-cache use (0..1) at which an endpoint is full; > 0. Default 0.8 (GIE). A value above 1
+        /// switches the KV term off.
+        #[schema(extend("exclusiveMinimum" = 0))]
+        pub kv_threshold: f64 = 0.8,
+        /// Requests in flight from this proxy at which an endpoint is full. Default 0 = no limit.
+        /// A good value is the engine's batch size plus `queue_threshold` (vLLM: `max_num_seqs` + 5).
+        pub max_inflight_per_endpoint: u32 = 0,
+        /// Metrics older than this, in ms, make the endpoint stale (full). At least
+        /// `poller.interval_ms`. Default null: `poller.stale_after_ms` (1000, five polls at the
+        /// default 200 ms; GIE uses 200 ms with 50 ms polls, four polls).
+        pub stale_after_ms: Option<u64> = None,
     }
 }
 

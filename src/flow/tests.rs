@@ -662,16 +662,17 @@ fn config_defaults_and_validation() {
     let mut errs = Vec::new();
     bad.validate("flow_control", &mut errs);
     let paths: Vec<&str> = errs.iter().map(|e| e.path.as_str()).collect();
+    // In the fields' declaration order (`settings!`'s `validate_fields`).
     assert_eq!(
         paths,
         vec![
             "flow_control.max_wait_ms",
             "flow_control.max_queue",
-            "flow_control.reserve.fraction",
-            "flow_control.worker_ttl_ms"
+            "flow_control.worker_ttl_ms",
+            "flow_control.reserve.fraction"
         ]
     );
-    assert!(errs[2].reason.contains("must be > 0 and < 1"), "{}", errs[2].reason);
+    assert!(errs[3].reason.contains("must be > 0 and < 1"), "{}", errs[3].reason);
     let r: FlowControlConfig =
         crate::config::read_json(r#"{"reserve":{"min_priority":10,"fraction":0.4}}"#).unwrap();
     assert_eq!(r.reserve, Some(ReserveConfig { min_priority: 10, fraction: 0.4 }));

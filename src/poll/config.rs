@@ -6,6 +6,7 @@ use serde::Serialize;
 
 use crate::base::json::{self, ConfigError};
 use crate::base::labels::{is_label_key, is_label_value};
+use crate::base::settings::settings;
 use crate::state::catalog::Catalog;
 use crate::state::catalog::Role;
 
@@ -28,81 +29,72 @@ pub const MIN_RESPONSE_BYTES: usize = 1024;
 /// Largest `poller.max_response_bytes` (64 MiB).
 pub const MAX_RESPONSE_BYTES_LIMIT: usize = 64 * 1024 * 1024;
 
-/// The poller: the one VM that scrapes every endpoint's metrics and publishes the snapshot.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
-#[serde(deny_unknown_fields)]
-pub struct PollerConfig {
-    /// How often each endpoint's metrics are scraped, in ms. At least 10. Default 200: GIE polls
-    /// every 50 ms, but llm-d#1842 showed polling that fast slows vLLM itself; the router-local
-    /// in-flight count covers the gap between polls.
-    #[serde(default = "default_interval_ms")]
-    #[cfg_attr(feature = "schema", schemars(range(min = MIN_INTERVAL_MS)))]
-    pub interval_ms: u64,
-    /// Timeout of one scrape, in ms. At least 1. Default 1000. A scrape still outstanding is
-    /// never started again.
-    #[serde(default = "default_timeout_ms")]
-    #[cfg_attr(feature = "schema", schemars(range(min = MIN_TIMEOUT_MS)))]
-    pub timeout_ms: u64,
-    /// An endpoint whose last successful scrape is older than this, in ms, is stale. At least
-    /// `interval_ms`. Default 1000.
-    #[serde(default = "default_stale_after_ms")]
-    pub stale_after_ms: u64,
-    /// Name of the Envoy ORIGINAL_DST cluster (with `use_http_header`) that scrapes go through.
-    /// Default `inference_pool_metrics`.
-    #[serde(default = "default_metrics_cluster")]
-    #[cfg_attr(feature = "schema", schemars(length(min = 1)))]
-    pub cluster: String,
-    /// Path of the metrics endpoint on every model server; starts with `/`. Default `/metrics`.
-    #[serde(default = "default_metrics_path")]
-    #[cfg_attr(feature = "schema", schemars(regex(pattern = r"^/\S*$")))]
-    pub metrics_path: String,
-    /// Which root context polls. Default `singleton`. See [`PollerMode`].
-    #[serde(default = "default_poller_mode")]
-    pub mode: PollerMode,
-    /// `lease` mode only: how long one renewal of the poller lease is valid. Default 1000 ms. A
-    /// poller that stops renewing is replaced within `lease_ttl_ms + 2 × interval_ms`; a shorter
-    /// ttl replaces it sooner but a worker stalled for longer than the ttl loses the lease. Must
-    /// be at least twice `interval_ms` (the tick that renews it).
-    #[serde(default = "default_lease_ttl_ms")]
-    pub lease_ttl_ms: u64,
-    /// Largest callout response read, in bytes: a `/metrics` answer, and the Kubernetes pod list
-    /// when discovery is on. 1024 to 67108864. Default 4194304 (4 MiB). A larger response is not
-    /// read at all: the scrape (or pod list) counts as failed, with an error log and
-    /// `inference_picker_scrape_failures_total;reason=too_large` (or
-    /// `inference_picker_discovery_failures_total;reason=too_large`). It bounds the memory a
-    /// misbehaving server can make the poller allocate (in lease mode, inside a worker VM).
-    #[serde(default = "default_max_response_bytes")]
-    #[cfg_attr(feature = "schema", schemars(range(min = MIN_RESPONSE_BYTES, max = MAX_RESPONSE_BYTES_LIMIT)))]
-    pub max_response_bytes: usize,
-    /// The slowest an endpoint is scraped, in ms: one that is idle and unchanged (no request of
-    /// this gateway in flight there, the same queue, running and KV use as its previous scrape)
-    /// is scraped at twice its previous interval, up to this. Any change, a request of this
-    /// gateway, or a failure brings it back to `interval_ms`. At least `interval_ms`; equal to
-    /// it polls every endpoint every `interval_ms` as before. Default 5000 (an idle 1,024-pod
-    /// pool then costs about 200 scrapes/s). Load that other gateway replicas (or clients that
-    /// bypass the gateway) send to an idle pod is seen at most this late.
-    #[serde(default = "default_idle_interval_ms")]
-    pub idle_interval_ms: u64,
-    /// Upper bound on scrapes per second from this gateway. When the endpoints' intervals ask for
-    /// more, every interval is stretched by the same factor (and readers' staleness limits with
-    /// it). At least 1. Default 2000 (about 1,000 busy endpoints at 500 ms).
-    #[serde(default = "default_max_scrapes_per_s")]
-    #[cfg_attr(feature = "schema", schemars(range(min = 1)))]
-    pub max_scrapes_per_s: u32,
-    /// How many gateway replicas poll the same pods. Each replica scrapes an endpoint that it does
-    /// not send to at `replicas` times the interval (`interval_ms` when its load moves,
-    /// `idle_interval_ms` when idle), so the pods see about the scrape rate of one gateway
-    /// whatever the number of replicas; an endpoint a replica sends to is still scraped every
-    /// `interval_ms` by that replica, and its own in-flight estimate covers the gaps. It also
-    /// scales the rendezvous credit (`scheduler.predicted.rendezvous_credit`; none with 1), so
-    /// set it to the number of gateway replicas. 1 to 1000.
-    /// Default 1. On the whole replay traces (5 seeds) idle back-off ties fixed polling at 4
-    /// replicas too, but one LoRA seed in five was slower: where that spread matters, set
-    /// `idle_interval_ms` = `interval_ms`.
-    #[serde(default = "default_replicas")]
-    #[cfg_attr(feature = "schema", schemars(range(min = 1, max = 1000)))]
-    pub replicas: u32,
+settings! {
+    /// The poller: the one VM that scrapes every endpoint's metrics and publishes the snapshot.
+    #[derive(Debug, Clone, PartialEq)]
+    pub struct PollerConfig {
+        /// How often each endpoint's metrics are scraped, in ms. At least 10. Default 200: GIE polls
+        /// every 50 ms, but llm-d#1842 showed polling that fast slows vLLM itself; the router-local
+        /// in-flight count covers the gap between polls.
+        #[range(min = MIN_INTERVAL_MS)]
+        pub interval_ms: u64 = 200,
+        /// Timeout of one scrape, in ms. At least 1. Default 1000. A scrape still outstanding is
+        /// never started again.
+        #[range(min = MIN_TIMEOUT_MS)]
+        #[reason = "must be at least {min} (0 would mean no timeout), got {v}"]
+        pub timeout_ms: u64 = 1000,
+        /// An endpoint whose last successful scrape is older than this, in ms, is stale. At least
+        /// `interval_ms`. Default 1000.
+        pub stale_after_ms: u64 = 1000,
+        /// Name of the Envoy ORIGINAL_DST cluster (with `use_http_header`) that scrapes go through.
+        /// Default `inference_pool_metrics`.
+        #[schema(length(min = 1))]
+        pub cluster: String = String::from("inference_pool_metrics"),
+        /// Path of the metrics endpoint on every model server; starts with `/`. Default `/metrics`.
+        #[schema(regex(pattern = r"^/\S*$"))]
+        pub metrics_path: String = String::from("/metrics"),
+        /// Which root context polls. Default `singleton`. See [`PollerMode`].
+        pub mode: PollerMode = PollerMode::Singleton,
+        /// `lease` mode only: how long one renewal of the poller lease is valid. Default 1000 ms. A
+        /// poller that stops renewing is replaced within `lease_ttl_ms + 2 × interval_ms`; a shorter
+        /// ttl replaces it sooner but a worker stalled for longer than the ttl loses the lease. Must
+        /// be at least twice `interval_ms` (the tick that renews it).
+        pub lease_ttl_ms: u64 = 1000,
+        /// Largest callout response read, in bytes: a `/metrics` answer, and the Kubernetes pod list
+        /// when discovery is on. 1024 to 67108864. Default 4194304 (4 MiB). A larger response is not
+        /// read at all: the scrape (or pod list) counts as failed, with an error log and
+        /// `inference_picker_scrape_failures_total;reason=too_large` (or
+        /// `inference_picker_discovery_failures_total;reason=too_large`). It bounds the memory a
+        /// misbehaving server can make the poller allocate (in lease mode, inside a worker VM).
+        #[range(min = MIN_RESPONSE_BYTES, max = MAX_RESPONSE_BYTES_LIMIT)]
+        #[reason = "must be in {min}..={max} (1 KiB to 64 MiB), got {v}"]
+        pub max_response_bytes: usize = 4 * 1024 * 1024,
+        /// The slowest an endpoint is scraped, in ms: one that is idle and unchanged (no request of
+        /// this gateway in flight there, the same queue, running and KV use as its previous scrape)
+        /// is scraped at twice its previous interval, up to this. Any change, a request of this
+        /// gateway, or a failure brings it back to `interval_ms`. At least `interval_ms`; equal to
+        /// it polls every endpoint every `interval_ms` as before. Default 5000 (an idle 1,024-pod
+        /// pool then costs about 200 scrapes/s). Load that other gateway replicas (or clients that
+        /// bypass the gateway) send to an idle pod is seen at most this late.
+        pub idle_interval_ms: u64 = 5000,
+        /// Upper bound on scrapes per second from this gateway. When the endpoints' intervals ask for
+        /// more, every interval is stretched by the same factor (and readers' staleness limits with
+        /// it). At least 1. Default 2000 (about 1,000 busy endpoints at 500 ms).
+        #[range(min = 1)]
+        pub max_scrapes_per_s: u32 = 2000,
+        /// How many gateway replicas poll the same pods. Each replica scrapes an endpoint that it does
+        /// not send to at `replicas` times the interval (`interval_ms` when its load moves,
+        /// `idle_interval_ms` when idle), so the pods see about the scrape rate of one gateway
+        /// whatever the number of replicas; an endpoint a replica sends to is still scraped every
+        /// `interval_ms` by that replica, and its own in-flight estimate covers the gaps. It also
+        /// scales the rendezvous credit (`scheduler.predicted.rendezvous_credit`; none with 1), so
+        /// set it to the number of gateway replicas. 1 to 1000.
+        /// Default 1. On the whole replay traces (5 seeds) idle back-off ties fixed polling at 4
+        /// replicas too, but one LoRA seed in five was slower: where that spread matters, set
+        /// `idle_interval_ms` = `interval_ms`.
+        #[range(min = 1, max = 1000)]
+        pub replicas: u32 = 1,
+    }
 }
 
 /// Which root context scrapes the endpoints and publishes the snapshot.
@@ -121,166 +113,53 @@ pub enum PollerMode {
     Lease,
 }
 
-fn default_interval_ms() -> u64 {
-    200
-}
+json::from_json_enum!(PollerMode { "singleton" => Singleton, "lease" => Lease });
 
-fn default_timeout_ms() -> u64 {
-    1000
-}
-
-fn default_stale_after_ms() -> u64 {
-    1000
-}
-
-fn default_metrics_cluster() -> String {
-    "inference_pool_metrics".to_string()
-}
-
-fn default_metrics_path() -> String {
-    "/metrics".to_string()
-}
-
-fn default_poller_mode() -> PollerMode {
-    PollerMode::Singleton
-}
-
-fn default_lease_ttl_ms() -> u64 {
-    1000
-}
-
-fn default_max_response_bytes() -> usize {
-    4 * 1024 * 1024
-}
-
-fn default_idle_interval_ms() -> u64 {
-    5000
-}
-
-fn default_max_scrapes_per_s() -> u32 {
-    2000
-}
-
-fn default_replicas() -> u32 {
-    1
-}
-
-impl Default for PollerConfig {
-    fn default() -> Self {
-        Self {
-            interval_ms: default_interval_ms(),
-            timeout_ms: default_timeout_ms(),
-            stale_after_ms: default_stale_after_ms(),
-            cluster: default_metrics_cluster(),
-            metrics_path: default_metrics_path(),
-            mode: default_poller_mode(),
-            lease_ttl_ms: default_lease_ttl_ms(),
-            max_response_bytes: default_max_response_bytes(),
-            idle_interval_ms: default_idle_interval_ms(),
-            max_scrapes_per_s: default_max_scrapes_per_s(),
-            replicas: default_replicas(),
-        }
+settings! {
+    /// Endpoint discovery sources. Exactly one source for now.
+    #[derive(Debug, Clone, PartialEq)]
+    pub struct DiscoveryConfig {
+        /// List the pool's pods from the Kubernetes API, like an InferencePool does.
+        pub kubernetes: KubernetesDiscoveryConfig,
     }
 }
 
-/// Endpoint discovery sources. Exactly one source for now.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
-#[serde(deny_unknown_fields)]
-pub struct DiscoveryConfig {
-    /// List the pool's pods from the Kubernetes API, like an InferencePool does.
-    pub kubernetes: KubernetesDiscoveryConfig,
+settings! {
+    /// Pod discovery through the Kubernetes API (`GET /api/v1/namespaces/NS/pods?labelSelector=...`),
+    /// sent by the poller with `dispatch_http_call` through an Envoy cluster. See `discovery.rs`.
+    #[derive(Debug, Clone, PartialEq)]
+    pub struct KubernetesDiscoveryConfig {
+        /// Namespace of the model-server pods (the InferencePool's namespace).
+        pub namespace: String,
+        /// Equality label selector (InferencePool `spec.selector.matchLabels`); at least one label.
+        pub selector: std::collections::BTreeMap<String, String>,
+        /// Ports on each pod (InferencePool `spec.targetPorts`), 1 to 8; each port is its own endpoint.
+        #[schema(length(min = 1, max = MAX_TARGET_PORTS))]
+        pub target_ports: Vec<u16>,
+        /// Base models (from `models`) every discovered endpoint serves. Default: all of `models`.
+        pub models: Vec<String> = Vec::new(),
+        /// The Envoy cluster that reaches the API server (TLS to kubernetes.default.svc:443).
+        pub api_cluster: String = String::from("kubernetes_api"),
+        /// `:authority` of the API request. Default `kubernetes.default.svc`.
+        pub api_authority: String = String::from("kubernetes.default.svc"),
+        /// Bearer token, inline. Prefer `token_env`. At most one of the two; neither sends no
+        /// `authorization` header (for an API proxy that adds it).
+        pub token: Option<String> = None,
+        /// Name of a VM environment variable holding the bearer token (Envoy
+        /// `vm_config.environment_variables`, Istio `vmConfig.env`).
+        pub token_env: Option<String> = None,
+        /// How often the pod list is fetched again, in ms. At least 1000. Default 5000.
+        #[range(min = MIN_REFRESH_MS)]
+        #[reason = "{v} is below the minimum {min}"]
+        pub refresh_ms: u64 = 5000,
+        /// Timeout of one list request, in ms: 1 to `refresh_ms`. Default 2000.
+        pub timeout_ms: u64 = 2000,
+        /// How a pod's role (for `pd`) is read from its labels. Default: llm-d's label
+        /// `llm-d.ai/role` with the values `prefill`, `decode`, `both` and `prefill-decode`.
+        #[serde(skip_serializing_if = "RoleSelectors::is_default")]
+        pub roles: RoleSelectors = RoleSelectors::default(),
+    }
 }
-
-/// Pod discovery through the Kubernetes API (`GET /api/v1/namespaces/NS/pods?labelSelector=...`),
-/// sent by the poller with `dispatch_http_call` through an Envoy cluster. See `discovery.rs`.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
-#[serde(deny_unknown_fields)]
-pub struct KubernetesDiscoveryConfig {
-    /// Namespace of the model-server pods (the InferencePool's namespace).
-    pub namespace: String,
-    /// Equality label selector (InferencePool `spec.selector.matchLabels`); at least one label.
-    pub selector: std::collections::BTreeMap<String, String>,
-    /// Ports on each pod (InferencePool `spec.targetPorts`), 1 to 8; each port is its own endpoint.
-    #[cfg_attr(feature = "schema", schemars(length(min = 1, max = MAX_TARGET_PORTS)))]
-    pub target_ports: Vec<u16>,
-    /// Base models (from `models`) every discovered endpoint serves. Default: all of `models`.
-    #[serde(default)]
-    pub models: Vec<String>,
-    /// The Envoy cluster that reaches the API server (TLS to kubernetes.default.svc:443).
-    #[serde(default = "default_api_cluster")]
-    pub api_cluster: String,
-    /// `:authority` of the API request. Default `kubernetes.default.svc`.
-    #[serde(default = "default_api_authority")]
-    pub api_authority: String,
-    /// Bearer token, inline. Prefer `token_env`. At most one of the two; neither sends no
-    /// `authorization` header (for an API proxy that adds it).
-    #[serde(default)]
-    pub token: Option<String>,
-    /// Name of a VM environment variable holding the bearer token (Envoy
-    /// `vm_config.environment_variables`, Istio `vmConfig.env`).
-    #[serde(default)]
-    pub token_env: Option<String>,
-    /// How often the pod list is fetched again, in ms. At least 1000. Default 5000.
-    #[serde(default = "default_refresh_ms")]
-    #[cfg_attr(feature = "schema", schemars(range(min = MIN_REFRESH_MS)))]
-    pub refresh_ms: u64,
-    /// Timeout of one list request, in ms: 1 to `refresh_ms`. Default 2000.
-    #[serde(default = "default_list_timeout_ms")]
-    pub timeout_ms: u64,
-    /// How a pod's role (for `pd`) is read from its labels. Default: llm-d's label
-    /// `llm-d.ai/role` with the values `prefill`, `decode`, `both` and `prefill-decode`.
-    #[serde(default = "RoleSelectors::default", skip_serializing_if = "RoleSelectors::is_default")]
-    pub roles: RoleSelectors,
-}
-
-fn default_api_cluster() -> String {
-    "kubernetes_api".to_string()
-}
-
-fn default_api_authority() -> String {
-    "kubernetes.default.svc".to_string()
-}
-
-fn default_refresh_ms() -> u64 {
-    5000
-}
-
-fn default_list_timeout_ms() -> u64 {
-    2000
-}
-
-// The readers of these types (`crate::base::json`): each field with its default, in declaration
-// order.
-json::from_json_struct!(PollerConfig {
-    interval_ms = default_interval_ms(),
-    timeout_ms = default_timeout_ms(),
-    stale_after_ms = default_stale_after_ms(),
-    cluster = default_metrics_cluster(),
-    metrics_path = default_metrics_path(),
-    mode = default_poller_mode(),
-    lease_ttl_ms = default_lease_ttl_ms(),
-    max_response_bytes = default_max_response_bytes(),
-    idle_interval_ms = default_idle_interval_ms(),
-    max_scrapes_per_s = default_max_scrapes_per_s(),
-    replicas = default_replicas(),
-});
-json::from_json_enum!(PollerMode { "singleton" => Singleton, "lease" => Lease });
-json::from_json_struct!(DiscoveryConfig { kubernetes });
-json::from_json_struct!(KubernetesDiscoveryConfig {
-    namespace,
-    selector,
-    target_ports,
-    models = Vec::new(),
-    api_cluster = default_api_cluster(),
-    api_authority = default_api_authority(),
-    token = None,
-    token_env = None,
-    refresh_ms = default_refresh_ms(),
-    timeout_ms = default_list_timeout_ms(),
-    roles = RoleSelectors::default(),
-});
 
 /// What the poller role reads: `poller`, Kubernetes discovery when configured, and the catalog.
 /// `config` builds it (`From<&Config>`).
@@ -294,56 +173,21 @@ pub struct Setup<'a> {
 /// The pod label llm-d puts the role in.
 pub const LLMD_ROLE_LABEL: &str = "llm-d.ai/role";
 
-json::from_json_struct!(RoleSelectors {
-    label = default_role_label(),
-    prefill = default_prefill_values(),
-    decode = default_decode_values(),
-    both = default_both_values(),
-});
-
-/// Label selectors per role for discovered pods (`discovery.kubernetes.roles`): a pod whose
-/// `label` has a value in `prefill`, `decode` or `both` gets that role; a pod without the label
-/// or with another value is `decode` (llm-d's decode filter also takes unlabelled pods).
-#[derive(Debug, Clone, PartialEq, Serialize)]
-#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
-#[serde(deny_unknown_fields)]
-pub struct RoleSelectors {
-    /// The pod label holding the role. Default `llm-d.ai/role`.
-    #[serde(default = "default_role_label")]
-    #[cfg_attr(feature = "schema", schemars(length(min = 1)))]
-    pub label: String,
-    /// Values meaning `prefill`. Default `["prefill"]`.
-    #[serde(default = "default_prefill_values")]
-    pub prefill: Vec<String>,
-    /// Values meaning `decode`. Default `["decode"]`.
-    #[serde(default = "default_decode_values")]
-    pub decode: Vec<String>,
-    /// Values meaning `both`. Default `["both", "prefill-decode"]`.
-    #[serde(default = "default_both_values")]
-    pub both: Vec<String>,
-}
-
-fn default_role_label() -> String {
-    LLMD_ROLE_LABEL.to_string()
-}
-fn default_prefill_values() -> Vec<String> {
-    vec!["prefill".into()]
-}
-fn default_decode_values() -> Vec<String> {
-    vec!["decode".into()]
-}
-fn default_both_values() -> Vec<String> {
-    vec!["both".into(), "prefill-decode".into()]
-}
-
-impl Default for RoleSelectors {
-    fn default() -> Self {
-        RoleSelectors {
-            label: default_role_label(),
-            prefill: default_prefill_values(),
-            decode: default_decode_values(),
-            both: default_both_values(),
-        }
+settings! {
+    /// Label selectors per role for discovered pods (`discovery.kubernetes.roles`): a pod whose
+    /// `label` has a value in `prefill`, `decode` or `both` gets that role; a pod without the label
+    /// or with another value is `decode` (llm-d's decode filter also takes unlabelled pods).
+    #[derive(Debug, Clone, PartialEq)]
+    pub struct RoleSelectors {
+        /// The pod label holding the role. Default `llm-d.ai/role`.
+        #[schema(length(min = 1))]
+        pub label: String = String::from(LLMD_ROLE_LABEL),
+        /// Values meaning `prefill`. Default `["prefill"]`.
+        pub prefill: Vec<String> = vec!["prefill".into()],
+        /// Values meaning `decode`. Default `["decode"]`.
+        pub decode: Vec<String> = vec!["decode".into()],
+        /// Values meaning `both`. Default `["both", "prefill-decode"]`.
+        pub both: Vec<String> = vec!["both".into(), "prefill-decode".into()],
     }
 }
 

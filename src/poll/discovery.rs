@@ -33,7 +33,7 @@ use serde::Deserialize;
 
 use crate::base::json::ConfigError;
 use crate::base::labels::{is_dns_label, is_label_key, is_label_value};
-use crate::poll::config::{KubernetesDiscoveryConfig, MAX_TARGET_PORTS, MIN_REFRESH_MS};
+use crate::poll::config::{KubernetesDiscoveryConfig, MAX_TARGET_PORTS};
 use crate::state::catalog::{EndpointConfig, ModelConfig};
 
 /// Largest number of endpoints one discovery keeps.
@@ -145,14 +145,12 @@ impl KubernetesDiscoveryConfig {
                 err("token_env", format!("{e:?} is not an environment variable name"));
             }
         }
-        if self.refresh_ms < MIN_REFRESH_MS {
-            err("refresh_ms", format!("{} is below the minimum {MIN_REFRESH_MS}", self.refresh_ms));
-        }
+        self.validate_ranges(path, errs);
         if self.timeout_ms == 0 || self.timeout_ms > self.refresh_ms {
-            err(
-                "timeout_ms",
+            errs.push(ConfigError::new(
+                format!("{path}.timeout_ms"),
                 format!("must be between 1 and refresh_ms ({}), is {}", self.refresh_ms, self.timeout_ms),
-            );
+            ));
         }
     }
 }

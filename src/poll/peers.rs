@@ -44,11 +44,10 @@
 //! **Where.** `peers` in the configuration ([`PeersConfig`]); the poller's side is
 //! `host::poller` (`PeerSender`), the filter's `host::filter` (the exchange path).
 
-use serde::Serialize;
-
 use crate::base::codec::{self, Refusal, Tag, Writer};
-use crate::base::json::{self, ConfigError};
+use crate::base::json::ConfigError;
 use crate::base::ports::SharedStore;
+use crate::base::settings::settings;
 use crate::state::prefix_shared::{decode_raw, delta, put_raw, Record, SharedPrefix, RECORD_BYTES};
 
 /// The header that carries the shared token.
@@ -63,78 +62,50 @@ pub const MIN_LOAD_INTERVAL_MS: u64 = 50;
 /// Most peers (a gateway's other replicas): one peer record each in shared data.
 pub const MAX_PEERS: usize = crate::state::inflight::MAX_PEER_SLOTS;
 
-/// `peers` section of the configuration: the other replicas of this gateway, to which the
-/// poller sends its prefix table's new records, and the path on which the filter takes theirs.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
-#[serde(deny_unknown_fields)]
-pub struct PeersConfig {
-    /// The other replicas' listener addresses (`ip:port`, IPv6 bracketed), reached through the
-    /// poller's ORIGINAL_DST cluster (`poller.cluster`). At most 64; with `kubernetes`, may be
-    /// empty. This gateway's own address may be listed too (it applies its own records: no
-    /// change), so every replica can share one list. Default: none.
-    #[serde(default)]
-    #[cfg_attr(feature = "schema", schemars(length(max = MAX_PEERS)))]
-    pub addresses: Vec<String>,
-    /// Find the replicas as `discovery.kubernetes` finds model servers: the gateway's own pods
-    /// (its namespace and labels), `target_ports` = the listener port the exchange path is
-    /// served on, `models` empty. Every `refresh_ms`; the first 64 Ready pods. Default: none.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub kubernetes: Option<crate::poll::config::KubernetesDiscoveryConfig>,
-    /// The exchange path. Requests to it are answered by the filter and never reach a model
-    /// server. Default `/.inference-picker/v1/prefixes`.
-    #[serde(default = "default_path")]
-    pub path: String,
-    /// The shared token, inline (at least 16 bytes). Prefer `token_env`. Exactly one of the two.
-    #[serde(default)]
-    pub token: Option<String>,
-    /// Name of a VM environment variable holding the shared token (Envoy
-    /// `vm_config.environment_variables`, Istio `vmConfig.env`).
-    #[serde(default)]
-    pub token_env: Option<String>,
-    /// The `:authority` (Host) of the sends, so that they match the peer's virtual host (e.g.
-    /// `llm.example.com`). Default: none (the peer's `ip:port`, which a `*` domain matches).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub authority: Option<String>,
-    /// How often the poller sends what changed, in ms: 100 to 60000. Default 1000.
-    #[serde(default = "default_interval_ms")]
-    #[cfg_attr(feature = "schema", schemars(range(min = MIN_INTERVAL_MS, max = MAX_INTERVAL_MS)))]
-    pub interval_ms: u64,
-    /// Timeout of one send, in ms: 1 to `interval_ms`. Default 1000.
-    #[serde(default = "default_timeout_ms")]
-    #[cfg_attr(feature = "schema", schemars(range(min = 1)))]
-    pub timeout_ms: u64,
-    /// How often the poller also sends this gateway's in-flight counts and queued prefill to
-    /// every peer, in ms: 0 (off) or 50 to 60000. Each peer adds them to its own (routing, the
-    /// live queue, saturation and flow control then count every replica's requests). Default 0.
-    #[serde(default)]
-    #[cfg_attr(feature = "schema", schemars(range(max = MAX_INTERVAL_MS)))]
-    pub load_interval_ms: u64,
-}
-
-json::from_json_struct!(PeersConfig {
-    addresses = Vec::new(),
-    kubernetes = None,
-    path = default_path(),
-    token = None,
-    token_env = None,
-    authority = None,
-    interval_ms = default_interval_ms(),
-    timeout_ms = default_timeout_ms(),
-    load_interval_ms = 0,
-});
-
-fn default_path() -> String {
-    "/.inference-picker/v1/prefixes".to_string()
-}
 /// `peers.interval_ms` by default.
 pub const DEFAULT_INTERVAL_MS: u64 = 1_000;
 
-fn default_interval_ms() -> u64 {
-    DEFAULT_INTERVAL_MS
-}
-fn default_timeout_ms() -> u64 {
-    1_000
+settings! {
+    /// `peers` section of the configuration: the other replicas of this gateway, to which the
+    /// poller sends its prefix table's new records, and the path on which the filter takes theirs.
+    #[derive(Debug, Clone, PartialEq)]
+    pub struct PeersConfig {
+        /// The other replicas' listener addresses (`ip:port`, IPv6 bracketed), reached through the
+        /// poller's ORIGINAL_DST cluster (`poller.cluster`). At most 64; with `kubernetes`, may be
+        /// empty. This gateway's own address may be listed too (it applies its own records: no
+        /// change), so every replica can share one list. Default: none.
+        #[schema(length(max = MAX_PEERS))]
+        pub addresses: Vec<String> = Vec::new(),
+        /// Find the replicas as `discovery.kubernetes` finds model servers: the gateway's own pods
+        /// (its namespace and labels), `target_ports` = the listener port the exchange path is
+        /// served on, `models` empty. Every `refresh_ms`; the first 64 Ready pods. Default: none.
+        #[serde(skip_serializing_if = "Option::is_none")]
+        pub kubernetes: Option<crate::poll::config::KubernetesDiscoveryConfig> = None,
+        /// The exchange path. Requests to it are answered by the filter and never reach a model
+        /// server. Default `/.inference-picker/v1/prefixes`.
+        pub path: String = String::from("/.inference-picker/v1/prefixes"),
+        /// The shared token, inline (at least 16 bytes). Prefer `token_env`. Exactly one of the two.
+        pub token: Option<String> = None,
+        /// Name of a VM environment variable holding the shared token (Envoy
+        /// `vm_config.environment_variables`, Istio `vmConfig.env`).
+        pub token_env: Option<String> = None,
+        /// The `:authority` (Host) of the sends, so that they match the peer's virtual host (e.g.
+        /// `llm.example.com`). Default: none (the peer's `ip:port`, which a `*` domain matches).
+        #[serde(skip_serializing_if = "Option::is_none")]
+        pub authority: Option<String> = None,
+        /// How often the poller sends what changed, in ms: 100 to 60000. Default 1000.
+        #[range(min = MIN_INTERVAL_MS, max = MAX_INTERVAL_MS)]
+        #[reason = "must be {min} to {max}, got {v}"]
+        pub interval_ms: u64 = DEFAULT_INTERVAL_MS,
+        /// Timeout of one send, in ms: 1 to `interval_ms`. Default 1000.
+        #[schema(range(min = 1))]
+        pub timeout_ms: u64 = 1_000,
+        /// How often the poller also sends this gateway's in-flight counts and queued prefill to
+        /// every peer, in ms: 0 (off) or 50 to 60000. Each peer adds them to its own (routing, the
+        /// live queue, saturation and flow control then count every replica's requests). Default 0.
+        #[schema(range(max = MAX_INTERVAL_MS))]
+        pub load_interval_ms: u64 = 0,
+    }
 }
 
 impl PeersConfig {
@@ -202,12 +173,8 @@ impl PeersConfig {
                 push("authority", format!("must be a host name (optionally with a port), got {a:?}"));
             }
         }
-        if !(MIN_INTERVAL_MS..=MAX_INTERVAL_MS).contains(&self.interval_ms) {
-            push(
-                "interval_ms",
-                format!("must be {MIN_INTERVAL_MS} to {MAX_INTERVAL_MS}, got {}", self.interval_ms),
-            );
-        }
+        self.validate_ranges(at, errs);
+        let mut push = |f: &str, reason: String| errs.push(ConfigError::new(format!("{at}.{f}"), reason));
         if self.load_interval_ms != 0
             && !(MIN_LOAD_INTERVAL_MS..=MAX_INTERVAL_MS).contains(&self.load_interval_ms)
         {

@@ -28,9 +28,10 @@
 //! are skipped. Nothing here panics on any pod answer.
 
 use hashbrown::{HashMap, HashSet};
-use serde::{Deserialize, Serialize};
+use serde::Deserialize;
 
-use crate::base::json::{self, ConfigError};
+use crate::base::json::ConfigError;
+use crate::base::settings::settings;
 use crate::poll::poller::LOST_CALL_GRACE_MS;
 use crate::state::snapshot::Snapshot;
 #[cfg(test)]
@@ -48,59 +49,33 @@ pub const MIN_REFRESH_MS: u64 = 1000;
 /// `refresh_ms`: a pod that was not ready at its first fetch is learned soon after.
 pub const RETRY_UNLEARNED_MS: u64 = 1000;
 
-/// `pod_models`: learn the models each pod serves from the pod.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
-#[serde(deny_unknown_fields)]
-pub struct PodModelsConfig {
-    /// How often each pod's model list is fetched again, in ms. At least 1000. Default 10000.
-    /// A new pod is asked at once.
-    #[serde(default = "default_refresh_ms")]
-    #[cfg_attr(feature = "schema", schemars(range(min = MIN_REFRESH_MS)))]
-    pub refresh_ms: u64,
-    /// Timeout of one fetch, in ms: 1 to `refresh_ms`. Default 2000.
-    #[serde(default = "default_timeout_ms")]
-    #[cfg_attr(feature = "schema", schemars(range(min = 1)))]
-    pub timeout_ms: u64,
-    /// Path of the model list on every pod; starts with `/`. Default `/v1/models`. Fetched through
-    /// `poller.cluster`, like `/metrics`.
-    #[serde(default = "default_path")]
-    #[cfg_attr(feature = "schema", schemars(regex(pattern = r"^/\S*$")))]
-    pub path: String,
-    /// Route only the model names the configuration mentions (`models[].name`, their
-    /// `adapters`, `endpoints[].models`, `discovery.kubernetes.models`); the pods' lists then
-    /// only say which pods serve them. Default false: any name some pod reports is routed to
-    /// the pods that report it.
-    #[serde(default)]
-    pub allow_list: bool,
-}
-
-// The reader of `PodModelsConfig` (`crate::base::json`), fields in declaration order.
-json::from_json_struct!(PodModelsConfig {
-    refresh_ms = default_refresh_ms(),
-    timeout_ms = default_timeout_ms(),
-    path = default_path(),
-    allow_list = false,
-});
-
-fn default_refresh_ms() -> u64 {
-    10_000
-}
-fn default_timeout_ms() -> u64 {
-    2000
-}
-fn default_path() -> String {
-    "/v1/models".to_string()
+settings! {
+    /// `pod_models`: learn the models each pod serves from the pod.
+    #[derive(Debug, Clone, PartialEq)]
+    pub struct PodModelsConfig {
+        /// How often each pod's model list is fetched again, in ms. At least 1000. Default 10000.
+        /// A new pod is asked at once.
+        #[range(min = MIN_REFRESH_MS)]
+        #[reason = "{v} is below the minimum of {min} ms"]
+        pub refresh_ms: u64 = 10_000,
+        /// Timeout of one fetch, in ms: 1 to `refresh_ms`. Default 2000.
+        #[schema(range(min = 1))]
+        pub timeout_ms: u64 = 2000,
+        /// Path of the model list on every pod; starts with `/`. Default `/v1/models`. Fetched through
+        /// `poller.cluster`, like `/metrics`.
+        #[schema(regex(pattern = r"^/\S*$"))]
+        pub path: String = String::from("/v1/models"),
+        /// Route only the model names the configuration mentions (`models[].name`, their
+        /// `adapters`, `endpoints[].models`, `discovery.kubernetes.models`); the pods' lists then
+        /// only say which pods serve them. Default false: any name some pod reports is routed to
+        /// the pods that report it.
+        pub allow_list: bool = false,
+    }
 }
 
 impl PodModelsConfig {
     pub fn validate(&self, at: &str, errs: &mut Vec<ConfigError>) {
-        if self.refresh_ms < MIN_REFRESH_MS {
-            errs.push(ConfigError::new(
-                format!("{at}.refresh_ms"),
-                format!("{} is below the minimum of {MIN_REFRESH_MS} ms", self.refresh_ms),
-            ));
-        }
+        self.validate_ranges(at, errs);
         if self.timeout_ms == 0 || self.timeout_ms > self.refresh_ms {
             errs.push(ConfigError::new(
                 format!("{at}.timeout_ms"),

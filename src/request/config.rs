@@ -1,9 +1,8 @@
 //! The request wing's settings: the `filter` section, and the view of the document the request
 //! path reads ([`Settings`]), which `config` builds.
 
-use serde::Serialize;
-
-use crate::base::json::{self, ConfigError};
+use crate::base::json::ConfigError;
+use crate::base::settings::settings;
 use crate::flow::priority::PriorityConfig;
 use crate::scheduler::config::{FailureMode, PrefixConfig};
 use crate::state::catalog::Catalog;
@@ -12,187 +11,100 @@ use crate::state::catalog::Catalog;
 /// VM; more than this is a misconfiguration, not a workload.
 pub const MAX_BODY_BYTES_LIMIT: usize = 64 * 1024 * 1024;
 
-/// The HTTP filter.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
-#[serde(deny_unknown_fields)]
-pub struct FilterConfig {
-    /// Largest request body buffered, in bytes; a larger one gets 413. 1 to 67108864 (64 MiB).
-    /// Default 4194304 (4 MiB). Envoy's `per_connection_buffer_limit_bytes` must be at least this,
-    /// or Envoy answers 413 itself first.
-    #[serde(default = "default_max_body_bytes")]
-    #[cfg_attr(feature = "schema", schemars(range(min = 1, max = MAX_BODY_BYTES_LIMIT)))]
-    pub max_body_bytes: usize,
-    /// What to do when no endpoint has fresh metrics. Default `FailClose` (503), as GIE.
-    #[serde(default = "default_failure_mode")]
-    pub failure_mode: FailureMode,
-    /// Path prefixes the filter lets through untouched: no body read, no endpoint picked, no
-    /// local answer; the route decides where they go (a route of their own to another cluster,
-    /// since the pool's ORIGINAL_DST cluster needs the destination header the filter did not
-    /// set). Every other path that is not an inference path, `/v1/models[/{id}]`, a health path
-    /// or a preflight gets a JSON 404. A prefix matches whole path segments (`/admin` matches
-    /// `/admin` and `/admin/x`, not `/administrator`) and wins over the local answers, so
-    /// `/v1/models` or `/healthz` can be sent on instead; it may not cover an inference path.
-    /// The client-chosen destination and priority headers are removed on these paths too.
-    /// Default: none.
-    #[serde(default)]
-    pub passthrough_prefixes: Vec<String>,
-    /// Add the response header `x-gateway-destination-endpoint-served` (the `ip:port` of the pod
-    /// that served). Off by default: it shows every client the pool's addresses (topology).
-    /// Default false.
-    #[serde(default)]
-    pub expose_served_endpoint: bool,
-    /// Add the `endpoint` tag to the filter's metrics (`inference_picker_requests_total` by
-    /// endpoint, and the per-endpoint `inference_picker_endpoint_inflight` gauge). Default false.
-    /// Envoy never deletes a stat, so with this on every pod address ever routed to stays a
-    /// metric name for the life of the process: the number of names grows without bound while
-    /// pods churn. Turn it on only for a fixed set of endpoints, or for debugging.
-    #[serde(default = "default_endpoint_metrics")]
-    pub endpoint_metrics: bool,
-    /// GIE conformance mode: honour the conformance suite's test header
-    /// `test-epp-endpoint-selection` (the request may only go to the listed `ip` or `ip:port`
-    /// endpoints; none matching is a 503) and answer `x-conformance-test-served-endpoint` with
-    /// the `ip:port` that served. Never turn it on for real traffic: the header lets a client
-    /// choose its pod. Off, the header is removed and ignored. Default false. See
-    /// `docs/conformance.md`.
-    #[serde(default)]
-    pub conformance_mode: bool,
-}
-
-fn default_endpoint_metrics() -> bool {
-    false
-}
-
-fn default_max_body_bytes() -> usize {
-    4 * 1024 * 1024
-}
-
-fn default_failure_mode() -> FailureMode {
-    FailureMode::FailClose
-}
-
-impl Default for FilterConfig {
-    fn default() -> Self {
-        Self {
-            max_body_bytes: default_max_body_bytes(),
-            failure_mode: default_failure_mode(),
-            passthrough_prefixes: Vec::new(),
-            expose_served_endpoint: false,
-            endpoint_metrics: default_endpoint_metrics(),
-            conformance_mode: false,
-        }
+settings! {
+    /// The HTTP filter.
+    #[derive(Debug, Clone, PartialEq)]
+    pub struct FilterConfig {
+        /// Largest request body buffered, in bytes; a larger one gets 413. 1 to 67108864 (64 MiB).
+        /// Default 4194304 (4 MiB). Envoy's `per_connection_buffer_limit_bytes` must be at least this,
+        /// or Envoy answers 413 itself first.
+        #[range(min = 1, max = MAX_BODY_BYTES_LIMIT)]
+        #[reason = "must be in {min}..={max} (64 MiB), got {v}"]
+        pub max_body_bytes: usize = 4 * 1024 * 1024,
+        /// What to do when no endpoint has fresh metrics. Default `FailClose` (503), as GIE.
+        pub failure_mode: FailureMode = FailureMode::FailClose,
+        /// Path prefixes the filter lets through untouched: no body read, no endpoint picked, no
+        /// local answer; the route decides where they go (a route of their own to another cluster,
+        /// since the pool's ORIGINAL_DST cluster needs the destination header the filter did not
+        /// set). Every other path that is not an inference path, `/v1/models[/{id}]`, a health path
+        /// or a preflight gets a JSON 404. A prefix matches whole path segments (`/admin` matches
+        /// `/admin` and `/admin/x`, not `/administrator`) and wins over the local answers, so
+        /// `/v1/models` or `/healthz` can be sent on instead; it may not cover an inference path.
+        /// The client-chosen destination and priority headers are removed on these paths too.
+        /// Default: none.
+        pub passthrough_prefixes: Vec<String> = Vec::new(),
+        /// Add the response header `x-gateway-destination-endpoint-served` (the `ip:port` of the pod
+        /// that served). Off by default: it shows every client the pool's addresses (topology).
+        /// Default false.
+        pub expose_served_endpoint: bool = false,
+        /// Add the `endpoint` tag to the filter's metrics (`inference_picker_requests_total` by
+        /// endpoint, and the per-endpoint `inference_picker_endpoint_inflight` gauge). Default false.
+        /// Envoy never deletes a stat, so with this on every pod address ever routed to stays a
+        /// metric name for the life of the process: the number of names grows without bound while
+        /// pods churn. Turn it on only for a fixed set of endpoints, or for debugging.
+        pub endpoint_metrics: bool = false,
+        /// GIE conformance mode: honour the conformance suite's test header
+        /// `test-epp-endpoint-selection` (the request may only go to the listed `ip` or `ip:port`
+        /// endpoints; none matching is a 503) and answer `x-conformance-test-served-endpoint` with
+        /// the `ip:port` that served. Never turn it on for real traffic: the header lets a client
+        /// choose its pod. Off, the header is removed and ignored. Default false. See
+        /// `docs/conformance.md`.
+        pub conformance_mode: bool = false,
     }
 }
-
-// The reader of `FilterConfig` (`crate::base::json`), fields in declaration order.
-json::from_json_struct!(FilterConfig {
-    max_body_bytes = default_max_body_bytes(),
-    failure_mode = default_failure_mode(),
-    passthrough_prefixes = Vec::new(),
-    expose_served_endpoint = false,
-    endpoint_metrics = default_endpoint_metrics(),
-    conformance_mode = false,
-});
 
 /// Largest `pd.pd_threshold_tokens` (a prompt longer than this is beyond any model's context).
 pub const MAX_THRESHOLD_TOKENS: u64 = 10_000_000;
 
-/// The `pd` section: disaggregated prefill/decode. Absent: roles are ignored and no request is
-/// split.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
-#[serde(deny_unknown_fields)]
-pub struct PdConfig {
-    /// Split a request (name a prefill pod) when the part of its prompt the chosen decode pod
-    /// does not hold is at least this many tokens; 0 splits every request that has a prefill
-    /// candidate. llm-d's `nonCachedTokens` (`pdThreshold` before): default 0, as there.
-    /// At most 10000000.
-    #[serde(default = "default_threshold")]
-    #[cfg_attr(feature = "schema", schemars(range(max = MAX_THRESHOLD_TOKENS)))]
-    pub pd_threshold_tokens: u64,
-    /// Factor on the prefix weight for the decode pick, 0 to 1. Default 0.5.
-    #[serde(default = "default_decode_prefix_factor")]
-    #[cfg_attr(feature = "schema", schemars(range(min = 0.0, max = 1.0)))]
-    pub decode_prefix_factor: f64,
-    /// Prefill-busy guard (objective `predicted_ttft` only): a split the threshold allows is
-    /// not made when the prefill path's predicted TTFT (the prefill pod's work ahead and this
-    /// prompt at its rate, plus the KV transfer) exceeds this factor times the decode pod's
-    /// predicted TTFT prefilling the prompt itself; the decode pod prefills it (decision
-    /// `prefill_busy`). P/D trades some TTFT for steadier decoding, so an idle pool, where both
-    /// paths cost about the same, still splits; saturated prefill pods do not make every request
-    /// wait behind them.
-    /// 0 disables the guard (llm-d's rule alone). 0 or 1 to 1000; default 0 (off): in the P/D
-    /// replay it rescued prefill-bound pools (2 prefill + 6 decode) but made a pool whose decode
-    /// pods then prefilled long prompts (4 + 4) collapse at some loads (docs/pd.md); enable it,
-    /// 2 to 8, where the prefill pods are the bottleneck.
-    #[serde(default = "default_prefill_busy_factor")]
-    #[cfg_attr(feature = "schema", schemars(range(min = 0.0, max = 1000.0)))]
-    pub prefill_busy_factor: f64,
-    /// KV transfer time per 1,000 prompt tokens, in ms, added to the prefill path by the
-    /// prefill-busy guard. Default 5 (Llama-3-8B fp16, 128 KiB a token, over 25 GB/s); 0 to
-    /// 60000.
-    #[serde(default = "default_transfer_ms_per_1k_tokens")]
-    #[cfg_attr(feature = "schema", schemars(range(min = 0.0, max = 60000.0)))]
-    pub transfer_ms_per_1k_tokens: f64,
-}
-
-// The readers of this file's configuration types (`crate::base::json`), fields in declaration
-// order.
-json::from_json_struct!(PdConfig {
-    pd_threshold_tokens = default_threshold(),
-    decode_prefix_factor = default_decode_prefix_factor(),
-    prefill_busy_factor = default_prefill_busy_factor(),
-    transfer_ms_per_1k_tokens = default_transfer_ms_per_1k_tokens(),
-});
-
-fn default_threshold() -> u64 {
-    0
-}
-fn default_decode_prefix_factor() -> f64 {
-    0.5
-}
-fn default_prefill_busy_factor() -> f64 {
-    0.0
-}
-fn default_transfer_ms_per_1k_tokens() -> f64 {
-    5.0
-}
-
-impl Default for PdConfig {
-    fn default() -> Self {
-        PdConfig {
-            pd_threshold_tokens: default_threshold(),
-            decode_prefix_factor: default_decode_prefix_factor(),
-            prefill_busy_factor: default_prefill_busy_factor(),
-            transfer_ms_per_1k_tokens: default_transfer_ms_per_1k_tokens(),
-        }
+settings! {
+    /// The `pd` section: disaggregated prefill/decode. Absent: roles are ignored and no request is
+    /// split.
+    #[derive(Debug, Clone, PartialEq)]
+    pub struct PdConfig {
+        /// Split a request (name a prefill pod) when the part of its prompt the chosen decode pod
+        /// does not hold is at least this many tokens; 0 splits every request that has a prefill
+        /// candidate. llm-d's `nonCachedTokens` (`pdThreshold` before): default 0, as there.
+        /// At most 10000000.
+        #[range(max = MAX_THRESHOLD_TOKENS)]
+        #[reason = "must be at most {max}"]
+        pub pd_threshold_tokens: u64 = 0,
+        /// Factor on the prefix weight for the decode pick, 0 to 1. Default 0.5.
+        #[range(min = 0.0, max = 1.0)]
+        #[reason = "must be between {min} and {max}"]
+        pub decode_prefix_factor: f64 = 0.5,
+        /// Prefill-busy guard (objective `predicted_ttft` only): a split the threshold allows is
+        /// not made when the prefill path's predicted TTFT (the prefill pod's work ahead and this
+        /// prompt at its rate, plus the KV transfer) exceeds this factor times the decode pod's
+        /// predicted TTFT prefilling the prompt itself; the decode pod prefills it (decision
+        /// `prefill_busy`). P/D trades some TTFT for steadier decoding, so an idle pool, where both
+        /// paths cost about the same, still splits; saturated prefill pods do not make every request
+        /// wait behind them.
+        /// 0 disables the guard (llm-d's rule alone). 0 or 1 to 1000; default 0 (off): in the P/D
+        /// replay it rescued prefill-bound pools (2 prefill + 6 decode) but made a pool whose decode
+        /// pods then prefilled long prompts (4 + 4) collapse at some loads (docs/pd.md); enable it,
+        /// 2 to 8, where the prefill pods are the bottleneck.
+        #[schema(range(min = 0.0, max = 1000.0))]
+        pub prefill_busy_factor: f64 = 0.0,
+        /// KV transfer time per 1,000 prompt tokens, in ms, added to the prefill path by the
+        /// prefill-busy guard. Default 5 (Llama-3-8B fp16, 128 KiB a token, over 25 GB/s); 0 to
+        /// 60000.
+        #[range(min = 0.0, max = 60000.0)]
+        #[reason = "must be between {min} and {max}"]
+        pub transfer_ms_per_1k_tokens: f64 = 5.0,
     }
 }
 
 impl PdConfig {
     pub fn validate(&self, path: &str, errs: &mut Vec<ConfigError>) {
-        if self.pd_threshold_tokens > MAX_THRESHOLD_TOKENS {
-            errs.push(ConfigError::new(
-                format!("{path}.pd_threshold_tokens"),
-                format!("must be at most {MAX_THRESHOLD_TOKENS}"),
-            ));
-        }
-        if !(0.0..=1.0).contains(&self.decode_prefix_factor) {
-            errs.push(ConfigError::new(format!("{path}.decode_prefix_factor"), "must be between 0 and 1"));
-        }
-        let f = self.prefill_busy_factor;
-        if !(f == 0.0 || (1.0..=1000.0).contains(&f)) {
-            errs.push(ConfigError::new(
-                format!("{path}.prefill_busy_factor"),
-                "must be 0 (off) or between 1 and 1000",
-            ));
-        }
-        if !(0.0..=60000.0).contains(&self.transfer_ms_per_1k_tokens) {
-            errs.push(ConfigError::new(
-                format!("{path}.transfer_ms_per_1k_tokens"),
-                "must be between 0 and 60000",
-            ));
-        }
+        self.validate_fields(path, errs, |errs| {
+            let f = self.prefill_busy_factor;
+            if !(f == 0.0 || (1.0..=1000.0).contains(&f)) {
+                errs.push(ConfigError::new(
+                    format!("{path}.prefill_busy_factor"),
+                    "must be 0 (off) or between 1 and 1000",
+                ));
+            }
+        });
     }
 }
 

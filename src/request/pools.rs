@@ -41,7 +41,8 @@
 
 use crate::base::codec::{self, Tag, Writer};
 use crate::base::errors::Rejection;
-use crate::base::json::{self, ConfigError};
+use crate::base::json::ConfigError;
+use crate::base::settings::settings;
 use crate::request::body::{ApiKind, ParsedRequest};
 
 /// Request header naming the model routing sees (GIE's BBR header).
@@ -54,26 +55,22 @@ pub const PARSED_PROPERTY: &str = "inference_picker_parsed";
 /// Longest pool name.
 pub const MAX_POOL_NAME: usize = 63;
 
-/// This instance's pool on a gateway with several (see the module doc).
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
-#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
-#[serde(deny_unknown_fields)]
-pub struct PoolConfig {
-    /// Name of the pool: 1 to 63 characters from `a-z`, `0-9`, `-`, `.`, `_` (an InferencePool
-    /// name). Becomes the tag `pool` on every metric of this instance and the claim value of
-    /// body-based routing. Give every pool on a gateway its own name and its own `vm_id`.
-    #[cfg_attr(feature = "schema", schemars(length(min = 1, max = MAX_POOL_NAME)))]
-    pub name: String,
-    /// Body-based routing between pools: requests for a model this pool does not serve pass on
-    /// untouched to the next pool's filter (no 404 from this pool); a request it serves gets
-    /// `x-gateway-model-name` = its base model, so that Envoy re-matches the route on it.
-    /// Default false (every request reaching this filter belongs to this pool).
-    #[serde(default)]
-    pub route_by_model: bool,
+settings! {
+    /// This instance's pool on a gateway with several (see the module doc).
+    #[derive(Debug, Clone, PartialEq, Eq)]
+    pub struct PoolConfig {
+        /// Name of the pool: 1 to 63 characters from `a-z`, `0-9`, `-`, `.`, `_` (an InferencePool
+        /// name). Becomes the tag `pool` on every metric of this instance and the claim value of
+        /// body-based routing. Give every pool on a gateway its own name and its own `vm_id`.
+        #[schema(length(min = 1, max = MAX_POOL_NAME))]
+        pub name: String,
+        /// Body-based routing between pools: requests for a model this pool does not serve pass on
+        /// untouched to the next pool's filter (no 404 from this pool); a request it serves gets
+        /// `x-gateway-model-name` = its base model, so that Envoy re-matches the route on it.
+        /// Default false (every request reaching this filter belongs to this pool).
+        pub route_by_model: bool = false,
+    }
 }
-
-// The reader of `PoolConfig` (`crate::base::json`).
-json::from_json_struct!(PoolConfig { name, route_by_model = false });
 
 impl PoolConfig {
     pub fn validate(&self, at: &str, errs: &mut Vec<ConfigError>) {

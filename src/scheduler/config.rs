@@ -9,66 +9,64 @@ use std::collections::BTreeMap;
 use serde::Serialize;
 
 use crate::base::json::{self, ConfigError};
+use crate::base::settings::settings;
 use crate::state::catalog::Catalog;
 use crate::state::health::HealthConfig;
 
-#[derive(Debug, Clone, PartialEq, Serialize)]
-#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
-#[serde(deny_unknown_fields)]
-pub struct SchedulerConfig {
-    /// Scorer weights for every model. Defaults: see [`Weights`].
-    #[serde(default = "Weights::default")]
-    pub weights: Weights,
-    /// Per-model overrides (key: model or adapter name as resolved after rewrites). A field left
-    /// out keeps the pool-level value from `weights`. Default: none.
-    #[serde(default)]
-    pub model_weights: BTreeMap<String, WeightOverrides>,
-    /// How many fallback endpoints follow the primary in `x-gateway-destination-endpoint`.
-    /// Default 2: with the shipped Envoy configs (override_host and a route retry policy with
-    /// num_retries 2) a try that fails before the response starts goes to the next listed pod.
-    /// The filter sets `x-envoy-max-retries` to the number of fallbacks it listed, which overrides
-    /// the route's `num_retries` for each request.
-    #[serde(default = "default_fallbacks")]
-    pub fallbacks: usize,
-    /// Totals within this of the best are ties, broken by a seeded random choice. Default 0.001
-    /// (the weights sum to about 14, so this only absorbs float noise and truly equal scores).
-    #[serde(default = "default_tie_epsilon")]
-    pub tie_epsilon: f64,
-    /// Pick at random among the best `top_k` endpoints, with probability proportional to their
-    /// total score, so that independent gateways do not herd. Default 1: plain max score (ties
-    /// are still broken at random).
-    #[serde(default = "default_top_k")]
-    pub top_k: usize,
-    #[serde(default = "PrefixConfig::default")]
-    pub prefix: PrefixConfig,
-    #[serde(default = "SessionConfig::default")]
-    pub session: SessionConfig,
-    #[serde(default = "GuardConfig::default")]
-    pub guard: GuardConfig,
-    /// Model-name rewrites and traffic splits (InferenceModelRewrite semantics). Default: none.
-    #[serde(default)]
-    pub rewrites: Vec<RewriteRule>,
-    /// Return per-endpoint score breakdowns for an opt-in debug response header. Default false:
-    /// the breakdown reveals pool topology and load.
-    #[serde(default = "default_false")]
-    pub debug_scores: bool,
-    /// The queue scorer reads the live queue estimate (the scraped queue plus the requests this
-    /// gateway sent there since that scrape and has not seen finish; see docs/scheduler.md)
-    /// instead of the scraped queue. Default false: in the replay benchmark it helped most
-    /// workloads and loads but not all (Mooncake at load 5, the slow shared-prefix run).
-    /// Saturation and flow control always use the estimate.
-    #[serde(default = "default_false")]
-    pub live_queue: bool,
-    /// How candidates are ranked. `predicted_ttft` (default): the lowest predicted time to first
-    /// token (queued prefill ahead + this prompt's uncached tokens, at each endpoint's learnt
-    /// rate), with a bounded-load rendezvous among the near-best so that independent gateways
-    /// agree; `weights` are not used. `weighted`: the maximum of `Σ weight × score` (the scorers
-    /// and `weights`, as before). See docs/scheduler.md.
-    #[serde(default = "Objective::default")]
-    pub objective: Objective,
-    /// Settings of the `predicted_ttft` objective. Defaults: see [`PredictedConfig`].
-    #[serde(default = "PredictedConfig::default")]
-    pub predicted: PredictedConfig,
+settings! {
+    #[derive(Debug, Clone, PartialEq)]
+    pub struct SchedulerConfig {
+        /// Scorer weights for every model. Defaults: see [`Weights`].
+        pub weights: Weights = Weights::default(),
+        /// Per-model overrides (key: model or adapter name as resolved after rewrites). A field left
+        /// out keeps the pool-level value from `weights`. Default: none.
+        pub model_weights: BTreeMap<String, WeightOverrides> = BTreeMap::new(),
+        /// How many fallback endpoints follow the primary in `x-gateway-destination-endpoint`.
+        /// Default 2: with the shipped Envoy configs (override_host and a route retry policy with
+        /// num_retries 2) a try that fails before the response starts goes to the next listed pod.
+        /// The filter sets `x-envoy-max-retries` to the number of fallbacks it listed, which overrides
+        /// the route's `num_retries` for each request.
+        #[range(min = 0, max = 16)]
+        pub fallbacks: usize = 2,
+        /// Totals within this of the best are ties, broken by a seeded random choice. Default 0.001
+        /// (the weights sum to about 14, so this only absorbs float noise and truly equal scores).
+        #[range(min = 0.0)]
+        #[reason = "must be a finite number >= 0"]
+        pub tie_epsilon: f64 = 0.001,
+        /// Pick at random among the best `top_k` endpoints, with probability proportional to their
+        /// total score, so that independent gateways do not herd. Default 1: plain max score (ties
+        /// are still broken at random).
+        #[range(min = 1, max = 64)]
+        pub top_k: usize = 1,
+        /// Prefix-cache affinity: how prompts are hashed into blocks and how much each endpoint's
+        /// local index and the cross-worker table hold. Defaults: see [`PrefixConfig`].
+        pub prefix: PrefixConfig = PrefixConfig::default(),
+        /// Session affinity: the session header, and the token that names the endpoint that
+        /// served. Defaults: see [`SessionConfig`].
+        pub session: SessionConfig = SessionConfig::default(),
+        /// The hot-spot guard, which moves a request off an overloaded endpoint. Defaults: see
+        /// [`GuardConfig`].
+        pub guard: GuardConfig = GuardConfig::default(),
+        /// Model-name rewrites and traffic splits (InferenceModelRewrite semantics). Default: none.
+        pub rewrites: Vec<RewriteRule> = Vec::new(),
+        /// Return per-endpoint score breakdowns for an opt-in debug response header. Default false:
+        /// the breakdown reveals pool topology and load.
+        pub debug_scores: bool = false,
+        /// The queue scorer reads the live queue estimate (the scraped queue plus the requests this
+        /// gateway sent there since that scrape and has not seen finish; see docs/scheduler.md)
+        /// instead of the scraped queue. Default false: in the replay benchmark it helped most
+        /// workloads and loads but not all (Mooncake at load 5, the slow shared-prefix run).
+        /// Saturation and flow control always use the estimate.
+        pub live_queue: bool = false,
+        /// How candidates are ranked. `predicted_ttft` (default): the lowest predicted time to first
+        /// token (queued prefill ahead + this prompt's uncached tokens, at each endpoint's learnt
+        /// rate), with a bounded-load rendezvous among the near-best so that independent gateways
+        /// agree; `weights` are not used. `weighted`: the maximum of `Σ weight × score` (the scorers
+        /// and `weights`, as before). See docs/scheduler.md.
+        pub objective: Objective = Objective::PredictedTtft,
+        /// Settings of the `predicted_ttft` objective. Defaults: see [`PredictedConfig`].
+        pub predicted: PredictedConfig = PredictedConfig::default(),
+    }
 }
 
 /// The ranking objective (`scheduler.objective`).
@@ -83,425 +81,246 @@ pub enum Objective {
     Weighted,
 }
 
-/// `scheduler.predicted`: the predicted-TTFT objective.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
-#[serde(deny_unknown_fields)]
-pub struct PredictedConfig {
-    /// Candidates whose predicted TTFT is within `(1 + affinity_slack)` of the best are equally
-    /// good; among them the rendezvous winner of the session id (else of the prompt's leading
-    /// blocks) is the primary. 0 disables the rendezvous (ties only). Default 0.2.
-    #[serde(default = "default_affinity_slack")]
-    #[cfg_attr(feature = "schema", schemars(range(min = 0.0, max = 10.0)))]
-    pub affinity_slack: f64,
-    /// Leading prompt blocks (of `prefix.block_chars`) whose hash is the rendezvous key: turns of
-    /// one conversation share it when their common prefix is at least this long. 0: only the
-    /// session id is a key. Default 32 (8 KiB of prompt).
-    #[serde(default = "default_rendezvous_blocks")]
-    #[cfg_attr(feature = "schema", schemars(range(max = 4096)))]
-    pub rendezvous_blocks: usize,
-    /// Prefill rate assumed for an endpoint before anything is learnt, in ms per prompt token.
-    /// Default 0.03 (~33k tokens/s, an 8B model on one H100). Only ratios between endpoints
-    /// matter for the choice, so it matters only while some endpoints are learnt and others not.
-    #[serde(default = "default_prior_ms_per_token")]
-    #[cfg_attr(feature = "schema", schemars(range(min = 0.000001, max = 1000.0)))]
-    pub prior_ms_per_token: f64,
-    /// Weight, in the predicted work, of the uncached tokens of this worker's requests still
-    /// running on the endpoint (prefill or decode: the KV they hold and the decode steps they
-    /// share), like Dynamo's active-blocks term. Default 0: in the replay benchmark weight 1 (Dynamo's)
-    /// doubled ours' TTFT p90 on Mooncake at load 4.5 (it pushes conversations off their cache).
-    #[serde(default = "default_active_weight")]
-    #[cfg_attr(feature = "schema", schemars(range(min = 0.0, max = 100.0)))]
-    pub active_weight: f64,
-    /// When nothing distinguishes the pods for a prompt (no eligible one holds more of its
-    /// blocks than every other, e.g. only a system prompt all share) and the request names no
-    /// adapter, the rendezvous winner's uncached tokens are multiplied by
-    /// `1 − rendezvous_credit × (1 − 1 / poller.replicas)`: the chance that another gateway
-    /// replica already sent this prefix there (a gateway's own workers share their prefix table,
-    /// so with one replica there is no credit). Default 0.5: in the replay benchmark (3 seeds,
-    /// 4 replicas × 4 workers, `poller.replicas` 4) it took Mooncake at load 4.5 from 2.57 s to
-    /// 1.93 s TTFT p90 and the shared-prefix trace at half speed from 108 s to 26 s; one replica
-    /// is unchanged. Set `poller.replicas` to the number of gateway replicas.
-    #[serde(default = "default_rendezvous_credit")]
-    #[cfg_attr(feature = "schema", schemars(range(min = 0.0, max = 1.0)))]
-    pub rendezvous_credit: f64,
-    /// The choice ranks candidates by predicted TTFT plus a miss penalty: `miss_weight × (1 +
-    /// mean queue)` × the prefill time of the prompt tokens a candidate lacks beyond the
-    /// best-cached candidate (mean queue: the live queue estimate averaged over the eligible
-    /// candidates). A cache miss also delays the requests queued behind it and evicts others'
-    /// prefixes, which this request's own TTFT does not show, and the busier the pool the more
-    /// requests pay. 0: rank by predicted TTFT alone. Default 0.5: in the replay benchmark,
-    /// predicted TTFT alone collapsed on the shared-prefix trace at half speed (TTFT p90 67 s
-    /// against 0.35 s for GIE: near saturation, every cached pod with a few queued requests
-    /// sent its group's next request to a pod without the 6,000-token prefix); 0.5 brought it
-    /// to 2–8 s (with `kv_full_at` too, 0.35 s) and improved Mooncake at its knee (1.61 → 1.46 s).
-    #[serde(default = "default_miss_weight")]
-    #[cfg_attr(feature = "schema", schemars(range(min = 0.0, max = 100.0)))]
-    pub miss_weight: f64,
-    /// KV congestion: each candidate's cost (predicted TTFT plus the miss penalty) is divided by
-    /// `1 − min(kv_usage, kv_full_at)`: a pod whose KV cache is filling admits the request into
-    /// slower, preemption-prone steps before its queue shows it. At and past `kv_full_at` every
-    /// pod counts as full (factor `1 / (1 − kv_full_at)`), so past saturation the cost decides.
-    /// 0 turns it off. Default 0.8: in the replay benchmark (3 seeds, whole traces) it took the
-    /// shared-prefix trace at half speed from 3.01 s to 0.35 s TTFT p90 (GIE 0.35 s) and
-    /// Mooncake at load 4.5 from 1.46 s to 1.18 s; see docs/scheduler.md.
-    #[serde(default = "default_kv_full_at")]
-    #[cfg_attr(feature = "schema", schemars(range(min = 0.0, max = 0.99)))]
-    pub kv_full_at: f64,
-}
-
-fn default_affinity_slack() -> f64 {
-    0.2
-}
-fn default_rendezvous_blocks() -> usize {
-    32
-}
-fn default_prior_ms_per_token() -> f64 {
-    0.03
-}
-fn default_miss_weight() -> f64 {
-    0.5
-}
-fn default_rendezvous_credit() -> f64 {
-    0.5
-}
-fn default_kv_full_at() -> f64 {
-    0.8
-}
-fn default_active_weight() -> f64 {
-    0.0
-}
-
-impl Default for PredictedConfig {
-    fn default() -> Self {
-        Self {
-            affinity_slack: default_affinity_slack(),
-            rendezvous_blocks: default_rendezvous_blocks(),
-            prior_ms_per_token: default_prior_ms_per_token(),
-            active_weight: default_active_weight(),
-            rendezvous_credit: default_rendezvous_credit(),
-            miss_weight: default_miss_weight(),
-            kv_full_at: default_kv_full_at(),
-        }
+settings! {
+    /// `scheduler.predicted`: the predicted-TTFT objective.
+    #[derive(Debug, Clone, PartialEq)]
+    pub struct PredictedConfig {
+        /// Candidates whose predicted TTFT is within `(1 + affinity_slack)` of the best are equally
+        /// good; among them the rendezvous winner of the session id (else of the prompt's leading
+        /// blocks) is the primary. 0 disables the rendezvous (ties only). Default 0.2.
+        #[range(min = 0.0, max = 10.0)]
+        #[reason = "must be a number in {min}..={max}"]
+        pub affinity_slack: f64 = 0.2,
+        /// Leading prompt blocks (of `prefix.block_chars`) whose hash is the rendezvous key: turns of
+        /// one conversation share it when their common prefix is at least this long. 0: only the
+        /// session id is a key. Default 32 (8 KiB of prompt).
+        #[range(min = 0, max = 4096)]
+        pub rendezvous_blocks: usize = 32,
+        /// Prefill rate assumed for an endpoint before anything is learnt, in ms per prompt token.
+        /// Default 0.03 (~33k tokens/s, an 8B model on one H100). Only ratios between endpoints
+        /// matter for the choice, so it matters only while some endpoints are learnt and others not.
+        #[range(min = 0.000001, max = 1000.0)]
+        #[reason = "must be a number in {min}..={max}"]
+        pub prior_ms_per_token: f64 = 0.03,
+        /// Weight, in the predicted work, of the uncached tokens of this worker's requests still
+        /// running on the endpoint (prefill or decode: the KV they hold and the decode steps they
+        /// share), like Dynamo's active-blocks term. Default 0: in the replay benchmark weight 1 (Dynamo's)
+        /// doubled ours' TTFT p90 on Mooncake at load 4.5 (it pushes conversations off their cache).
+        #[range(min = 0.0, max = 100.0)]
+        #[reason = "must be a number in {min}..={max}"]
+        pub active_weight: f64 = 0.0,
+        /// When nothing distinguishes the pods for a prompt (no eligible one holds more of its
+        /// blocks than every other, e.g. only a system prompt all share) and the request names no
+        /// adapter, the rendezvous winner's uncached tokens are multiplied by
+        /// `1 − rendezvous_credit × (1 − 1 / poller.replicas)`: the chance that another gateway
+        /// replica already sent this prefix there (a gateway's own workers share their prefix table,
+        /// so with one replica there is no credit). Default 0.5: in the replay benchmark (3 seeds,
+        /// 4 replicas × 4 workers, `poller.replicas` 4) it took Mooncake at load 4.5 from 2.57 s to
+        /// 1.93 s TTFT p90 and the shared-prefix trace at half speed from 108 s to 26 s; one replica
+        /// is unchanged. Set `poller.replicas` to the number of gateway replicas.
+        #[range(min = 0.0, max = 1.0)]
+        #[reason = "must be a number in {min}..={max}"]
+        pub rendezvous_credit: f64 = 0.5,
+        /// The choice ranks candidates by predicted TTFT plus a miss penalty: `miss_weight × (1 +
+        /// mean queue)` × the prefill time of the prompt tokens a candidate lacks beyond the
+        /// best-cached candidate (mean queue: the live queue estimate averaged over the eligible
+        /// candidates). A cache miss also delays the requests queued behind it and evicts others'
+        /// prefixes, which this request's own TTFT does not show, and the busier the pool the more
+        /// requests pay. 0: rank by predicted TTFT alone. Default 0.5: in the replay benchmark,
+        /// predicted TTFT alone collapsed on the shared-prefix trace at half speed (TTFT p90 67 s
+        /// against 0.35 s for GIE: near saturation, every cached pod with a few queued requests
+        /// sent its group's next request to a pod without the 6,000-token prefix); 0.5 brought it
+        /// to 2–8 s (with `kv_full_at` too, 0.35 s) and improved Mooncake at its knee (1.61 → 1.46 s).
+        #[range(min = 0.0, max = 100.0)]
+        #[reason = "must be a number in {min}..={max}"]
+        pub miss_weight: f64 = 0.5,
+        /// KV congestion: each candidate's cost (predicted TTFT plus the miss penalty) is divided by
+        /// `1 − min(kv_usage, kv_full_at)`: a pod whose KV cache is filling admits the request into
+        /// slower, preemption-prone steps before its queue shows it. At and past `kv_full_at` every
+        /// pod counts as full (factor `1 / (1 − kv_full_at)`), so past saturation the cost decides.
+        /// 0 turns it off. Default 0.8: in the replay benchmark (3 seeds, whole traces) it took the
+        /// shared-prefix trace at half speed from 3.01 s to 0.35 s TTFT p90 (GIE 0.35 s) and
+        /// Mooncake at load 4.5 from 1.46 s to 1.18 s; see docs/scheduler.md.
+        #[range(min = 0.0, max = 0.99)]
+        #[reason = "must be a number in {min}..={max}"]
+        pub kv_full_at: f64 = 0.8,
     }
 }
 
-/// Weight of each scorer in the total `Σ weight × score`. Each score is in [0, 1].
-#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
-#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
-#[serde(deny_unknown_fields)]
-pub struct Weights {
-    /// Prefix-cache affinity. Default 3 (GIE's late-2025 default; 1 diluted affinity).
-    #[serde(default = "default_w_prefix")]
-    pub prefix: f64,
-    /// Engine queue length, min-max normalised. Default 0.5 (GIE uses 2; see `weights` below).
-    #[serde(default = "default_w_queue")]
-    pub queue: f64,
-    /// KV-cache headroom, 1 − usage. Default 0.5 (GIE uses 2).
-    #[serde(default = "default_w_kv_cache")]
-    pub kv_cache: f64,
-    /// Router-local in-flight requests (reacts between polls). Default 2: with queue 0.5 and KV 0.5,
-    /// the replay benchmark (tools/replay-bench/FINDINGS.md) measured lower TTFT p90 on every workload than GIE's queue 2 / KV 2 / in-flight 1, because polled queue and KV lag bursts by up to one poll while the in-flight count does not.
-    #[serde(default = "default_w_inflight")]
-    pub inflight: f64,
-    /// Session affinity by `x-session-id` rendezvous. Default 4: a session stays unless its
-    /// endpoint is clearly worse on load (and the hot-spot guard moves it when overloaded).
-    #[serde(default = "default_w_session")]
-    pub session: f64,
-    /// LoRA adapter affinity (adapter requests only). Default 2.
-    #[serde(default = "default_w_lora")]
-    pub lora: f64,
+settings! {
+    /// Weight of each scorer in the total `Σ weight × score`. Each score is in [0, 1].
+    #[derive(Debug, Clone, Copy, PartialEq)]
+    pub struct Weights {
+        /// Prefix-cache affinity. Default 3 (GIE's late-2025 default; 1 diluted affinity).
+        pub prefix: f64 = 3.0,
+        /// Engine queue length, min-max normalised. Default 0.5 (GIE uses 2; see `weights` below).
+        pub queue: f64 = 0.5,
+        /// KV-cache headroom, 1 − usage. Default 0.5 (GIE uses 2).
+        pub kv_cache: f64 = 0.5,
+        /// Router-local in-flight requests (reacts between polls). Default 2: with queue 0.5 and KV 0.5,
+        /// the replay benchmark (tools/replay-bench/FINDINGS.md) measured lower TTFT p90 on every workload than GIE's queue 2 / KV 2 / in-flight 1, because polled queue and KV lag bursts by up to one poll while the in-flight count does not.
+        pub inflight: f64 = 2.0,
+        /// Session affinity by `x-session-id` rendezvous. Default 4: a session stays unless its
+        /// endpoint is clearly worse on load (and the hot-spot guard moves it when overloaded).
+        pub session: f64 = 4.0,
+        /// LoRA adapter affinity (adapter requests only). Default 2.
+        pub lora: f64 = 2.0,
+    }
 }
 
-/// A per-model override of [`Weights`]; `None` keeps the pool-level weight.
-#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize)]
-#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
-#[serde(deny_unknown_fields)]
-pub struct WeightOverrides {
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub prefix: Option<f64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub queue: Option<f64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub kv_cache: Option<f64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub inflight: Option<f64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub session: Option<f64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub lora: Option<f64>,
+settings! {
+    /// A per-model override of [`Weights`]; `None` keeps the pool-level weight.
+    #[derive(Debug, Clone, Copy, PartialEq)]
+    pub struct WeightOverrides {
+        /// Replaces `weights.prefix` for this model. Default: none (the pool-level weight).
+        #[serde(skip_serializing_if = "Option::is_none")]
+        pub prefix: Option<f64> = None,
+        /// Replaces `weights.queue` for this model. Default: none (the pool-level weight).
+        #[serde(skip_serializing_if = "Option::is_none")]
+        pub queue: Option<f64> = None,
+        /// Replaces `weights.kv_cache` for this model. Default: none (the pool-level weight).
+        #[serde(skip_serializing_if = "Option::is_none")]
+        pub kv_cache: Option<f64> = None,
+        /// Replaces `weights.inflight` for this model. Default: none (the pool-level weight).
+        #[serde(skip_serializing_if = "Option::is_none")]
+        pub inflight: Option<f64> = None,
+        /// Replaces `weights.session` for this model. Default: none (the pool-level weight).
+        #[serde(skip_serializing_if = "Option::is_none")]
+        pub session: Option<f64> = None,
+        /// Replaces `weights.lora` for this model. Default: none (the pool-level weight).
+        #[serde(skip_serializing_if = "Option::is_none")]
+        pub lora: Option<f64> = None,
+    }
 }
 
-#[derive(Debug, Clone, PartialEq, Serialize)]
-#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
-#[serde(deny_unknown_fields)]
-pub struct PrefixConfig {
-    /// Bytes of canonical prompt text per hashed block. Default 256 (≈ 64 tokens): with
-    /// `max_blocks` 256 this compares the first 64 KiB, which covers a Mooncake-size prompt
-    /// (~12k tokens ≈ 48 KiB); GIE's 64 × 256 stops at 16 KiB.
-    #[serde(default = "default_block_chars")]
-    pub block_chars: usize,
-    /// Most blocks hashed per request. Default 256.
-    #[serde(default = "default_max_blocks")]
-    pub max_blocks: usize,
-    /// Per-endpoint local index size (blocks) when the endpoint does not report
-    /// `cache_config_info`. Default 8192 (≈ 2 MiB of text ≈ 512k tokens, the KV capacity of one
-    /// 8B model on an 80 GB GPU).
-    #[serde(default = "default_index_blocks")]
-    pub index_blocks: usize,
-    /// Cap on the sum of all endpoints' local indexes, per worker VM. Default 262144 blocks
-    /// (≈ 8 MiB of memory per worker).
-    #[serde(default = "default_index_blocks_total")]
-    pub index_blocks_total: usize,
-    /// Characters per token, to size the index from `num_gpu_blocks × block_size` tokens.
-    /// Default 4.
-    #[serde(default = "default_chars_per_token")]
-    pub chars_per_token: usize,
-    /// Shared-data shard keys of the cross-worker prefix table. Default 256. 0 disables the table
-    /// (each worker then only knows the prefixes it sent itself).
-    #[serde(default = "default_shared_shards")]
-    pub shared_shards: usize,
-    /// Entries (checkpoint hash → endpoint) per shard, oldest dropped first. Default 64
-    /// (768 bytes per shard value, which every read copies; 16384 entries in all).
-    #[serde(default = "default_shared_entries")]
-    pub shared_entries_per_shard: usize,
+settings! {
+    #[derive(Debug, Clone, PartialEq)]
+    pub struct PrefixConfig {
+        /// Bytes of canonical prompt text per hashed block. Default 256 (≈ 64 tokens): with
+        /// `max_blocks` 256 this compares the first 64 KiB, which covers a Mooncake-size prompt
+        /// (~12k tokens ≈ 48 KiB); GIE's 64 × 256 stops at 16 KiB.
+        #[range(min = 16, max = 65_536)]
+        pub block_chars: usize = 256,
+        /// Most blocks hashed per request. Default 256.
+        #[range(min = 1, max = 4096)]
+        pub max_blocks: usize = 256,
+        /// Per-endpoint local index size (blocks) when the endpoint does not report
+        /// `cache_config_info`. Default 8192 (≈ 2 MiB of text ≈ 512k tokens, the KV capacity of one
+        /// 8B model on an 80 GB GPU).
+        #[range(min = 1, max = 1 << 22)]
+        pub index_blocks: usize = 8192,
+        /// Cap on the sum of all endpoints' local indexes, per worker VM. Default 262144 blocks
+        /// (≈ 8 MiB of memory per worker).
+        #[range(min = 1, max = 1 << 24)]
+        pub index_blocks_total: usize = 262_144,
+        /// Characters per token, to size the index from `num_gpu_blocks × block_size` tokens.
+        /// Default 4.
+        #[range(min = 1, max = 64)]
+        pub chars_per_token: usize = 4,
+        /// Shared-data shard keys of the cross-worker prefix table. Default 256. 0 disables the table
+        /// (each worker then only knows the prefixes it sent itself).
+        #[range(min = 0, max = 4096)]
+        pub shared_shards: usize = 256,
+        /// Entries (checkpoint hash → endpoint) per shard, oldest dropped first. Default 64
+        /// (768 bytes per shard value, which every read copies; 16384 entries in all).
+        #[range(min = 1, max = 65_536)]
+        pub shared_entries_per_shard: usize = 64,
+    }
 }
 
-#[derive(Debug, Clone, PartialEq, Serialize)]
-#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
-#[serde(deny_unknown_fields)]
-pub struct SessionConfig {
-    /// Request header naming a session. Default `x-session-id`.
-    #[serde(default = "default_session_header")]
-    pub header: String,
-    /// Response header carrying the opaque token of the endpoint that served, and request
-    /// header a client sends it back in. Default `x-session-token`.
-    #[serde(default = "default_token_header")]
-    pub token_header: String,
-    /// Name of a VM environment variable holding the secret that keys the session token
-    /// (at least 16 bytes; pass it with `vm_config.environment_variables.host_env_keys`, so only
-    /// the name shows in `/config_dump`). At most one of `secret_env` and `secret`. Neither:
-    /// tokens are keyed with a public built-in key and can be forged (a warning is logged).
-    /// Default: none.
-    #[serde(default)]
-    pub secret_env: Option<String>,
-    /// The token secret inline (at least 16 bytes). Visible to anyone who can read Envoy's
-    /// admin `/config_dump`; prefer `secret_env`. Default: none.
-    #[serde(default)]
-    pub secret: Option<String>,
-    /// Name of a VM environment variable holding the previous secret, during a rotation: tokens
-    /// made with it are still accepted, none are issued with it. Default: none.
-    #[serde(default)]
-    pub previous_secret_env: Option<String>,
-    /// The previous secret inline (visible in `/config_dump`). Default: none.
-    #[serde(default)]
-    pub previous_secret: Option<String>,
+settings! {
+    #[derive(Debug, Clone, PartialEq)]
+    pub struct SessionConfig {
+        /// Request header naming a session. Default `x-session-id`.
+        pub header: String = String::from("x-session-id"),
+        /// Response header carrying the opaque token of the endpoint that served, and request
+        /// header a client sends it back in. Default `x-session-token`.
+        pub token_header: String = String::from("x-session-token"),
+        /// Name of a VM environment variable holding the secret that keys the session token
+        /// (at least 16 bytes; pass it with `vm_config.environment_variables.host_env_keys`, so only
+        /// the name shows in `/config_dump`). At most one of `secret_env` and `secret`. Neither:
+        /// tokens are keyed with a public built-in key and can be forged (a warning is logged).
+        /// Default: none.
+        pub secret_env: Option<String> = None,
+        /// The token secret inline (at least 16 bytes). Visible to anyone who can read Envoy's
+        /// admin `/config_dump`; prefer `secret_env`. Default: none.
+        pub secret: Option<String> = None,
+        /// Name of a VM environment variable holding the previous secret, during a rotation: tokens
+        /// made with it are still accepted, none are issued with it. Default: none.
+        pub previous_secret_env: Option<String> = None,
+        /// The previous secret inline (visible in `/config_dump`). Default: none.
+        pub previous_secret: Option<String> = None,
+    }
 }
 
-/// Hot-spot guard: an endpoint is overloaded when its load exceeds the least-loaded candidate's
-/// by more than `abs_gap` AND by more than `ratio` times. Defaults are SGLang's (64, 1.5).
-#[derive(Debug, Clone, PartialEq, Serialize)]
-#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
-#[serde(deny_unknown_fields)]
-pub struct GuardConfig {
-    #[serde(default = "default_guard_abs")]
-    pub abs_gap: f64,
-    #[serde(default = "default_guard_ratio")]
-    pub ratio: f64,
+settings! {
+    /// Hot-spot guard: an endpoint is overloaded when its load exceeds the least-loaded candidate's
+    /// by more than `abs_gap` AND by more than `ratio` times. Defaults are SGLang's (64, 1.5).
+    #[derive(Debug, Clone, PartialEq)]
+    pub struct GuardConfig {
+        /// How much more load (the larger of queue + running and in-flight) than the least-loaded
+        /// candidate's makes an endpoint overloaded, together with `ratio`. At least 0. Default 64.
+        #[range(min = 0.0)]
+        #[reason = "must be a finite number >= 0"]
+        pub abs_gap: f64 = 64.0,
+        /// How many times the least-loaded candidate's load makes an endpoint overloaded, together
+        /// with `abs_gap`. At least 1. Default 1.5.
+        #[range(min = 1.0)]
+        #[reason = "must be a finite number >= 1"]
+        pub ratio: f64 = 1.5,
+    }
 }
 
-/// One rewrite rule: if the request's model matches (exactly) one of `matches`, or `matches` is
-/// empty (catch-all), the model is rewritten to one of `targets`, chosen by relative weight.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
-#[serde(deny_unknown_fields)]
-pub struct RewriteRule {
-    /// Empty = catch-all. An exact match in any rule beats every catch-all.
-    #[serde(default)]
-    pub matches: Vec<RewriteMatch>,
-    pub targets: Vec<RewriteTarget>,
+settings! {
+    /// One rewrite rule: if the request's model matches (exactly) one of `matches`, or `matches` is
+    /// empty (catch-all), the model is rewritten to one of `targets`, chosen by relative weight.
+    #[derive(Debug, Clone, PartialEq)]
+    pub struct RewriteRule {
+        /// Empty = catch-all. An exact match in any rule beats every catch-all.
+        pub matches: Vec<RewriteMatch> = Vec::new(),
+        /// The models a matching request is rewritten to; at least one.
+        pub targets: Vec<RewriteTarget>,
+    }
 }
 
-#[derive(Debug, Clone, PartialEq, Serialize)]
-#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
-#[serde(deny_unknown_fields)]
-pub struct RewriteMatch {
-    pub model: ModelMatch,
+settings! {
+    #[derive(Debug, Clone, PartialEq)]
+    pub struct RewriteMatch {
+        /// The request's model (the body's `model`), as sent by the client.
+        pub model: ModelMatch,
+    }
 }
 
-#[derive(Debug, Clone, PartialEq, Serialize)]
-#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
-#[serde(deny_unknown_fields)]
-pub struct ModelMatch {
-    /// Only `Exact` exists (as in the CRD). Default `Exact`.
-    #[serde(rename = "type", default = "default_match_type")]
-    pub kind: MatchType,
-    pub value: String,
+settings! {
+    #[derive(Debug, Clone, PartialEq)]
+    pub struct ModelMatch {
+        /// Only `Exact` exists (as in the CRD). Default `Exact`.
+        pub kind as "type": MatchType = MatchType::Exact,
+        /// The model name to match; not empty.
+        pub value: String,
+    }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 pub enum MatchType {
+    #[default]
     Exact,
 }
 
-#[derive(Debug, Clone, PartialEq, Serialize)]
-#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
-#[serde(deny_unknown_fields)]
-pub struct RewriteTarget {
-    /// The model (base or adapter) the request is sent as.
-    pub model_rewrite: String,
-    /// Relative weight, 1..=1000000. Set on all targets of a rule or on none (equal split).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub weight: Option<u32>,
-}
-
-// The readers of this file's types (`crate::base::json`): each field with its default, in
-// declaration order.
-json::from_json_struct!(SchedulerConfig {
-    weights = Weights::default(),
-    model_weights = BTreeMap::new(),
-    fallbacks = default_fallbacks(),
-    tie_epsilon = default_tie_epsilon(),
-    top_k = default_top_k(),
-    prefix = PrefixConfig::default(),
-    session = SessionConfig::default(),
-    guard = GuardConfig::default(),
-    rewrites = Vec::new(),
-    debug_scores = default_false(),
-    live_queue = default_false(),
-    objective = Objective::default(),
-    predicted = PredictedConfig::default(),
-});
-json::from_json_enum!(Objective { "predicted_ttft" => PredictedTtft, "weighted" => Weighted });
-json::from_json_struct!(PredictedConfig {
-    affinity_slack = default_affinity_slack(),
-    rendezvous_blocks = default_rendezvous_blocks(),
-    prior_ms_per_token = default_prior_ms_per_token(),
-    active_weight = default_active_weight(),
-    rendezvous_credit = default_rendezvous_credit(),
-    miss_weight = default_miss_weight(),
-    kv_full_at = default_kv_full_at(),
-});
-json::from_json_struct!(Weights {
-    prefix = default_w_prefix(),
-    queue = default_w_queue(),
-    kv_cache = default_w_kv_cache(),
-    inflight = default_w_inflight(),
-    session = default_w_session(),
-    lora = default_w_lora(),
-});
-json::from_json_struct!(WeightOverrides {
-    prefix = None,
-    queue = None,
-    kv_cache = None,
-    inflight = None,
-    session = None,
-    lora = None,
-});
-json::from_json_struct!(PrefixConfig {
-    block_chars = default_block_chars(),
-    max_blocks = default_max_blocks(),
-    index_blocks = default_index_blocks(),
-    index_blocks_total = default_index_blocks_total(),
-    chars_per_token = default_chars_per_token(),
-    shared_shards = default_shared_shards(),
-    shared_entries_per_shard = default_shared_entries(),
-});
-json::from_json_struct!(SessionConfig {
-    header = default_session_header(),
-    token_header = default_token_header(),
-    secret_env = None,
-    secret = None,
-    previous_secret_env = None,
-    previous_secret = None,
-});
-json::from_json_struct!(GuardConfig { abs_gap = default_guard_abs(), ratio = default_guard_ratio() });
-json::from_json_struct!(RewriteRule { matches = Vec::new(), targets });
-json::from_json_struct!(RewriteMatch { model });
-json::from_json_struct!(ModelMatch { kind as "type" = default_match_type(), value });
-json::from_json_enum!(MatchType { "Exact" => Exact });
-json::from_json_struct!(RewriteTarget { model_rewrite, weight = None });
-
-fn default_fallbacks() -> usize {
-    2
-}
-fn default_tie_epsilon() -> f64 {
-    0.001
-}
-fn default_top_k() -> usize {
-    1
-}
-fn default_false() -> bool {
-    false
-}
-fn default_w_prefix() -> f64 {
-    3.0
-}
-fn default_w_queue() -> f64 {
-    0.5
-}
-fn default_w_kv_cache() -> f64 {
-    0.5
-}
-fn default_w_inflight() -> f64 {
-    2.0
-}
-fn default_w_session() -> f64 {
-    4.0
-}
-fn default_w_lora() -> f64 {
-    2.0
-}
-fn default_block_chars() -> usize {
-    256
-}
-fn default_max_blocks() -> usize {
-    256
-}
-fn default_index_blocks() -> usize {
-    8192
-}
-fn default_index_blocks_total() -> usize {
-    262_144
-}
-fn default_chars_per_token() -> usize {
-    4
-}
-fn default_shared_shards() -> usize {
-    256
-}
-fn default_shared_entries() -> usize {
-    64
-}
-fn default_session_header() -> String {
-    "x-session-id".to_string()
-}
-fn default_token_header() -> String {
-    "x-session-token".to_string()
-}
-fn default_guard_abs() -> f64 {
-    64.0
-}
-fn default_guard_ratio() -> f64 {
-    1.5
-}
-fn default_match_type() -> MatchType {
-    MatchType::Exact
-}
-
-impl Default for Weights {
-    fn default() -> Self {
-        Self {
-            prefix: default_w_prefix(),
-            queue: default_w_queue(),
-            kv_cache: default_w_kv_cache(),
-            inflight: default_w_inflight(),
-            session: default_w_session(),
-            lora: default_w_lora(),
-        }
+settings! {
+    #[derive(Debug, Clone, PartialEq)]
+    pub struct RewriteTarget {
+        /// The model (base or adapter) the request is sent as.
+        pub model_rewrite: String,
+        /// Relative weight, 1..=1000000. Set on all targets of a rule or on none (equal split).
+        #[serde(skip_serializing_if = "Option::is_none")]
+        pub weight: Option<u32> = None,
     }
 }
+
+json::from_json_enum!(Objective { "predicted_ttft" => PredictedTtft, "weighted" => Weighted });
+json::from_json_enum!(MatchType { "Exact" => Exact });
 
 impl Weights {
     /// These weights with `o`'s set fields replacing them.
@@ -528,59 +347,6 @@ impl Weights {
     }
 }
 
-impl Default for PrefixConfig {
-    fn default() -> Self {
-        Self {
-            block_chars: default_block_chars(),
-            max_blocks: default_max_blocks(),
-            index_blocks: default_index_blocks(),
-            index_blocks_total: default_index_blocks_total(),
-            chars_per_token: default_chars_per_token(),
-            shared_shards: default_shared_shards(),
-            shared_entries_per_shard: default_shared_entries(),
-        }
-    }
-}
-
-impl Default for SessionConfig {
-    fn default() -> Self {
-        Self {
-            header: default_session_header(),
-            token_header: default_token_header(),
-            secret_env: None,
-            secret: None,
-            previous_secret_env: None,
-            previous_secret: None,
-        }
-    }
-}
-
-impl Default for GuardConfig {
-    fn default() -> Self {
-        Self { abs_gap: default_guard_abs(), ratio: default_guard_ratio() }
-    }
-}
-
-impl Default for SchedulerConfig {
-    fn default() -> Self {
-        Self {
-            weights: Weights::default(),
-            model_weights: BTreeMap::new(),
-            fallbacks: default_fallbacks(),
-            tie_epsilon: default_tie_epsilon(),
-            top_k: default_top_k(),
-            prefix: PrefixConfig::default(),
-            session: SessionConfig::default(),
-            guard: GuardConfig::default(),
-            rewrites: Vec::new(),
-            debug_scores: default_false(),
-            live_queue: default_false(),
-            objective: Objective::default(),
-            predicted: PredictedConfig::default(),
-        }
-    }
-}
-
 fn err(errs: &mut Vec<ConfigError>, path: String, reason: impl Into<String>) {
     errs.push(ConfigError { path, reason: reason.into() });
 }
@@ -590,12 +356,6 @@ fn check_weights(errs: &mut Vec<ConfigError>, path: &str, w: &Weights) {
         if !v.is_finite() || v < 0.0 {
             err(errs, format!("{path}.{name}"), format!("weight must be a finite number >= 0, got {v}"));
         }
-    }
-}
-
-fn check_range(errs: &mut Vec<ConfigError>, path: &str, v: usize, lo: usize, hi: usize) {
-    if v < lo || v > hi {
-        err(errs, path.to_string(), format!("must be in {lo}..={hi}, got {v}"));
     }
 }
 
@@ -620,59 +380,13 @@ impl SchedulerConfig {
             }
             check_weights(&mut errs, &path, &self.weights.overridden(o));
         }
-        check_range(&mut errs, "scheduler.fallbacks", self.fallbacks, 0, 16);
-        check_range(&mut errs, "scheduler.top_k", self.top_k, 1, 64);
-        if !self.tie_epsilon.is_finite() || self.tie_epsilon < 0.0 {
-            err(&mut errs, "scheduler.tie_epsilon".into(), "must be a finite number >= 0");
-        }
-        let p = &self.prefix;
-        check_range(&mut errs, "scheduler.prefix.block_chars", p.block_chars, 16, 65_536);
-        check_range(&mut errs, "scheduler.prefix.max_blocks", p.max_blocks, 1, 4096);
-        check_range(&mut errs, "scheduler.prefix.index_blocks", p.index_blocks, 1, 1 << 22);
-        check_range(&mut errs, "scheduler.prefix.index_blocks_total", p.index_blocks_total, 1, 1 << 24);
-        check_range(&mut errs, "scheduler.prefix.chars_per_token", p.chars_per_token, 1, 64);
-        check_range(&mut errs, "scheduler.prefix.shared_shards", p.shared_shards, 0, 4096);
-        check_range(
-            &mut errs,
-            "scheduler.prefix.shared_entries_per_shard",
-            p.shared_entries_per_shard,
-            1,
-            65_536,
-        );
+        self.validate_ranges("scheduler", &mut errs);
+        self.prefix.validate_ranges("scheduler.prefix", &mut errs);
         check_header(&mut errs, "scheduler.session.header", &self.session.header);
         check_header(&mut errs, "scheduler.session.token_header", &self.session.token_header);
         validate_secrets(&self.session, &mut |path, reason| err(&mut errs, path, reason));
-        let pr = &self.predicted;
-        if !pr.affinity_slack.is_finite() || !(0.0..=10.0).contains(&pr.affinity_slack) {
-            err(&mut errs, "scheduler.predicted.affinity_slack".into(), "must be a number in 0..=10");
-        }
-        check_range(&mut errs, "scheduler.predicted.rendezvous_blocks", pr.rendezvous_blocks, 0, 4096);
-        if !pr.prior_ms_per_token.is_finite() || !(0.000001..=1000.0).contains(&pr.prior_ms_per_token) {
-            err(
-                &mut errs,
-                "scheduler.predicted.prior_ms_per_token".into(),
-                "must be a number in 0.000001..=1000",
-            );
-        }
-        if !pr.active_weight.is_finite() || !(0.0..=100.0).contains(&pr.active_weight) {
-            err(&mut errs, "scheduler.predicted.active_weight".into(), "must be a number in 0..=100");
-        }
-        if !pr.miss_weight.is_finite() || !(0.0..=100.0).contains(&pr.miss_weight) {
-            err(&mut errs, "scheduler.predicted.miss_weight".into(), "must be a number in 0..=100");
-        }
-        if !pr.rendezvous_credit.is_finite() || !(0.0..=1.0).contains(&pr.rendezvous_credit) {
-            err(&mut errs, "scheduler.predicted.rendezvous_credit".into(), "must be a number in 0..=1");
-        }
-        if !pr.kv_full_at.is_finite() || !(0.0..=0.99).contains(&pr.kv_full_at) {
-            err(&mut errs, "scheduler.predicted.kv_full_at".into(), "must be a number in 0..=0.99");
-        }
-        let g = &self.guard;
-        if !g.abs_gap.is_finite() || g.abs_gap < 0.0 {
-            err(&mut errs, "scheduler.guard.abs_gap".into(), "must be a finite number >= 0");
-        }
-        if !g.ratio.is_finite() || g.ratio < 1.0 {
-            err(&mut errs, "scheduler.guard.ratio".into(), "must be a finite number >= 1");
-        }
+        self.predicted.validate_ranges("scheduler.predicted", &mut errs);
+        self.guard.validate_ranges("scheduler.guard", &mut errs);
         let mut catch_alls = 0;
         for (i, rule) in self.rewrites.iter().enumerate() {
             let path = format!("scheduler.rewrites[{i}]");

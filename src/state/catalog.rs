@@ -8,6 +8,7 @@ use hashbrown::HashSet;
 use serde::{Deserialize, Serialize};
 
 use crate::base::json;
+use crate::base::settings::settings;
 
 /// What an endpoint may do in a P/D pool.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default, Serialize, Deserialize)]
@@ -55,53 +56,49 @@ pub enum Criticality {
     Sheddable,
 }
 
-/// One model server.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
-#[serde(deny_unknown_fields)]
-pub struct EndpointConfig {
-    /// `ip:port` of the model server: an IPv4 address (`10.0.0.7:8000`) or a bracketed IPv6
-    /// address (`[fd00::7]:8000`), port 1-65535. No hostnames: the ORIGINAL_DST cluster routes to
-    /// the literal address in `x-gateway-destination-endpoint`. Unique across endpoints.
-    #[cfg_attr(feature = "schema", schemars(length(min = 1)))]
-    pub address: String,
-    /// Names of the base models (from `models[].name`, not adapters) this endpoint serves. At
-    /// least one.
-    #[cfg_attr(feature = "schema", schemars(length(min = 1), inner(length(min = 1))))]
-    pub models: Vec<String>,
-    /// Its role in a disaggregated prefill/decode pool (see `pd`): `decode`, `prefill` (never a
-    /// destination, only named in `x-prefiller-host-port`) or `both`. Read only when `pd` is
-    /// set. Default `decode`.
-    #[serde(default = "Role::default", skip_serializing_if = "Role::is_decode")]
-    pub role: Role,
+settings! {
+    /// One model server.
+    #[derive(Debug, Clone, PartialEq)]
+    pub struct EndpointConfig {
+        /// `ip:port` of the model server: an IPv4 address (`10.0.0.7:8000`) or a bracketed IPv6
+        /// address (`[fd00::7]:8000`), port 1-65535. No hostnames: the ORIGINAL_DST cluster routes to
+        /// the literal address in `x-gateway-destination-endpoint`. Unique across endpoints.
+        #[schema(length(min = 1))]
+        pub address: String,
+        /// Names of the base models (from `models[].name`, not adapters) this endpoint serves. At
+        /// least one.
+        #[schema(length(min = 1), inner(length(min = 1)))]
+        pub models: Vec<String>,
+        /// Its role in a disaggregated prefill/decode pool (see `pd`): `decode`, `prefill` (never a
+        /// destination, only named in `x-prefiller-host-port`) or `both`. Read only when `pd` is
+        /// set. Default `decode`.
+        #[serde(skip_serializing_if = "Role::is_decode")]
+        pub role: Role = Role::Decode,
+    }
 }
 
-/// One base model and its LoRA adapters.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
-#[serde(deny_unknown_fields)]
-pub struct ModelConfig {
-    /// The name clients put in the body's `model`, e.g. `meta-llama/Llama-3.1-8B-Instruct`.
-    /// Unique across models and adapters.
-    #[cfg_attr(feature = "schema", schemars(length(min = 1)))]
-    pub name: String,
-    /// LoRA adapters on this base model; a request naming one goes to an endpoint of this base.
-    /// Unique across all models. Default: none.
-    #[serde(default)]
-    #[cfg_attr(feature = "schema", schemars(inner(length(min = 1))))]
-    pub adapters: Vec<String>,
-    /// Default priority of this model's requests, through `priority.criticality`; a trusted
-    /// objective or tier header overrides it. Default `Standard`.
-    #[serde(default = "Criticality::default")]
-    pub criticality: Criticality,
+settings! {
+    /// One base model and its LoRA adapters.
+    #[derive(Debug, Clone, PartialEq)]
+    pub struct ModelConfig {
+        /// The name clients put in the body's `model`, e.g. `meta-llama/Llama-3.1-8B-Instruct`.
+        /// Unique across models and adapters.
+        #[schema(length(min = 1))]
+        pub name: String,
+        /// LoRA adapters on this base model; a request naming one goes to an endpoint of this base.
+        /// Unique across all models. Default: none.
+        #[schema(inner(length(min = 1)))]
+        pub adapters: Vec<String> = Vec::new(),
+        /// Default priority of this model's requests, through `priority.criticality`; a trusted
+        /// objective or tier header overrides it. Default `Standard`.
+        pub criticality: Criticality = Criticality::Standard,
+    }
 }
 
-// The readers of these configuration types (`crate::base::json`), fields in declaration
-// order. `Role` keeps its serde derive too: snapshots carry it.
+// The readers of the enums (`crate::base::json`). `Role` keeps its serde derive too: snapshots
+// carry it.
 json::from_json_enum!(Role { "decode" => Decode, "prefill" => Prefill, "both" => Both, "prefill-decode" => Both });
 json::from_json_enum!(Criticality { "Critical" => Critical, "Standard" => Standard, "Sheddable" => Sheddable });
-json::from_json_struct!(EndpointConfig { address, models, role = crate::state::catalog::Role::default() });
-json::from_json_struct!(ModelConfig { name, adapters = Vec::new(), criticality = Criticality::default() });
 
 /// Parses `ip:port` as the ORIGINAL_DST cluster needs it: a literal IPv4 or bracketed IPv6
 /// address, a port in 1-65535, no hostname, no IPv6 zone.

@@ -69,11 +69,11 @@
 //! copy, usually empty).
 
 use hashbrown::HashMap;
-use serde::Serialize;
 
 use crate::base::codec::{self, Reader, Refusal, Tag, Writer, MAX_NAME_BYTES};
-use crate::base::json::{self, ConfigError};
+use crate::base::json::ConfigError;
 use crate::base::ports::{SharedStore, StoreError};
+use crate::base::settings::settings;
 use crate::state::inflight::MAX_CAS_ATTEMPTS;
 use crate::state::snapshot::Snapshot;
 
@@ -85,164 +85,70 @@ pub const MAX_PHANTOM_LOAD: u32 = 64;
 /// Longest `startup_wait_ms` accepted (a minute).
 pub const MAX_STARTUP_WAIT_MS: u64 = 60_000;
 
-/// `health` section of the configuration.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
-#[serde(deny_unknown_fields)]
-pub struct HealthConfig {
-    /// Learn from upstream results and eject failing endpoints. Default true. When false,
-    /// nothing is recorded or ejected (`startup_wait_ms` still applies).
-    #[serde(default = "default_enabled")]
-    pub enabled: bool,
-    /// Consecutive 5xx (any, including gateway failures) that eject an endpoint; 0 disables.
-    /// Default 3.
-    #[serde(default = "default_consecutive_5xx")]
-    pub consecutive_5xx: u32,
-    /// Consecutive gateway failures (502, 503, 504, connect failure, reset, upstream timeout)
-    /// that eject an endpoint; 0 disables. Default 2.
-    #[serde(default = "default_consecutive_gateway_failure")]
-    pub consecutive_gateway_failure: u32,
-    /// Percentage of failed requests in the window that ejects an endpoint, 0-100; 0 disables.
-    /// Default 50.
-    #[serde(default = "default_failure_rate_percent")]
-    #[cfg_attr(feature = "schema", schemars(range(max = 100)))]
-    pub failure_rate_percent: u32,
-    /// Requests an endpoint needs in the window before its failure rate counts. At least 1.
-    /// Default 10.
-    #[serde(default = "default_failure_rate_min_requests")]
-    #[cfg_attr(feature = "schema", schemars(range(min = 1)))]
-    pub failure_rate_min_requests: u32,
-    /// Length of the failure-rate window, in ms. At least 100. Default 10000.
-    #[serde(default = "default_window_ms")]
-    #[cfg_attr(feature = "schema", schemars(range(min = 100)))]
-    pub window_ms: u64,
-    /// First ejection time, in ms; the n-th in a row lasts `base × 2^(n−1)`. At least 1.
-    /// Default 30000 (Envoy's outlier detection default).
-    #[serde(default = "default_base_ejection_ms")]
-    #[cfg_attr(feature = "schema", schemars(range(min = 1)))]
-    pub base_ejection_ms: u64,
-    /// Longest ejection, in ms; at least `base_ejection_ms`. Default 300000.
-    #[serde(default = "default_max_ejection_ms")]
-    pub max_ejection_ms: u64,
-    /// Most endpoints of a model ejected at once, as a percentage of those serving it, 0-100.
-    /// At least one may be ejected when two or more serve, never all. Default 50.
-    #[serde(default = "default_max_ejection_percent")]
-    #[cfg_attr(feature = "schema", schemars(range(max = 100)))]
-    pub max_ejection_percent: u32,
-    /// How long, in ms, a failure (or a 429) counts as one more request in flight on its
-    /// endpoint, so that a pod failing fast never looks idle; 0 disables. Default 2000.
-    #[serde(default = "default_failure_load_ms")]
-    pub failure_load_ms: u64,
-    /// Longest a request is held, in ms, while the proxy has no metrics yet (just started or
-    /// hot-restarted), before it is routed by `filter.failure_mode` (`FailOpen`: by in-flight
-    /// count; `FailClose`: 503 `metrics_not_ready`). 0 holds nothing. At most 60000. Default 1000
-    /// (five poll intervals at the default `poller.interval_ms`).
-    #[serde(default = "default_startup_wait_ms")]
-    #[cfg_attr(feature = "schema", schemars(range(max = MAX_STARTUP_WAIT_MS)))]
-    pub startup_wait_ms: u64,
-}
-
-// The reader of `HealthConfig` (`crate::base::json`), fields in declaration order.
-json::from_json_struct!(HealthConfig {
-    enabled = default_enabled(),
-    consecutive_5xx = default_consecutive_5xx(),
-    consecutive_gateway_failure = default_consecutive_gateway_failure(),
-    failure_rate_percent = default_failure_rate_percent(),
-    failure_rate_min_requests = default_failure_rate_min_requests(),
-    window_ms = default_window_ms(),
-    base_ejection_ms = default_base_ejection_ms(),
-    max_ejection_ms = default_max_ejection_ms(),
-    max_ejection_percent = default_max_ejection_percent(),
-    failure_load_ms = default_failure_load_ms(),
-    startup_wait_ms = default_startup_wait_ms(),
-});
-
-fn default_enabled() -> bool {
-    true
-}
-fn default_consecutive_5xx() -> u32 {
-    3
-}
-fn default_consecutive_gateway_failure() -> u32 {
-    2
-}
-fn default_failure_rate_percent() -> u32 {
-    50
-}
-fn default_failure_rate_min_requests() -> u32 {
-    10
-}
-fn default_window_ms() -> u64 {
-    10_000
-}
-fn default_base_ejection_ms() -> u64 {
-    30_000
-}
-fn default_max_ejection_ms() -> u64 {
-    300_000
-}
-fn default_max_ejection_percent() -> u32 {
-    50
-}
-fn default_failure_load_ms() -> u64 {
-    2_000
-}
-fn default_startup_wait_ms() -> u64 {
-    1_000
-}
-
-impl Default for HealthConfig {
-    fn default() -> Self {
-        Self {
-            enabled: default_enabled(),
-            consecutive_5xx: default_consecutive_5xx(),
-            consecutive_gateway_failure: default_consecutive_gateway_failure(),
-            failure_rate_percent: default_failure_rate_percent(),
-            failure_rate_min_requests: default_failure_rate_min_requests(),
-            window_ms: default_window_ms(),
-            base_ejection_ms: default_base_ejection_ms(),
-            max_ejection_ms: default_max_ejection_ms(),
-            max_ejection_percent: default_max_ejection_percent(),
-            failure_load_ms: default_failure_load_ms(),
-            startup_wait_ms: default_startup_wait_ms(),
-        }
+settings! {
+    /// `health` section of the configuration.
+    #[derive(Debug, Clone, PartialEq)]
+    pub struct HealthConfig {
+        /// Learn from upstream results and eject failing endpoints. Default true. When false,
+        /// nothing is recorded or ejected (`startup_wait_ms` still applies).
+        pub enabled: bool = true,
+        /// Consecutive 5xx (any, including gateway failures) that eject an endpoint; 0 disables.
+        /// Default 3.
+        pub consecutive_5xx: u32 = 3,
+        /// Consecutive gateway failures (502, 503, 504, connect failure, reset, upstream timeout)
+        /// that eject an endpoint; 0 disables. Default 2.
+        pub consecutive_gateway_failure: u32 = 2,
+        /// Percentage of failed requests in the window that ejects an endpoint, 0-100; 0 disables.
+        /// Default 50.
+        #[range(max = 100)]
+        #[reason = "must be 0-100, got {v}"]
+        pub failure_rate_percent: u32 = 50,
+        /// Requests an endpoint needs in the window before its failure rate counts. At least 1.
+        /// Default 10.
+        #[range(min = 1)]
+        #[reason = "must be at least 1"]
+        pub failure_rate_min_requests: u32 = 10,
+        /// Length of the failure-rate window, in ms. At least 100. Default 10000.
+        #[range(min = 100)]
+        pub window_ms: u64 = 10_000,
+        /// First ejection time, in ms; the n-th in a row lasts `base × 2^(n−1)`. At least 1.
+        /// Default 30000 (Envoy's outlier detection default).
+        #[range(min = 1)]
+        #[reason = "must be at least 1"]
+        pub base_ejection_ms: u64 = 30_000,
+        /// Longest ejection, in ms; at least `base_ejection_ms`. Default 300000.
+        pub max_ejection_ms: u64 = 300_000,
+        /// Most endpoints of a model ejected at once, as a percentage of those serving it, 0-100.
+        /// At least one may be ejected when two or more serve, never all. Default 50.
+        #[range(max = 100)]
+        #[reason = "must be 0-100, got {v}"]
+        pub max_ejection_percent: u32 = 50,
+        /// How long, in ms, a failure (or a 429) counts as one more request in flight on its
+        /// endpoint, so that a pod failing fast never looks idle; 0 disables. Default 2000.
+        pub failure_load_ms: u64 = 2_000,
+        /// Longest a request is held, in ms, while the proxy has no metrics yet (just started or
+        /// hot-restarted), before it is routed by `filter.failure_mode` (`FailOpen`: by in-flight
+        /// count; `FailClose`: 503 `metrics_not_ready`). 0 holds nothing. At most 60000. Default 1000
+        /// (five poll intervals at the default `poller.interval_ms`).
+        #[range(max = MAX_STARTUP_WAIT_MS)]
+        pub startup_wait_ms: u64 = 1_000,
     }
 }
 
 impl HealthConfig {
     /// Appends every problem to `errs`, with paths under `path` (e.g. `health`).
     pub fn validate(&self, path: &str, errs: &mut Vec<ConfigError>) {
-        let mut push = |f: &str, reason: String| errs.push(ConfigError::new(format!("{path}.{f}"), reason));
-        if self.failure_rate_percent > 100 {
-            push("failure_rate_percent", format!("must be 0-100, got {}", self.failure_rate_percent));
-        }
-        if self.failure_rate_min_requests == 0 {
-            push("failure_rate_min_requests", "must be at least 1".into());
-        }
-        if self.window_ms < 100 {
-            push("window_ms", format!("must be at least 100, got {}", self.window_ms));
-        }
-        if self.base_ejection_ms == 0 {
-            push("base_ejection_ms", "must be at least 1".into());
-        }
-        if self.max_ejection_ms < self.base_ejection_ms {
-            push(
-                "max_ejection_ms",
-                format!(
-                    "must be at least base_ejection_ms ({}), got {}",
-                    self.base_ejection_ms, self.max_ejection_ms
-                ),
-            );
-        }
-        if self.max_ejection_percent > 100 {
-            push("max_ejection_percent", format!("must be 0-100, got {}", self.max_ejection_percent));
-        }
-        if self.startup_wait_ms > MAX_STARTUP_WAIT_MS {
-            push(
-                "startup_wait_ms",
-                format!("must be at most {MAX_STARTUP_WAIT_MS}, got {}", self.startup_wait_ms),
-            );
-        }
+        self.validate_fields(path, errs, |errs| {
+            if self.max_ejection_ms < self.base_ejection_ms {
+                errs.push(ConfigError::new(
+                    format!("{path}.max_ejection_ms"),
+                    format!(
+                        "must be at least base_ejection_ms ({}), got {}",
+                        self.base_ejection_ms, self.max_ejection_ms
+                    ),
+                ));
+            }
+        });
     }
 
     /// Length of the `n`-th ejection in a row (n ≥ 1).

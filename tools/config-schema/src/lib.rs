@@ -4,6 +4,11 @@
 //!
 //! `filter-config/schema.json` is this output, committed; a test in this crate fails when the two
 //! differ. Regenerate with `cargo run -q -p config-schema > filter-config/schema.json`.
+//!
+//! With `--reference` the tool prints the configuration reference instead ([`reference`],
+//! `docs/configuration.md`).
+
+pub mod reference;
 
 use inference_picker::config::Config;
 use serde_json::Value;

@@ -1,6 +1,8 @@
-//! Keeps `filter-config/` honest: the committed schema equals the one generated from the Rust
-//! types, every example is accepted by both the schema and `Config::from_json`, documents the Rust
-//! side rejects at parse time are rejected by the schema too, and the README documents every field.
+//! Keeps `filter-config/` and `docs/configuration.md` honest: the committed schema and reference
+//! equal the ones generated from the `settings!` declarations, the two agree field by field
+//! (defaults, bounds, docs, required fields) and every default a doc states is the declared one,
+//! every example is accepted by both the schema and `Config::from_json`, and documents the Rust
+//! side rejects at parse time are rejected by the schema too.
 
 use std::path::{Path, PathBuf};
 
@@ -134,6 +136,12 @@ fn schema_mirrors_the_simple_bounds() {
         ("/flow_control", json!({"max_wait_ms": 0})),
         ("/flow_control", json!({"max_queue": 0})),
         ("/flow_control", json!({"worker_ttl_ms": 299})),
+        ("/scheduler", json!({"fallbacks": 17})),
+        ("/scheduler", json!({"top_k": 0})),
+        ("/scheduler", json!({"prefix": {"block_chars": 15}})),
+        ("/scheduler", json!({"guard": {"ratio": 0.5}})),
+        ("/health", json!({"failure_rate_percent": 101})),
+        ("/pd", json!({"pd_threshold_tokens": 10_000_001})),
         ("/priority", json!({"objectives": [{"name": ""}]})),
         ("/priority", json!({"tier": {"header": "X-Tier", "values": {"gold": 1}}})),
         ("/priority", json!({"tier": {"header": "x-tier", "values": {}}})),
@@ -172,14 +180,159 @@ fn field_paths(schema: &Value, node: &Value, prefix: &str, out: &mut Vec<String>
     }
 }
 
+/// Every property in the schema with its path, as [`field_paths`] walks them, and whether it is
+/// required.
+fn field_props(schema: &Value, node: &Value, prefix: &str, out: &mut Vec<(String, Value, bool)>) {
+    let node = match node.get("$ref").and_then(Value::as_str) {
+        Some(r) => &schema["$defs"][r.trim_start_matches("#/$defs/")],
+        None => node,
+    };
+    if let Some(props) = node.get("properties").and_then(Value::as_object) {
+        let required = node.get("required").and_then(Value::as_array);
+        for (name, prop) in props {
+            let path = if prefix.is_empty() { name.clone() } else { format!("{prefix}.{name}") };
+            let is_required = required.is_some_and(|r| r.iter().any(|x| x == name));
+            out.push((path.clone(), prop.clone(), is_required));
+            field_props(schema, prop, &path, out);
+        }
+    }
+    if let Some(items) = node.get("items") {
+        field_props(schema, items, &format!("{prefix}[]"), out);
+    }
+    for alternative in node.get("anyOf").and_then(Value::as_array).into_iter().flatten() {
+        field_props(schema, alternative, prefix, out);
+    }
+}
+
+/// `docs/configuration.md`, the generated reference.
+fn committed_reference() -> String {
+    std::fs::read_to_string(filter_config_dir().join("../docs/configuration.md")).unwrap()
+}
+
 #[test]
-fn readme_documents_every_field() {
+fn committed_reference_matches_the_declarations() {
+    assert!(
+        committed_reference() == config_schema::reference::markdown(),
+        "docs/configuration.md is out of date; regenerate it with\n  make config-docs"
+    );
+}
+
+#[test]
+fn reference_documents_every_field() {
     let schema = committed_schema();
     let mut paths = Vec::new();
     field_paths(&schema, &schema, "", &mut paths);
     // version, endpoints (+2), models (+2), poller (+5), filter (+2).
     assert!(paths.len() >= 16, "{paths:?}");
-    let readme = std::fs::read_to_string(filter_config_dir().join("README.md")).unwrap();
-    let missing: Vec<&String> = paths.iter().filter(|p| !readme.contains(&format!("`{p}`"))).collect();
-    assert!(missing.is_empty(), "filter-config/README.md does not document {missing:?}");
+    let reference = committed_reference();
+    let missing: Vec<&String> =
+        paths.iter().filter(|p| !reference.contains(&format!("## `{p}`\n"))).collect();
+    assert!(missing.is_empty(), "docs/configuration.md does not document {missing:?}");
+}
+
+/// Every difference between the schema's fields and the reference's rows: a field only in one,
+/// a default or a bound that differs, a doc that is not the schema's description.
+fn schema_vs_reference(schema: &Value, rows: &[config_schema::reference::Row]) -> Vec<String> {
+    let mut props = Vec::new();
+    field_props(schema, schema, "", &mut props);
+    let mut bad = Vec::new();
+    for (path, prop, required) in &props {
+        let Some(row) = rows.iter().find(|r| &r.path == path) else {
+            bad.push(format!("{path}: in the schema, not in the reference"));
+            continue;
+        };
+        // A field whose default is skipped when serialised (`pd`, `endpoints[].role`) has no
+        // default in the schema, but is not required there either.
+        if let Some(d) = prop.get("default") {
+            if row.default.as_ref() != Some(d) {
+                bad.push(format!("{path}: schema default {d}, reference {:?}", row.default));
+            }
+        }
+        if *required != row.default.is_none() {
+            bad.push(format!("{path}: required in the schema: {required}, default {:?}", row.default));
+        }
+        for (bound, text) in [("minimum", &row.min), ("maximum", &row.max)] {
+            if let Some(text) = text {
+                let declared: f64 = text.parse().unwrap_or(f64::NAN);
+                if prop.get(bound).and_then(Value::as_f64) != Some(declared) {
+                    bad.push(format!("{path}: declared {bound} {text}, schema {:?}", prop.get(bound)));
+                }
+            }
+        }
+        let description = prop.get("description").and_then(Value::as_str).unwrap_or("");
+        if description != row.doc {
+            bad.push(format!("{path}: schema description {description:?}, reference doc {:?}", row.doc));
+        }
+    }
+    for row in rows.iter().filter(|r| !r.path.contains("<key>")) {
+        if !props.iter().any(|(p, _, _)| p == &row.path) {
+            bad.push(format!("{}: in the reference, not in the schema", row.path));
+        }
+    }
+    bad
+}
+
+#[test]
+fn every_schema_field_is_in_the_reference_with_the_same_default_bounds_and_doc() {
+    let schema = committed_schema();
+    let rows = config_schema::reference::rows();
+    assert!(rows.len() >= 100, "{}", rows.len());
+    let bad = schema_vs_reference(&schema, &rows);
+    assert!(bad.is_empty(), "schema and reference differ:\n{}", bad.join("\n"));
+
+    // A planted drift is caught: a default, a bound, a doc.
+    let mut drifted = rows.clone();
+    let row = drifted.iter_mut().find(|r| r.path == "flow_control.max_wait_ms").unwrap();
+    row.default = Some(json!(1));
+    row.min = Some("2".into());
+    row.doc.push('!');
+    let bad = schema_vs_reference(&schema, &drifted);
+    assert_eq!(bad.len(), 3, "{bad:#?}");
+    assert!(bad.iter().all(|b| b.starts_with("flow_control.max_wait_ms: ")), "{bad:#?}");
+}
+
+/// The value a doc states after "Default " (capital D, then a space), if it states one simply:
+/// a number, `true`/`false`/`null`, or a `code` span (a string, or JSON).
+fn stated_default(doc: &str) -> Option<String> {
+    let at = doc.find("Default ")?;
+    let rest = &doc[at + "Default ".len()..];
+    if let Some(code) = rest.strip_prefix('`') {
+        return code.split('`').next().map(str::to_string);
+    }
+    let token = rest.split_whitespace().next()?;
+    let token = token.trim_end_matches(['.', ',', ';', ':', ')']).replace('\u{2212}', "-");
+    // A word is prose ("Default priority of ..."), except these.
+    let word = token.chars().all(|c| c.is_alphabetic());
+    (!word || ["true", "false", "null", "none"].contains(&token.as_str())).then_some(token)
+}
+
+/// Does `stated` (from the doc) say `declared`?
+fn says(stated: &str, declared: &Value) -> bool {
+    match declared {
+        _ if stated == "none" => declared.is_null() || declared.as_array().is_some_and(Vec::is_empty),
+        Value::Number(n) => stated.parse::<f64>().ok() == n.as_f64(),
+        Value::String(s) => stated == s,
+        _ => serde_json::from_str::<Value>(stated).ok().as_ref() == Some(declared),
+    }
+}
+
+#[test]
+fn every_default_a_doc_states_is_the_declared_one() {
+    let mut checked = 0;
+    let mut bad = Vec::new();
+    for row in config_schema::reference::rows() {
+        let (Some(stated), Some(declared)) = (stated_default(&row.doc), &row.default) else { continue };
+        // Sections and objects ("Default: every field ...", "Default `{Critical: 10, ...}`") are
+        // described, not stated.
+        if declared.is_object() {
+            continue;
+        }
+        checked += 1;
+        if !says(&stated, declared) {
+            bad.push(format!("{}: the doc says {stated:?}, the declaration {declared}", row.path));
+        }
+    }
+    assert!(checked >= 50, "{checked}");
+    assert!(bad.is_empty(), "docs that state another default:\n{}", bad.join("\n"));
+    assert!(!says("3", &json!(30_000)) && says("30000", &json!(30_000)) && says("-10", &json!(-10)));
 }
