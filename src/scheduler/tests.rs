@@ -52,21 +52,9 @@ pub(crate) fn snap(eps: Vec<EndpointStatus>) -> Snapshot {
     Snapshot { version: 1, published_ms: NOW - 50, endpoints: eps }
 }
 
-/// The pick of a request naming its model: [`Scheduler::route_model`], then [`Scheduler::pick`]
-/// with no passive-health data and the default scope.
-trait PickModel {
-    fn pick_model(
-        &mut self,
-        r: &PickRequest<'_>,
-        sn: &Snapshot,
-        inf: &InflightCounts,
-        store: &dyn SharedStore,
-        rng: &mut dyn Rng,
-        now_ms: u64,
-    ) -> Result<Pick, Rejection>;
-}
-
-impl PickModel for Scheduler {
+impl Scheduler {
+    /// The pick of a request naming its model: [`Scheduler::route_model`], then
+    /// [`Scheduler::pick`] with no passive-health data and the default scope.
     fn pick_model(
         &mut self,
         r: &PickRequest<'_>,
