@@ -20,7 +20,7 @@ ENVOY_VERSION := 1.40.0
 # E2E_JOBS=1 runs the suite in one process.
 E2E_JOBS ?= 2
 
-.PHONY: all toolchain run test test-rust test-python wasm wasm-crash sim venv fmt-check clippy unit validate deploy-check e2e bench bench-check bench-routing schema config-docs oci fuzz clean passthrough-wasm wrk wasm-opt wasm-small bench-envoy bench-envoy-check docs-check wasm-next
+.PHONY: all toolchain run test test-rust test-python wasm wasm-crash sim venv fmt-check clippy unit validate deploy-check e2e bench bench-check bench-routing schema config-docs oci fuzz clean passthrough-wasm wrk wasm-opt wasm-small bench-envoy bench-envoy-check ext-proc-epp docs-check wasm-next
 
 all: wasm
 
@@ -178,6 +178,12 @@ fuzz:
 passthrough-wasm: toolchain
 	cargo build -p passthrough-wasm --target wasm32-wasip1 --release
 
+## ext-proc-epp: the endpoint-picker process of bench-envoy's ext_proc fronts (tools/ext-proc-epp):
+## an Envoy ext_proc gRPC server that picks round robin or with the crate's Scheduler.
+EXT_PROC_EPP := target/tools/ext-proc-epp
+ext-proc-epp:
+	cargo build -p ext-proc-epp --profile tools
+
 ## wrk: the load generator of bench-envoy, from the distribution's packages (apt-get, as root).
 ## Not root, or no apt-get: fails and says what to run (bench-envoy-check, and so `make test`,
 ## needs it: its smoke run does not skip).
@@ -193,18 +199,20 @@ wrk:
 	    exit 1; }; }
 
 ## bench-envoy: what the module costs inside Envoy (tools/bench-envoy/README.md): plain Envoy, the
-## pass-through wasm filter and the module side by side, one worker each, in front of fast fake pods;
+## pass-through wasm filter, the module, and Envoy's ext_proc filter with an endpoint-picker process
+## (round robin, or the crate's Scheduler) side by side, one worker each, in front of fast fake pods;
 ## 8/128/1024 endpoints, 1 KiB/32 KiB bodies, prefix hit/new prompt; and the poller's idle CPU.
-## Writes target/envoy-bench/report.md and prints ENVOY_COST and POLLER_COST lines (~15 min).
+## Writes target/envoy-bench/report.md and prints ENVOY_COST, EXTPROC_COST and POLLER_COST lines
+## (~20 min).
 ## BENCH_QUICK=1: a smoke run (~20 s). BENCH_ARGS passes more flags (see --help).
-bench-envoy: wasm passthrough-wasm venv wrk
+bench-envoy: wasm passthrough-wasm ext-proc-epp venv wrk
 	$(PY) tools/bench-envoy/bench_envoy.py --envoy $(ENVOY) --wasm $(WASM) --passthrough $(PASS_WASM) \
-	  --wrk "$$(command -v wrk)" --out target/envoy-bench $(BENCH_ARGS)
+	  --ext-proc-epp $(EXT_PROC_EPP) --wrk "$$(command -v wrk)" --out target/envoy-bench $(BENCH_ARGS)
 
 ## bench-envoy-check: the tool's unit tests and one BENCH_QUICK smoke run (no speed is asserted).
 ## Needs wrk: `make wrk` installs it as root, or fails saying what to run.
-bench-envoy-check: wasm passthrough-wasm venv wrk
-	PICKER_ENVOY=$(ENVOY) $(VENV)/bin/pytest -q tools/bench-envoy
+bench-envoy-check: wasm passthrough-wasm ext-proc-epp venv wrk
+	PICKER_ENVOY=$(ENVOY) PICKER_EXT_PROC_EPP=$(EXT_PROC_EPP) $(VENV)/bin/pytest -q tools/bench-envoy
 
 ## test: every check. fmt-check first (seconds: a formatting slip fails at once), then two lanes
 ## at once: the Rust lane (clippy unit bench-check, in target/debug) and the Python lane (wasm
@@ -236,7 +244,7 @@ test-rust:
 
 ## test-python: the Python lane of `make test`: its builds and the venv in parallel, then the
 ## checks one after another (the e2e suite itself runs E2E_JOBS files at a time).
-test-python: venv wasm sim wasm-crash wasm-next passthrough-wasm
+test-python: venv wasm sim wasm-crash wasm-next passthrough-wasm ext-proc-epp
 	@$(MAKE) --no-print-directory docs-check
 	@$(MAKE) --no-print-directory validate
 	@$(MAKE) --no-print-directory deploy-check

@@ -10,10 +10,15 @@ Processes (all on loopback, ports free-picked, every wait bounded, everything st
   plain (router, round robin over the N pods), pass (the pass-through wasm filter, then the same
   router) and module (envoy/envoy.yaml with the release .wasm and the shipped defaults: only
   `version`, `endpoints` and `models` are set);
+- two more fronts, extproc-rr and extproc-sched: the plain front plus Envoy's ext_proc filter
+  (request headers SEND, request body BUFFERED, response SKIP/NONE) over gRPC to an endpoint-picker
+  process (tools/ext-proc-epp, one per front: round robin, or the crate's Scheduler), which sets
+  x-gateway-destination-endpoint for the shipped override_host cluster;
 - wrk (one thread, a Lua script that varies the body for "new prompt") against one front at a time.
 
 Per-request CPU is the front Envoy's utime+stime from /proc/<pid>/stat over the run, divided by the
-requests wrk completed (and the same for the worker thread alone, /proc/<pid>/task/<tid>/stat).
+requests wrk completed (and the same for the worker thread alone, /proc/<pid>/task/<tid>/stat);
+for an ext_proc front also the EPP process's, and all-in = front + EPP.
 Idle CPU is the process's CPU time over a window with no traffic, from the sum of its threads'
 /proc/<pid>/task/<tid>/schedstat (nanoseconds; the 10 ms ticks of /proc/<pid>/stat are too coarse
 for a few ms per second), module beside plain; per scrape = (module - plain) / scrapes, counting
@@ -21,6 +26,7 @@ scrapes at the fake pods.
 
 Writes <out>/report.md and <out>/results.json, prints the report and one line per case:
   ENVOY_COST endpoints=<n> body=<bytes> module_vs_pass_us=<x> module_vs_plain_us=<x> prompt=<hit|new> ...
+  EXTPROC_COST endpoints=<n> body=<bytes> floor_allin_us=<x> sched_allin_us=<x> module_allin_us=<x> prompt=<hit|new> ...
   POLLER_COST endpoints=<n> idle_cpu_ms_per_s=<x> per_scrape_us=<x> ...
 """
 from __future__ import annotations
@@ -58,7 +64,14 @@ LLAMA = "meta-llama/Llama-3.1-8B-Instruct"
 METRICS_CLUSTER = "inference_pool_metrics"  # the poller's cluster in envoy/envoy.yaml
 METRICS_FIXTURE = REPO / "tests/fixtures/metrics/vllm_v1_0.33_dp2_lora_constructed.prom"
 MARK = "QQQQBENCHMARKQQQ"  # 16 letters: no Lua pattern characters
-VARIANTS = ("plain", "pass", "parse", "module")
+VARIANTS = ("plain", "pass", "parse", "module", "extproc-rr", "extproc-sched")
+# The ext_proc fronts: the `plain` front with Envoy's ext_proc filter talking over gRPC to an
+# endpoint-picker process (tools/ext-proc-epp) in this mode: `rr`, the architecture's floor
+# (read `model`, round robin), or `scheduler`, inference-picker's own Scheduler as an EPP.
+EXTPROC = {"extproc-rr": "rr", "extproc-sched": "scheduler"}
+EPP_CLUSTER = "ext_proc_epp"  # the fronts' gRPC cluster to the EPP process
+# Fronts whose runs come in two prompts (prefix hit, new prompt): the ones that look at it.
+PROMPTED = ("module", "extproc-sched")
 # Top-level sections added to the module's configuration (--module-extra), e.g. body-based
 # routing: {"pool": {"name": "bench", "route_by_model": true}}.
 MODULE_EXTRA: dict = {}
@@ -175,7 +188,8 @@ def front_did_its_job(variant: str, headers: dict, body_len: int, pod_addrs: set
     dest = headers.get("x-bench-destination", "")
     if variant in ("pass", "parse"):  # `parse` sets 0 for a body that is not JSON
         return seen_len == str(body_len) and not dest
-    if variant == "module":
+    if variant == "module" or variant in EXTPROC:
+        # The module, and the EPP through ext_proc, named a pod in the destination header.
         return dest.split(",")[0] in pod_addrs and not seen_len
     return not seen_len and not dest
 
@@ -255,8 +269,39 @@ def passthrough_filter(name: str, wasm: Path, plugin: str | None = None) -> dict
         "@type": "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm", "config": config}}
 
 
+def ext_proc_filter() -> dict:
+    """Envoy's ext_proc filter as the Gateway API Inference Extension configures it for its
+    endpoint picker: a gRPC service on an Envoy cluster, the request's headers sent, its body
+    buffered and sent whole, nothing of the response. It fails closed (no answer: no request)."""
+    return {"name": "envoy.filters.http.ext_proc", "typed_config": {
+        "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
+        "grpc_service": {"envoy_grpc": {"cluster_name": EPP_CLUSTER}, "timeout": "10s"},
+        "failure_mode_allow": False,
+        # The default (200 ms) would fail requests on a loaded 2-core machine; errors show anyway.
+        "message_timeout": "10s",
+        "processing_mode": {"request_header_mode": "SEND", "response_header_mode": "SKIP",
+                            "request_body_mode": "BUFFERED", "response_body_mode": "NONE",
+                            "request_trailer_mode": "SKIP", "response_trailer_mode": "SKIP"}}}
+
+
+def epp_cluster(epp_port: int) -> dict:
+    """The EPP process on loopback, spoken to over HTTP/2 (gRPC)."""
+    return {"name": EPP_CLUSTER, "type": "STATIC", "connect_timeout": "1s",
+            "typed_extension_protocol_options": {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+                "explicit_http_config": {"http2_protocol_options": {}}}},
+            "load_assignment": {"cluster_name": EPP_CLUSTER, "endpoints": [
+                {"lb_endpoints": [{"endpoint": {"address": sock("127.0.0.1", epp_port)}}]}]}}
+
+
+def epp_command(binary: Path, mode: str, port: int, pods: list[str], metrics_file: Path) -> list[str]:
+    """The EPP process's command line (tools/ext-proc-epp)."""
+    return [str(binary), "--port", str(port), "--mode", mode, "--endpoints", ",".join(pods),
+            "--metrics", str(metrics_file), "--model", LLAMA]
+
+
 def front_config(variant: str, base: dict, addresses: list[str], pod_port: int, port: int,
-                 admin_port: int, module_wasm: Path, pass_wasm: Path) -> dict:
+                 admin_port: int, module_wasm: Path, pass_wasm: Path, epp_port: int | None = None) -> dict:
     """`module`: envoy/envoy.yaml as shipped, with ports, the .wasm path and a default-only
     configuration for these pods. `plain` and `pass`: the same listener and HCM, with the router
     on a round-robin STATIC cluster of the pods, and for `pass` the pass-through filter first."""
@@ -273,6 +318,16 @@ def front_config(variant: str, base: dict, addresses: list[str], pod_port: int, 
         set_module(doc, module_wasm, json.dumps({
             "version": 1, "endpoints": [{"address": p, "models": [LLAMA]} for p in pods],
             "models": [{"name": LLAMA}], **MODULE_EXTRA}))
+        return doc
+    if variant in EXTPROC:
+        # The `plain` front plus the ext_proc filter. The pool cluster stays as shipped
+        # (override_host, NO_FALLBACK): a request the EPP named no pod for finds no host (503),
+        # so every 200 was routed by the EPP's header.
+        doc.pop("bootstrap_extensions", None)
+        if epp_port is None:
+            raise ValueError(f"{variant} needs epp_port")
+        doc["static_resources"]["clusters"].append(epp_cluster(epp_port))
+        hcm_cfg["http_filters"] = [ext_proc_filter(), ROUTER]
         return doc
     for cluster in doc["static_resources"]["clusters"]:
         if cluster["name"] == POOL_CLUSTER and "load_assignment" in cluster:
@@ -410,6 +465,45 @@ class Envoy:
         stop_process(self.proc)
 
 
+class Epp:
+    """One ext-proc-epp process (tools/ext-proc-epp) on a free-picked loopback port."""
+
+    def __init__(self, name: str, binary: Path, mode: str, pods: list[str], metrics_file: Path, workdir: Path):
+        self.name = name
+        self.port = free_port()
+        self.log_path = workdir / f"{name}.log"
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(epp_command(binary, mode, self.port, pods, metrics_file),
+                                         stdout=subprocess.DEVNULL, stderr=log)
+        _live.append(self.proc)
+        self.pid = self.proc.pid
+
+    def wait_ready(self, timeout: float) -> None:
+        """Until the port accepts a connection (the server binds it before it serves)."""
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited ({self.proc.returncode}):\n{self.log()}")
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=1):
+                    return
+            except OSError:
+                time.sleep(0.05)
+        raise RuntimeError(f"{self.name} not listening after {timeout} s:\n{self.log()}")
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text()[-4000:]
+        except OSError:
+            return ""
+
+    def cpu_ticks(self) -> int:
+        return stat_cpu_ticks(Path(f"/proc/{self.pid}/stat").read_text())
+
+    def stop(self) -> None:
+        stop_process(self.proc)
+
+
 def loadavg() -> str:
     return " ".join(Path("/proc/loadavg").read_text().split()[:3])
 
@@ -427,18 +521,26 @@ def run_wrk(wrk: str, url: str, script: Path, seconds: float, connections: int) 
     return parse_wrk(out.stdout)
 
 
-def measure(front: Envoy, wrk: str, script: Path, seconds: float, connections: int) -> dict:
+def measure(front: Envoy, wrk: str, script: Path, seconds: float, connections: int,
+            epp: Epp | None = None) -> dict:
+    """One wrk run: the front's CPU per request (process, worker thread) and, for an ext_proc
+    front, the EPP process's too (`epp_us_per_req`) and their sum (`allin_us_per_req`)."""
     tid = front.worker_tid()
+    e0 = epp.cpu_ticks() if epp else 0
     t0, w0, la0 = front.cpu_ticks(), front.thread_ticks(tid) if tid else 0, loadavg()
     r = run_wrk(wrk, front.url, script, seconds, connections)
     t1, w1 = front.cpu_ticks(), front.thread_ticks(tid) if tid else 0
+    e1 = epp.cpu_ticks() if epp else 0
     tick_us = 1e6 / os.sysconf("SC_CLK_TCK")
     n = max(1, r["requests"])
     errors = r["errors_status"] + r["errors_connect"] + r["errors_read"] + r["errors_write"] + r["errors_timeout"]
+    cpu = (t1 - t0) * tick_us / n
+    epp_us = (e1 - e0) * tick_us / n if epp else 0.0
     return {
+        "epp_us_per_req": epp_us if epp else float("nan"), "allin_us_per_req": cpu + epp_us,
         "requests": r["requests"], "rps": r["requests"] / (r["duration_us"] / 1e6),
         "p50_ms": r["p50_us"] / 1000, "p99_ms": r["p99_us"] / 1000,
-        "cpu_us_per_req": (t1 - t0) * tick_us / n,
+        "cpu_us_per_req": cpu,
         "worker_us_per_req": (w1 - w0) * tick_us / n if tid else float("nan"),
         "errors": errors, "non_2xx": r["errors_status"], "statuses": r["statuses"], "loadavg": la0,
     }
@@ -451,6 +553,8 @@ def main() -> int:
     ap.add_argument("--wasm", default=str(REPO / "target/wasm32-wasip1/release/inference_picker.wasm"))
     ap.add_argument("--passthrough", default=str(REPO / "target/wasm32-wasip1/release/passthrough_wasm.wasm"))
     ap.add_argument("--wrk", default=shutil.which("wrk") or "wrk")
+    ap.add_argument("--ext-proc-epp", default=str(REPO / "target/tools/ext-proc-epp"),
+                    help="the ext_proc endpoint picker of the extproc-* fronts (tools/ext-proc-epp)")
     ap.add_argument("--out", default=str(REPO / "target/envoy-bench"))
     ap.add_argument("--quick", action="store_true", default=quick_env,
                     help="smoke run: 8 endpoints, 1 KiB, 1 s runs, 1 repetition (also BENCH_QUICK=1)")
@@ -492,9 +596,9 @@ def main() -> int:
     reps = args.reps or (1 if q else 3)
     idle_seconds = args.idle_seconds or (1 if q else 10)
     warmup = 0 if q else 2
-    for path in (args.envoy, args.wasm, args.passthrough):
+    for path in (args.envoy, args.wasm, args.passthrough, *([] if args.poller_only else [args.ext_proc_epp])):
         if not Path(path).is_file():
-            print(f"bench-envoy: missing {path} (run `make wasm passthrough-wasm venv`)", file=sys.stderr)
+            print(f"bench-envoy: missing {path} (run `make wasm passthrough-wasm ext-proc-epp venv`)", file=sys.stderr)
             return 2
     if args.poller_only:
         bodies = []
@@ -533,10 +637,20 @@ def main() -> int:
                          pods_config(addresses, pod_port, (pa := free_port()), metrics_file),
                          work, concurrency=1, admin_port=pa)
             pods.wait_ready(60)
+            pod_list = [f"{a}:{pod_port}" for a in addresses]
+            # The EPP processes of the ext_proc fronts (not for --poller-only: nothing routes).
+            epps: dict[str, Epp] = {} if args.poller_only else {
+                v: Epp(f"epp-{mode}-{n}", Path(args.ext_proc_epp), mode, pod_list, metrics_file, work)
+                for v, mode in EXTPROC.items()}
+            for e in epps.values():
+                e.wait_ready(30)
             fronts: dict[str, Envoy] = {}
             for v in VARIANTS:
+                if v in EXTPROC and v not in epps:
+                    continue
                 port, admin = free_port(), free_port()
-                doc = front_config(v, base, addresses, pod_port, port, admin, Path(args.wasm), Path(args.passthrough))
+                doc = front_config(v, base, addresses, pod_port, port, admin, Path(args.wasm), Path(args.passthrough),
+                                   epp_port=epps[v].port if v in epps else None)
                 fronts[v] = Envoy(f"{v}-{n}", Path(args.envoy), doc, work, concurrency=1, admin_port=admin, port=port)
             probe = chat_body_template(1024).replace(MARK, "0" * len(MARK)).encode()
             pod_set = {f"{a}:{pod_port}" for a in addresses}
@@ -602,20 +716,24 @@ def main() -> int:
                 f.stop()
 
             for b in bodies:
-                cases = [("plain", False), ("pass", False), ("parse", False), ("module", False), ("module", True)]
+                cases = [("plain", False), ("pass", False), ("parse", False), ("module", False), ("module", True),
+                         ("extproc-rr", False), ("extproc-sched", False), ("extproc-sched", True)]
                 for v, new in cases if warmup else ():  # warm up connections, VMs and caches
                     run_wrk(args.wrk, fronts[v].url, scripts[(b, new)], warmup, args.connections)
                 for rep in range(reps):  # interleaved, so drifting load hits every variant alike
                     for v, new in cases:
-                        m = measure(fronts[v], args.wrk, scripts[(b, new)], seconds, args.connections)
+                        m = measure(fronts[v], args.wrk, scripts[(b, new)], seconds, args.connections, epps.get(v))
                         m.update({"endpoints": n, "body": b, "variant": v,
-                                  "prompt": ("new" if new else "hit") if v == "module" else "-", "rep": rep})
+                                  "prompt": ("new" if new else "hit") if v in PROMPTED else "-", "rep": rep})
                         results.append(m)
-                        print(f"  {n:>5} ep {b:>6} B {v:>6} {m['prompt']:>3} rep {rep}: {m['rps']:8.0f} req/s "
-                              f"cpu {m['cpu_us_per_req']:6.1f} us/req worker {m['worker_us_per_req']:6.1f} "
+                        epp_text = f" epp {m['epp_us_per_req']:6.1f}" if v in EXTPROC else ""
+                        print(f"  {n:>5} ep {b:>6} B {v:>13} {m['prompt']:>3} rep {rep}: {m['rps']:8.0f} req/s "
+                              f"cpu {m['cpu_us_per_req']:6.1f} us/req worker {m['worker_us_per_req']:6.1f}{epp_text} "
                               f"errors {m['errors']}", flush=True)
             for f in fronts.values():
                 f.stop()
+            for e in epps.values():
+                e.stop()
             pods.stop()
     finally:
         _stop_all()
@@ -661,9 +779,58 @@ def combine(paths: list[str], out: Path) -> int:
     return 0
 
 
+def extproc_section(results: list[dict], combos: list[tuple[int, int]], med) -> tuple[list[str], list[str]]:
+    """The ext_proc EPP beside the module: all-in CPU per request (front Envoy + EPP process; the
+    module's front alone) and wrk's latency added over `plain`, medians. Empty when no ext_proc
+    front ran (an older results.json)."""
+    if not any(r.get("variant") in EXTPROC for r in results):
+        return [], []
+    md = ["", "## ext_proc endpoint picker vs the module (medians)", "",
+          "The same `plain` front with Envoy's ext_proc filter (request headers SEND, request body "
+          "BUFFERED, response SKIP/NONE) and an endpoint-picker process on loopback gRPC "
+          "(tools/ext-proc-epp): `floor` = round robin after reading `model` (the least that "
+          "architecture costs), `sched` = inference-picker's Scheduler in that process. All-in = front "
+          "Envoy process + EPP process CPU per request; the module's all-in is its front Envoy process "
+          "(its poller included). Added latency = the front's p50/p99 − plain's, from the same interleaved runs.", "",
+          "| endpoints | body | prompt | plain µs | floor all-in µs | sched all-in µs | module all-in µs | "
+          "floor EPP µs | sched EPP µs | worker: floor | worker: sched | worker: module | "
+          "p50 added ms floor / sched / module | p99 added ms floor / sched / module |",
+          "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
+    lines = []
+    for n, b in combos:
+        c = dict(endpoints=n, body=b)
+        plain = med("cpu_us_per_req", variant="plain", **c)
+        p50p, p99p = med("p50_ms", variant="plain", **c), med("p99_ms", variant="plain", **c)
+        floor = {k: med(k, variant="extproc-rr", **c) for k in
+                 ("allin_us_per_req", "epp_us_per_req", "worker_us_per_req", "p50_ms", "p99_ms")}
+        for p in ("hit", "new"):
+            sched = {k: med(k, variant="extproc-sched", prompt=p, **c) for k in floor}
+            mod = {k: med(k, variant="module", prompt=p, **c) for k in
+                   ("cpu_us_per_req", "worker_us_per_req", "p50_ms", "p99_ms")}
+            md.append(f"| {n} | {b} | {p} | {fmt(plain)} | {fmt(floor['allin_us_per_req'])} | "
+                      f"{fmt(sched['allin_us_per_req'])} | {fmt(mod['cpu_us_per_req'])} | "
+                      f"{fmt(floor['epp_us_per_req'])} | {fmt(sched['epp_us_per_req'])} | "
+                      f"{fmt(floor['worker_us_per_req'])} | {fmt(sched['worker_us_per_req'])} | "
+                      f"{fmt(mod['worker_us_per_req'])} | "
+                      f"{fmt(floor['p50_ms'] - p50p, 2)} / {fmt(sched['p50_ms'] - p50p, 2)} / {fmt(mod['p50_ms'] - p50p, 2)} | "
+                      f"{fmt(floor['p99_ms'] - p99p, 2)} / {fmt(sched['p99_ms'] - p99p, 2)} / {fmt(mod['p99_ms'] - p99p, 2)} |")
+            lines.append(
+                f"EXTPROC_COST endpoints={n} body={b} floor_allin_us={fmt(floor['allin_us_per_req'])} "
+                f"sched_allin_us={fmt(sched['allin_us_per_req'])} module_allin_us={fmt(mod['cpu_us_per_req'])} "
+                f"prompt={p} plain_us={fmt(plain)} "
+                f"floor_epp_us={fmt(floor['epp_us_per_req'])} sched_epp_us={fmt(sched['epp_us_per_req'])} "
+                f"floor_worker_us={fmt(floor['worker_us_per_req'])} sched_worker_us={fmt(sched['worker_us_per_req'])} "
+                f"module_worker_us={fmt(mod['worker_us_per_req'])} "
+                f"floor_p50_added_ms={fmt(floor['p50_ms'] - p50p, 2)} sched_p50_added_ms={fmt(sched['p50_ms'] - p50p, 2)} "
+                f"module_p50_added_ms={fmt(mod['p50_ms'] - p50p, 2)} "
+                f"floor_p99_added_ms={fmt(floor['p99_ms'] - p99p, 2)} sched_p99_added_ms={fmt(sched['p99_ms'] - p99p, 2)} "
+                f"module_p99_added_ms={fmt(mod['p99_ms'] - p99p, 2)}")
+    return md, lines
+
+
 def render_report(results: list[dict], idle: list[dict], env: dict) -> tuple[str, list[str]]:
     def med(key: str, **match) -> float:
-        return median([r[key] for r in results if all(r[k] == v for k, v in match.items())])
+        return median([r.get(key, float("nan")) for r in results if all(r.get(k) == v for k, v in match.items())])
 
     lines: list[str] = []
     md = ["# make bench-envoy", "",
@@ -677,21 +844,29 @@ def render_report(results: list[dict], idle: list[dict], env: dict) -> tuple[str
           f"({env.get('metrics_name', METRICS_FIXTURE.name)}, waiting set to 0).", "",
           "CPU = front Envoy utime+stime (/proc/<pid>/stat) over the run / requests completed; "
           "worker = the same for its worker thread only (excludes the main thread, where the module's "
-          "poller runs).", "",
+          "poller runs). For the ext_proc fronts, EPP = the endpoint-picker process's utime+stime over the "
+          "same run / requests, and all-in = front CPU + EPP; for every other front all-in = front CPU.", "",
           "## Per request", "",
-          "| endpoints | body | front | prompt | req/s | p50 ms | p99 ms | CPU µs/req | worker µs/req | errors (status:count) |",
-          "|---:|---:|---|---|---:|---:|---:|---:|---:|---:|"]
+          "| endpoints | body | front | prompt | req/s | p50 ms | p99 ms | CPU µs/req | worker µs/req | "
+          "EPP µs/req | all-in µs/req | errors (status:count) |",
+          "|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     combos = sorted({(r["endpoints"], r["body"]) for r in results})
     for n, b in combos:
-        for v, p in (("plain", "-"), ("pass", "-"), ("parse", "-"), ("module", "hit"), ("module", "new")):
+        for v, p in (("plain", "-"), ("pass", "-"), ("parse", "-"), ("module", "hit"), ("module", "new"),
+                     ("extproc-rr", "-"), ("extproc-sched", "hit"), ("extproc-sched", "new")):
             sel = dict(endpoints=n, body=b, variant=v, prompt=p)
             runs = [r for r in results if all(r[k] == x for k, x in sel.items())]
+            if not runs:
+                continue
             errs = sum(r["errors"] for r in runs)
             by_status = merge_statuses([r.get("statuses", "") for r in runs])
             errs = f"{errs} ({by_status})" if by_status else str(errs)
             md.append(f"| {n} | {b} | {v} | {p} | {fmt(med('rps', **sel), 0)} | {fmt(med('p50_ms', **sel), 2)} | "
                       f"{fmt(med('p99_ms', **sel), 2)} | {fmt(med('cpu_us_per_req', **sel))} | "
-                      f"{fmt(med('worker_us_per_req', **sel))} | {errs} |")
+                      f"{fmt(med('worker_us_per_req', **sel))} | "
+                      f"{fmt(med('epp_us_per_req', **sel)) if v in EXTPROC else '-'} | "
+                      f"{fmt(med('allin_us_per_req', **sel)) if v in EXTPROC else fmt(med('cpu_us_per_req', **sel))} "
+                      f"| {errs} |")
     md += ["", "## What the module adds (µs of CPU per request, medians)", "",
            "`parse` is the pass-through filter that also checks the body is JSON (serde_json into "
            "`IgnoredAny`, nothing kept): the least any filter routing on the body must do, so "
@@ -714,6 +889,9 @@ def render_report(results: list[dict], idle: list[dict], env: dict) -> tuple[str
                          f"module_vs_plain_us={fmt(mod - plain)} prompt={p} "
                          f"worker_module_vs_pass_us={fmt(wmod - wpass)} worker_module_vs_plain_us={fmt(wmod - wplain)} "
                          f"worker_parse_vs_pass_us={fmt(wparse - wpass)} worker_module_vs_parse_us={fmt(wmod - wparse)}")
+    xmd, xlines = extproc_section(results, combos, med)
+    md += xmd
+    lines += xlines
     md += ["", "## The poller at idle (no traffic)", "",
            "CPU of the whole front Envoy process (sum of its threads' /proc/<pid>/task/<tid>/schedstat) over "
            f"{env['idle_seconds']:g} s windows, medians; scrapes counted at each front's metrics cluster "

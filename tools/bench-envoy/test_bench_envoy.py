@@ -90,6 +90,10 @@ def test_front_did_its_job():
     assert not be.front_did_its_job("parse", {"x-bench-body-bytes": "0"}, 1024, pods)
     assert be.front_did_its_job("module", {"x-bench-destination": "127.88.0.2:9000,127.88.0.3:9000"}, 1024, pods)
     assert not be.front_did_its_job("module", {"x-bench-destination": "10.0.0.1:1"}, 1024, pods)
+    for v in be.EXTPROC:  # the EPP's header reached the pod, nothing else was added
+        assert be.front_did_its_job(v, {"x-bench-destination": "127.88.0.2:9000"}, 1024, pods)
+        assert not be.front_did_its_job(v, {}, 1024, pods)
+        assert not be.front_did_its_job(v, {"x-bench-destination": "127.0.0.1:1"}, 1024, pods)
     assert be.front_did_its_job("plain", {}, 1024, pods)
     assert not be.front_did_its_job("plain", {"x-bench-body-bytes": "1024"}, 1024, pods)
 
@@ -97,8 +101,8 @@ def test_front_did_its_job():
 def test_front_configs_share_the_listener_and_differ_only_in_filters():
     base = yaml.safe_load((REPO / "envoy/envoy.yaml").read_text())
     addrs = be.pod_addresses(3)
-    docs = {v: be.front_config(v, base, addrs, 9000, 8000, 8001, Path("/m.wasm"), Path("/p.wasm"))
-            for v in be.VARIANTS}
+    docs = {v: be.front_config(v, base, addrs, 9000, 8000, 8001, Path("/m.wasm"), Path("/p.wasm"), epp_port=7000)
+            for v in be.VARIANTS if v not in be.EXTPROC}
     hcm = {v: d["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
            for v, d in docs.items()}
     names = {v: [f["name"] for f in h["http_filters"]] for v, h in hcm.items()}
@@ -136,6 +140,83 @@ def test_front_configs_share_the_listener_and_differ_only_in_filters():
     assert "127.88." not in json.dumps(base)
 
 
+@pytest.mark.parametrize("variant", sorted(be.EXTPROC))
+def test_ext_proc_front_is_plain_plus_the_filter_on_a_grpc_cluster(variant):
+    base = yaml.safe_load((REPO / "envoy/envoy.yaml").read_text())
+    addrs = be.pod_addresses(3)
+    doc = be.front_config(variant, base, addrs, 9000, 8000, 8001, Path("/m.wasm"), Path("/p.wasm"), epp_port=7000)
+    plain = be.front_config("plain", base, addrs, 9000, 8000, 8001, Path("/m.wasm"), Path("/p.wasm"))
+    assert "bootstrap_extensions" not in doc  # no module, no poller
+    hcm = doc["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    phcm = plain["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    assert [f["name"] for f in hcm["http_filters"]] == ["envoy.filters.http.ext_proc", "envoy.filters.http.router"]
+    assert hcm["route_config"] == phcm["route_config"]  # same route, retry policy included
+    ep = hcm["http_filters"][0]["typed_config"]
+    assert ep["@type"].endswith("ext_proc.v3.ExternalProcessor")
+    assert ep["grpc_service"]["envoy_grpc"]["cluster_name"] == be.EPP_CLUSTER
+    assert ep["failure_mode_allow"] is False
+    assert ep["processing_mode"] == {"request_header_mode": "SEND", "response_header_mode": "SKIP",
+                                     "request_body_mode": "BUFFERED", "response_body_mode": "NONE",
+                                     "request_trailer_mode": "SKIP", "response_trailer_mode": "SKIP"}
+    clusters = {c["name"]: c for c in doc["static_resources"]["clusters"]}
+    epp = clusters[be.EPP_CLUSTER]
+    assert epp["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"] == \
+        {"socket_address": {"address": "127.0.0.1", "port_value": 7000}}
+    opts = epp["typed_extension_protocol_options"]["envoy.extensions.upstreams.http.v3.HttpProtocolOptions"]
+    assert "http2_protocol_options" in opts["explicit_http_config"]
+    # The pool cluster is the shipped one (override_host on the EPP's header, NO_FALLBACK: a request
+    # the EPP named no pod for gets no host), listing the pods.
+    pool = clusters["inference_pool"]
+    shipped = next(c for c in base["static_resources"]["clusters"] if c["name"] == "inference_pool")
+    assert pool["load_balancing_policy"] == shipped["load_balancing_policy"]
+    lb = pool["load_balancing_policy"]["policies"][0]["typed_extension_config"]["typed_config"]
+    assert lb["override_host_sources"] == [{"header": "x-gateway-destination-endpoint"}]
+    eps = pool["load_assignment"]["endpoints"][0]["lb_endpoints"]
+    assert [e["endpoint"]["address"]["socket_address"]["address"] for e in eps] == addrs
+    with pytest.raises(ValueError):
+        be.front_config(variant, base, addrs, 9000, 8000, 8001, Path("/m.wasm"), Path("/p.wasm"))
+
+
+def test_epp_command_names_the_mode_port_pods_and_metrics():
+    cmd = be.epp_command(Path("/bin/epp"), "scheduler", 7000, ["127.88.0.2:9000", "127.88.0.3:9000"], Path("/m.prom"))
+    assert cmd == ["/bin/epp", "--port", "7000", "--mode", "scheduler", "--endpoints",
+                   "127.88.0.2:9000,127.88.0.3:9000", "--metrics", "/m.prom", "--model", be.LLAMA]
+    assert set(be.EXTPROC.values()) == {"rr", "scheduler"}
+
+
+def test_extproc_cost_line_sums_front_and_epp_and_subtracts_plain_latency():
+    env = dict(started="s", minutes=1.0, load_start="1 1 1", load_end="2 2 2", quick=False, seconds=8,
+               reps=1, idle_seconds=10, connections=8, envoy="1.40.0", wasm_bytes=1, pass_bytes=1,
+               metrics_bytes=1, nproc=2)
+    nan = float("nan")
+
+    def row(v, p, cpu, epp, p50, p99, worker):
+        return dict(endpoints=128, body=32768, variant=v, prompt=p, rps=1.0, p50_ms=p50, p99_ms=p99,
+                    cpu_us_per_req=cpu, worker_us_per_req=worker, epp_us_per_req=epp,
+                    allin_us_per_req=cpu + (0 if epp != epp else epp), errors=0, statuses="")
+    rows = [row("plain", "-", 100, nan, 1.0, 2.0, 90), row("pass", "-", 110, nan, 1.0, 2.0, 100),
+            row("parse", "-", 115, nan, 1.0, 2.0, 105),
+            row("module", "hit", 150, nan, 1.5, 3.0, 130), row("module", "new", 170, nan, 1.6, 3.5, 140),
+            row("extproc-rr", "-", 160, 40, 1.8, 4.0, 120),
+            row("extproc-sched", "hit", 165, 90, 2.0, 5.0, 121), row("extproc-sched", "new", 166, 120, 2.25, 6.0, 122)]
+    report, lines = be.render_report(rows, [], env)
+    ext = [l for l in lines if l.startswith("EXTPROC_COST ")]
+    assert len(ext) == 2
+    assert ext[0].startswith("EXTPROC_COST endpoints=128 body=32768 floor_allin_us=200.0 sched_allin_us=255.0 "
+                             "module_allin_us=150.0 prompt=hit plain_us=100.0 floor_epp_us=40.0 sched_epp_us=90.0 "
+                             "floor_worker_us=120.0 sched_worker_us=121.0 module_worker_us=130.0 "
+                             "floor_p50_added_ms=0.80 sched_p50_added_ms=1.00 module_p50_added_ms=0.50 "
+                             "floor_p99_added_ms=2.00 sched_p99_added_ms=3.00 module_p99_added_ms=1.00"), ext[0]
+    assert " sched_allin_us=286.0 module_allin_us=170.0 prompt=new " in ext[1]
+    assert " sched_p50_added_ms=1.25 " in ext[1]
+    assert "## ext_proc endpoint picker vs the module" in report
+    # The per-request table shows the EPP and the all-in columns for the ext_proc fronts.
+    assert "| 128 | 32768 | extproc-rr | - |" in report and "| 40.0 | 200.0 |" in report
+    # Without ext_proc runs (an older results.json) there is no such section and no line.
+    report, lines = be.render_report([r for r in rows if r["variant"] not in be.EXTPROC], [], env)
+    assert "## ext_proc" not in report and not any(l.startswith("EXTPROC_COST") for l in lines)
+
+
 @pytest.mark.parametrize("what", ["headers", "body"])
 def test_poll_floor_front_scrapes_the_pods_through_the_shipped_metrics_cluster(what):
     base = yaml.safe_load((REPO / "envoy/envoy.yaml").read_text())
@@ -160,12 +241,13 @@ def test_quick_run_writes_the_report_and_the_lines(tmp_path):
     envoy = Path(os.environ.get("PICKER_ENVOY", REPO / ".venv/bin/envoy"))
     wasm = REPO / "target/wasm32-wasip1/release/inference_picker.wasm"
     passthrough = REPO / "target/wasm32-wasip1/release/passthrough_wasm.wasm"
-    for p in (envoy, wasm, passthrough):
+    epp = Path(os.environ.get("PICKER_EXT_PROC_EPP", REPO / "target/tools/ext-proc-epp"))
+    for p in (envoy, wasm, passthrough, epp):
         assert p.is_file(), f"{p} missing: run `make bench-envoy-check`"
     assert shutil.which("wrk"), "wrk missing: run `make wrk` as root, or `sudo apt-get install wrk`"
     out = subprocess.run(
         [sys.executable, str(Path(be.__file__)), "--envoy", str(envoy), "--wasm", str(wasm),
-         "--passthrough", str(passthrough), "--out", str(tmp_path)],
+         "--passthrough", str(passthrough), "--ext-proc-epp", str(epp), "--out", str(tmp_path)],
         env={**os.environ, "BENCH_QUICK": "1"}, capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     lines = out.stdout.splitlines()
@@ -176,6 +258,12 @@ def test_quick_run_writes_the_report_and_the_lines(tmp_path):
         assert re.match(rf"ENVOY_COST endpoints=8 body=1024 module_vs_pass_us={num}+ module_vs_plain_us={num}+ "
                         r"prompt=(hit|new) ", l), l
         assert re.search(rf" worker_parse_vs_pass_us={num}+ worker_module_vs_parse_us={num}+$", l), l
+    ext = [l for l in lines if l.startswith("EXTPROC_COST ")]
+    assert len(ext) == 2, out.stdout[-3000:]
+    for l in ext:  # both ext_proc fronts ran: their all-in figures are numbers
+        assert re.match(rf"EXTPROC_COST endpoints=8 body=1024 floor_allin_us={num}+ sched_allin_us={num}+ "
+                        rf"module_allin_us={num}+ prompt=(hit|new) ", l), l
+        assert re.search(rf" floor_epp_us={num}+ sched_epp_us={num}+ ", l), l
     poller = [l for l in lines if l.startswith("POLLER_COST ")]
     assert len(poller) == 1 and re.match(rf"POLLER_COST endpoints=8 idle_cpu_ms_per_s={num}+ per_scrape_us={num}+ ",
                                          poller[0]), poller
@@ -185,7 +273,10 @@ def test_quick_run_writes_the_report_and_the_lines(tmp_path):
     assert "## Per request" in report and "## The poller at idle" in report
     runs = json.loads((tmp_path / "results.json").read_text())["runs"]
     assert {(r["variant"], r["prompt"]) for r in runs} == {
-        ("plain", "-"), ("pass", "-"), ("parse", "-"), ("module", "hit"), ("module", "new")}
+        ("plain", "-"), ("pass", "-"), ("parse", "-"), ("module", "hit"), ("module", "new"),
+        ("extproc-rr", "-"), ("extproc-sched", "hit"), ("extproc-sched", "new")}
+    # The ext_proc runs answered (every request routed by the EPP's header: the pool has no fallback).
+    assert all(r["errors"] == 0 and r["requests"] > 0 for r in runs if r["variant"] in be.EXTPROC), runs
     idle = json.loads((tmp_path / "results.json").read_text())["idle"]
     assert all(i["floor_headers_scrapes_per_s"] > 0 and i["floor_body_scrapes_per_s"] > 0 for i in idle), idle
 
