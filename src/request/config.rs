@@ -80,9 +80,9 @@ settings! {
         /// paths cost about the same, still splits; saturated prefill pods do not make every request
         /// wait behind them.
         /// 0 disables the guard (llm-d's rule alone). 0 or 1 to 1000; default 0 (off): in the P/D
-        /// replay it rescued prefill-bound pools (2 prefill + 6 decode) but made a pool whose decode
-        /// pods then prefilled long prompts (4 + 4) collapse at some loads (docs/pd.md); enable it,
-        /// 2 to 8, where the prefill pods are the bottleneck.
+        /// replay it rescued prefill-bound pools (2 prefill + 6 decode) and raised TPOT wherever
+        /// requests stopped being split (docs/pd.md); enable it (2) where the prefill pods are the
+        /// bottleneck and TTFT matters more than TPOT.
         #[schema(range(min = 0.0, max = 1000.0))]
         pub prefill_busy_factor: f64 = 0.0,
         /// KV transfer time per 1,000 prompt tokens, in ms, added to the prefill path by the
