@@ -9,102 +9,13 @@
 
 use criterion::{black_box, criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 
-use inference_picker::base::ports::Rng;
 use inference_picker::base::ports::{MemStore, SplitMix64};
-use inference_picker::config::Config;
 use inference_picker::request::body::parse_request;
 use inference_picker::scheduler::prefix;
-use inference_picker::scheduler::{Pick, PickInput, PickRequest, PickState, Scheduler};
-use inference_picker::state::health::HealthView;
-use inference_picker::state::inflight::InflightCounts;
-use inference_picker::state::metrics::EndpointMetrics;
-use inference_picker::state::snapshot::{EndpointStatus, Snapshot};
+use inference_picker::scheduler::{PickRequest, Scheduler};
 
-const PATH: &str = "/v1/chat/completions";
-const NOW: u64 = 1_700_000_000_000;
-
-/// The bench's one pick: the model's route, then [`Scheduler::pick`] with no passive-health
-/// data and the default scope.
-fn pick(
-    sched: &mut Scheduler,
-    r: &PickRequest<'_>,
-    snap: &Snapshot,
-    inflight: &InflightCounts,
-    store: &MemStore,
-    rng: &mut dyn Rng,
-) -> Pick {
-    let route = sched.route_model(r.model, r.session_id, snap, rng).unwrap();
-    let health = HealthView::default();
-    let state = PickState { snapshot: snap, inflight, health: &health, store, now_ms: NOW };
-    sched.pick(PickInput { route: &route, request: *r, state, scope: Default::default(), rng }).unwrap()
-}
-const FIXTURES: [(&str, &[u8]); 5] = [
-    ("long_stream", include_bytes!("../tests/fixtures/requests/chat_long_prompt_ccby40_stream.request.json")),
-    ("long_turn2", include_bytes!("../tests/fixtures/requests/chat_long_prompt_ccby40_turn2.request.json")),
-    ("shared_prefix_1", include_bytes!("../tests/fixtures/requests/chat_shared_prefix_1.request.json")),
-    ("shared_prefix_2", include_bytes!("../tests/fixtures/requests/chat_shared_prefix_2.request.json")),
-    (
-        "lora_small",
-        include_bytes!("../tests/fixtures/requests/chat_lora_priority_vllm_extensions.request.json"),
-    ),
-];
-
-/// ~32 KiB chat body: turn 2 of the long chat, plus the shared-prefix document as another turn.
-fn body_32k() -> Vec<u8> {
-    let mut turn2: serde_json::Value = serde_json::from_slice(FIXTURES[1].1).unwrap();
-    let extra: serde_json::Value = serde_json::from_slice(FIXTURES[3].1).unwrap();
-    let doc = extra["messages"][1]["content"].as_str().unwrap();
-    let msgs = turn2["messages"].as_array_mut().unwrap();
-    msgs.push(serde_json::json!({"role": "assistant", "content": "Noted. Send the next document."}));
-    let mut body = Vec::new();
-    for cut in (0..=doc.len()).rev().step_by(64) {
-        let Some(part) = doc.get(..cut) else { continue };
-        let mut t = turn2.clone();
-        t["messages"].as_array_mut().unwrap().push(serde_json::json!({"role": "user", "content": part}));
-        body = serde_json::to_vec_pretty(&t).unwrap();
-        if body.len() <= 32 * 1024 {
-            break;
-        }
-    }
-    body
-}
-
-fn config() -> Config {
-    let json = r#"{"version":1,"endpoints":[{"address":"10.0.0.1:8000","models":["meta-llama/Llama-3.1-8B-Instruct"]}],
-        "models":[{"name":"meta-llama/Llama-3.1-8B-Instruct","adapters":["sql-lora"]}]}"#;
-    Config::from_json(json.as_bytes()).unwrap()
-}
-
-/// `n` healthy endpoints with varied load; every 8th reports no KV usage (neutral path).
-fn snapshot(n: usize) -> (Snapshot, InflightCounts) {
-    let endpoints = (0..n)
-        .map(|i| EndpointStatus {
-            address: format!("10.{}.{}.{}:8000", i / 65536, (i / 256) % 256, i % 256),
-            models: vec!["meta-llama/Llama-3.1-8B-Instruct".into()],
-            metrics: Some(EndpointMetrics {
-                queue: Some((i % 7) as f64),
-                running: Some((i % 13) as f64 * 4.0),
-                kv_usage: (i % 8 != 0).then_some((i % 10) as f64 / 10.0),
-                block_size: Some(16),
-                num_gpu_blocks: Some(30_000),
-                max_lora: Some(4),
-                running_adapters: if i % 3 == 0 { vec!["sql-lora".into()] } else { vec![] },
-                ..Default::default()
-            }),
-            scraped_ms: NOW - 50,
-            failures: 0,
-            inflight_at_scrape: None,
-            role: Default::default(),
-            poll_ms: 0,
-        })
-        .collect::<Vec<_>>();
-    let inflight =
-        endpoints.iter().enumerate().map(|(i, e)| format!("{}={}", e.address, i % 5)).collect::<Vec<_>>();
-    (
-        Snapshot { version: 1, published_ms: NOW - 20, endpoints },
-        InflightCounts::from_text(inflight.join(";").as_bytes()),
-    )
-}
+mod fixture;
+use fixture::{body_32k, config, pick, snapshot, FIXTURES, NOW, PATH};
 
 fn bench_parse(c: &mut Criterion) {
     let mut g = c.benchmark_group("body_parse");

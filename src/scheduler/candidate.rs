@@ -2,6 +2,7 @@
 //! neutral score a scorer gives when its signal is missing ([`neutral_fill`]). Below every
 //! scorer; imports nothing of the scheduler.
 
+use crate::base::num;
 use crate::state::metrics::EndpointMetrics;
 
 /// One healthy endpoint as the scorers see it.
@@ -19,7 +20,7 @@ pub struct Candidate<'a> {
 
 /// Replaces missing scores by the neutral `min(0.5, lowest known)`; 0.5 when none is known.
 pub fn neutral_fill(raw: &[Option<f64>]) -> Vec<f64> {
-    let neutral = neutral_score(raw.iter().flatten().copied().fold(f64::INFINITY, f64::min));
+    let neutral = neutral_score(raw.iter().flatten().copied().fold(f64::INFINITY, num::min));
     raw.iter().map(|s| s.unwrap_or(neutral)).collect()
 }
 
@@ -27,7 +28,7 @@ pub fn neutral_fill(raw: &[Option<f64>]) -> Vec<f64> {
 /// (`f64::INFINITY` when none is known).
 pub fn neutral_score(lowest: f64) -> f64 {
     if lowest.is_finite() {
-        lowest.min(0.5)
+        num::min(lowest, 0.5)
     } else {
         0.5
     }

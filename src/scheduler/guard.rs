@@ -18,23 +18,24 @@
 //! constant gap at high load.
 
 use super::candidate::Candidate;
+use crate::base::num;
 use crate::scheduler::config::GuardConfig;
 
 pub fn load(c: &Candidate<'_>) -> f64 {
     let engine = c
         .metrics
         .map(|m| {
-            m.queue.filter(|v| v.is_finite()).unwrap_or(0.0).max(0.0)
-                + m.running.filter(|v| v.is_finite()).unwrap_or(0.0).max(0.0)
+            num::max(m.queue.filter(|v| v.is_finite()).unwrap_or(0.0), 0.0)
+                + num::max(m.running.filter(|v| v.is_finite()).unwrap_or(0.0), 0.0)
         })
         .unwrap_or(0.0);
-    engine.max(f64::from(c.inflight))
+    num::max(engine, f64::from(c.inflight))
 }
 
 /// `true` for each overloaded candidate.
 pub fn overloaded(cands: &[Candidate<'_>], g: &GuardConfig) -> Vec<bool> {
     let loads: Vec<f64> = cands.iter().map(load).collect();
-    let min = loads.iter().copied().fold(f64::INFINITY, f64::min);
+    let min = loads.iter().copied().fold(f64::INFINITY, num::min);
     loads.iter().map(|&l| l - min > g.abs_gap && l > g.ratio * min).collect()
 }
 

@@ -12,6 +12,7 @@
 //!
 //! Inputs must be finite; a NaN total (which a scorer never produces) ranks last.
 
+use crate::base::num;
 use crate::base::ports::Rng;
 
 fn key(t: f64) -> f64 {
@@ -64,13 +65,13 @@ pub fn order(
         ties.get(rng.below(ties.len())).copied().unwrap_or(first)
     } else {
         let pool: Vec<usize> = ranked.iter().copied().take(top_k).collect();
-        let sum: f64 = pool.iter().map(|&i| total(totals, i).max(0.0)).sum();
+        let sum: f64 = pool.iter().map(|&i| num::max(total(totals, i), 0.0)).sum();
         if sum > 0.0 {
             let mut r = rng.next_f64() * sum;
             let mut chosen = first;
             for &i in &pool {
                 chosen = i;
-                r -= total(totals, i).max(0.0);
+                r -= num::max(total(totals, i), 0.0);
                 if r < 0.0 {
                     break;
                 }

@@ -6,6 +6,7 @@
 use std::fmt::Write as _;
 
 use crate::base::errors::Rejection;
+use crate::base::num;
 use crate::base::ports::Rng;
 use crate::scheduler::config::FailureMode;
 use crate::state::by_address::address_hash;
@@ -461,7 +462,7 @@ impl Scheduler {
             let m = if ok { m } else { 0 };
             // No block cached (most candidates): 0 without a division.
             let cached = if m == 0 { 0.0 } else { (m * pc.block_chars) as f64 / cpt };
-            let mut own = (ask.prompt_tokens - cached).max(0.0);
+            let mut own = num::max(ask.prompt_tokens - cached, 0.0);
             if basis.winner == Some(i) {
                 own *= basis.credit;
             }
@@ -510,7 +511,7 @@ impl Scheduler {
                 queue_n += 1.0;
             }
             if let Some(f) = p.kv_free {
-                lowest_free = lowest_free.min(f);
+                lowest_free = num::min(lowest_free, f);
             }
         }
         let least = predict::least_uncached_of(pred.iter().map(|p| p.uncached), eligible);

@@ -101,6 +101,7 @@
 use hashbrown::HashMap;
 use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
 
+use crate::base::num;
 use crate::base::ports::Rng;
 use crate::state::by_address::{address_hash, ByAddress};
 
@@ -193,7 +194,7 @@ impl Ledger {
 
     /// Records a pick; returns its ticket (never 0) for [`Ledger::first_byte`] / [`Ledger::done`].
     pub fn sent(&mut self, address: &str, tokens: f64, work: f64, now_ms: u64) -> u64 {
-        let tokens = if tokens.is_finite() { tokens.max(0.0) } else { 0.0 };
+        let tokens = if tokens.is_finite() { num::max(tokens, 0.0) } else { 0.0 };
         self.mean = Some(match self.mean {
             Some(m) => m + MEAN_ALPHA * (tokens - m),
             None => tokens,
@@ -232,7 +233,7 @@ impl Ledger {
         e.prefilling = false;
         let e = e.clone();
         if let Some(p) = self.per_endpoint.get_mut(e.hash, &e.address) {
-            p.pending = (p.pending - e.tokens).max(0.0);
+            p.pending = num::max(p.pending - e.tokens, 0.0);
             p.pending_n = p.pending_n.saturating_sub(1);
             if p.pending_n == 0 {
                 p.pending = 0.0;
@@ -245,7 +246,7 @@ impl Ledger {
         self.end_prefill(ticket);
         let Some(e) = self.entries.remove(&ticket) else { return };
         if let Some(p) = self.per_endpoint.get_mut(e.hash, &e.address) {
-            p.active = (p.active - e.tokens).max(0.0);
+            p.active = num::max(p.active - e.tokens, 0.0);
             p.active_n = p.active_n.saturating_sub(1);
             if p.active_n == 0 {
                 self.per_endpoint.remove(e.hash, &e.address);
@@ -330,9 +331,10 @@ pub fn work_given_waiting(i: &Inputs, mean_tokens: f64, waiting: f64) -> f64 {
     let per_request = if p_n > 0 { p_tokens / f64::from(p_n) } else { mean_tokens };
     // Every request ahead costs its fixed overhead too, as this one's does: with tiny prompts a
     // queue of 50 would otherwise weigh less than one request's overhead.
-    let ahead = (p_tokens + f64::from(p_n) * OVERHEAD_TOKENS).max(waiting * (per_request + OVERHEAD_TOKENS));
-    let active = if i.active.is_finite() { i.active.max(0.0) } else { 0.0 };
-    let v = ahead + i.uncached.max(0.0) + active + OVERHEAD_TOKENS;
+    let ahead =
+        num::max(p_tokens + f64::from(p_n) * OVERHEAD_TOKENS, waiting * (per_request + OVERHEAD_TOKENS));
+    let active = if i.active.is_finite() { num::max(i.active, 0.0) } else { 0.0 };
+    let v = ahead + num::max(i.uncached, 0.0) + active + OVERHEAD_TOKENS;
     if v.is_finite() {
         v
     } else {
@@ -354,7 +356,7 @@ pub fn ttft_of_work(i: &Inputs, work: f64) -> f64 {
 /// Requests queued ahead (`waiting(e)` of the module doc): the live queue estimate, else this
 /// gateway's in-flight count.
 pub fn waiting(i: &Inputs) -> f64 {
-    i.waiting.filter(|w| w.is_finite()).unwrap_or(f64::from(i.inflight)).max(0.0)
+    num::max(i.waiting.filter(|w| w.is_finite()).unwrap_or(f64::from(i.inflight)), 0.0)
 }
 
 /// The rate as the formulas use it: a finite positive rate, else 0.
@@ -374,7 +376,7 @@ pub fn least_uncached(uncached: &[f64], eligible: &[bool]) -> f64 {
 
 /// [`least_uncached`] of the candidates' uncached tokens in order.
 pub fn least_uncached_of(uncached: impl Iterator<Item = f64>, eligible: &[bool]) -> f64 {
-    uncached.zip(eligible).filter(|(_, ok)| **ok).map(|(u, _)| u).fold(f64::INFINITY, f64::min)
+    uncached.zip(eligible).filter(|(_, ok)| **ok).map(|(u, _)| u).fold(f64::INFINITY, num::min)
 }
 
 /// The miss penalty of one candidate, in ms (the module doc's cost minus `ttft(e)`):
@@ -395,7 +397,7 @@ pub struct MissPenalty {
 
 impl MissPenalty {
     pub fn new(least: f64, busy: f64, miss_weight: f64) -> Self {
-        Self { least, scale: least.is_finite().then(|| miss_weight * (1.0 + busy.max(0.0))) }
+        Self { least, scale: least.is_finite().then(|| miss_weight * (1.0 + num::max(busy, 0.0))) }
     }
 
     pub fn of(&self, rate: f64, uncached: f64) -> f64 {
@@ -405,7 +407,7 @@ impl MissPenalty {
     /// [`MissPenalty::of`] with `usable_rate(rate)` already computed.
     pub fn of_usable_rate(&self, usable_rate: f64, uncached: f64) -> f64 {
         match self.scale {
-            Some(k) => k * usable_rate * (uncached - self.least).max(0.0),
+            Some(k) => k * usable_rate * num::max(uncached - self.least, 0.0),
             None => 0.0,
         }
     }
@@ -437,7 +439,7 @@ pub fn nothing_distinguishes(matched: &[usize], eligible: &[bool]) -> bool {
 pub fn kv_congestion(usage: f64, full_at: f64) -> f64 {
     let usage = if usage.is_nan() { 0.0 } else { usage.clamp(0.0, 1.0) };
     let full_at = if full_at.is_nan() { 0.0 } else { full_at.clamp(0.0, 0.99) };
-    1.0 / (1.0 - usage.min(full_at))
+    1.0 / (1.0 - num::min(usage, full_at))
 }
 
 /// Rendezvous weight of `address` for `key`.
@@ -486,8 +488,8 @@ pub fn order(
     if n == 0 {
         return Vec::new();
     }
-    let best = costs.iter().copied().fold(f64::INFINITY, f64::min);
-    let bound = best * (1.0 + slack.max(0.0)) + 1e-9;
+    let best = costs.iter().copied().fold(f64::INFINITY, num::min);
+    let bound = best * (1.0 + num::max(slack, 0.0)) + 1e-9;
     // The rendezvous winner among the eligible candidates within the slack.
     let by_key = key.and_then(|k| {
         (0..n)

@@ -23,13 +23,14 @@
 //! Default weight 0.5 (GIE: 2; see `inflight.rs` for why).
 
 use super::candidate::{neutral_fill, Candidate};
+use crate::base::num;
 
 pub fn scores(cands: &[Candidate<'_>]) -> Vec<f64> {
     let raw: Vec<Option<f64>> = cands.iter().map(|c| c.queue.filter(|q| q.is_finite())).collect();
     let (mut lo, mut hi) = (f64::INFINITY, f64::NEG_INFINITY);
     for q in raw.iter().flatten() {
-        lo = lo.min(*q);
-        hi = hi.max(*q);
+        lo = num::min(lo, *q);
+        hi = num::max(hi, *q);
     }
     let norm: Vec<Option<f64>> = raw
         .iter()

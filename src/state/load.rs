@@ -45,6 +45,7 @@
 //!   queue unchanged (snapshot only).
 //! - No metrics at all: `None`.
 
+use crate::base::num;
 use crate::state::snapshot::EndpointStatus;
 
 /// The live queue estimate of `ep` (see the module doc). `inflight_now` is this gateway's
@@ -52,7 +53,8 @@ use crate::state::snapshot::EndpointStatus;
 /// endpoint the poller scrapes slowly (`EndpointStatus::stale_limit_ms`): the fade below runs
 /// over that endpoint's own limit.
 pub fn live_queue(ep: &EndpointStatus, inflight_now: u32, now_ms: u64, stale_after_ms: u64) -> Option<f64> {
-    let q = ep.metrics.as_ref()?.queue.filter(|q| q.is_finite())?.max(0.0);
+    let q = ep.metrics.as_ref()?.queue.filter(|q| q.is_finite())?;
+    let q = num::max(q, 0.0);
     let Some(at_scrape) = ep.inflight_at_scrape else {
         return Some(q);
     };
