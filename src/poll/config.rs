@@ -89,9 +89,9 @@ settings! {
         /// `interval_ms` by that replica, and its own in-flight estimate covers the gaps. It also
         /// scales the rendezvous credit (`scheduler.predicted.rendezvous_credit`; none with 1), so
         /// set it to the number of gateway replicas. 1 to 1000.
-        /// Default 1. On the whole replay traces (5 seeds) idle back-off ties fixed polling at 4
-        /// replicas too, but one LoRA seed in five was slower: where that spread matters, set
-        /// `idle_interval_ms` = `interval_ms`.
+        /// Default 1. On the whole replay traces (5 seeds) fixed polling beat the idle back-off
+        /// at 4 replicas × 4 workers on Mooncake and shared-prefix-slow (docs/benchmark.md): with
+        /// several replicas, set `idle_interval_ms` = `interval_ms`.
         #[range(min = 1, max = 1000)]
         pub replicas: u32 = 1,
     }
