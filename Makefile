@@ -20,7 +20,7 @@ ENVOY_VERSION := 1.40.0
 # E2E_JOBS=1 runs the suite in one process.
 E2E_JOBS ?= 2
 
-.PHONY: all toolchain run test test-rust test-python wasm wasm-crash sim venv fmt-check clippy unit validate deploy-check e2e bench bench-check bench-routing schema config-docs oci fuzz clean passthrough-wasm wrk wasm-opt wasm-small bench-envoy bench-envoy-check ext-proc-epp docs-check wasm-next
+.PHONY: all toolchain run test test-rust test-python wasm wasm-crash sim venv fmt-check clippy unit validate deploy-check e2e bench bench-check bench-routing schema config-docs oci fuzz clean passthrough-wasm wrk wasm-opt wasm-small bench-envoy bench-envoy-check ext-proc-epp docs-check wasm-next bench-robust
 
 all: wasm
 
@@ -164,6 +164,14 @@ bench:
 bench-routing: venv
 	cargo run --profile tools -p replay-bench -- --out target/routing-report $(if $(TRACE),--trace $(TRACE)) $(BENCH_ARGS)
 	$(PY) tools/replay-bench/plot.py target/routing-report
+
+## bench-robust: the robustness grid (tools/replay-bench/src/grid.rs): 36 synthetic cells over
+## prefix reuse x burstiness x lengths x pool size (4-64) x heterogeneous pods x LoRA, each with
+## fresh seeds, swept from light load to past its knee; prints one CELL line per cell and a ROBUST
+## summary line, writes target/robust-report/robust.md and robust.json. BENCH_ARGS passes more
+## flags (--seed, --jobs). About 17 minutes on 2 cores.
+bench-robust:
+	cargo run --profile tools -p replay-bench -- --robust --out target/robust-report $(BENCH_ARGS)
 
 ## fuzz: every cargo-fuzz target in fuzz/ for FUZZ_SECONDS each (default 60), one at a time;
 ## FUZZ_TARGETS="body config" picks some. Needs a nightly toolchain (installs cargo-fuzz if

@@ -74,6 +74,7 @@ pub fn workloads(data: &Path, scale: f64, load: f64, strategies: &[Policy]) -> R
                 topology: (1, 1),
                 extras: vec![],
                 llm_d_check: false,
+                pod_mix: vec![],
             });
         }
     }

@@ -11,12 +11,14 @@
 //! - [`strategy`]: the strategies and their configurations; [`sglang`]: SGLang's cache-aware
 //!   policy; [`dynamo`]: Dynamo's KV router; [`oracle`]: the perfect-information picker;
 //! - [`arrivals`]: bursty re-timings of a trace; [`bursts`]: the burst study (`--bursts`);
+//! - [`grid`]: the robustness grid of synthetic workloads (`--robust`, `make bench-robust`);
 //! - [`replay`]: the event loop; [`stats`]: measurements; [`suite`]: the default benchmark set
 //!   and the report.
 
 pub mod arrivals;
 pub mod bursts;
 pub mod dynamo;
+pub mod grid;
 pub mod oracle;
 pub mod pd;
 pub mod replay;

@@ -106,6 +106,14 @@ struct Args {
     /// (writes bursts.md there).
     #[arg(long)]
     bursts: bool,
+    /// Run the robustness grid instead (`replay_bench::grid`, `make bench-robust`): 36 synthetic
+    /// cells (prefix reuse × burstiness × lengths × pool size × heterogeneous pods × LoRA), ours
+    /// and every baseline from light load to just past saturation, one line per cell and a
+    /// `ROBUST` summary line. Reads --seed (the cells' seeds derive from it), --jobs, --scale,
+    /// --only (cell keys), --ours-config/--ours-scheduler and --out (writes robust.md and
+    /// robust.json there).
+    #[arg(long, conflicts_with = "bursts")]
+    robust: bool,
     /// JSON object of top-level configuration sections replacing those of ours and its variants,
     /// e.g. '{"saturation":{"kv_threshold":1.5}}'.
     #[arg(long)]
@@ -207,6 +215,9 @@ fn real_main() -> Result<(), String> {
     if args.bursts {
         return bursts_main(&args, &common, started);
     }
+    if args.robust {
+        return robust_main(&args, &common, started);
+    }
     let tasks = suite::main_tasks(&workloads, &common);
     eprintln!("replay-bench: {} runs on {} threads", tasks.len(), args.jobs);
     let progress = |r: &RunResult| {
@@ -304,6 +315,82 @@ fn bursts_main(args: &Args, common: &Common, started: std::time::Instant) -> Res
     let verdicts = bursts::verdicts(&rows);
     if verdicts.is_empty() {
         return Err("no ours-tiers rows with bursts: pass ours-tiers in --strategies".into());
+    }
+    Ok(())
+}
+
+/// `--robust`: the robustness grid (see `replay_bench::grid`).
+fn robust_main(args: &Args, common: &Common, started: std::time::Instant) -> Result<(), String> {
+    use replay_bench::grid;
+    let mut cells = grid::cells(args.seed);
+    if !args.only.is_empty() {
+        cells.retain(|c| args.only.contains(&c.key()));
+        if cells.is_empty() {
+            return Err(format!("--only {:?} names no cell of the grid", args.only));
+        }
+    }
+    // Each cell's trace and knee (its probe runs), one cell per job at a time.
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let built: std::sync::Mutex<Vec<(usize, Result<Workload, String>)>> = std::sync::Mutex::new(Vec::new());
+    std::thread::scope(|s| {
+        for _ in 0..args.jobs.max(1) {
+            s.spawn(|| loop {
+                let i = next.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                let Some(c) = cells.get(i) else { break };
+                let w = grid::workload(c, args.scale, common);
+                if let Ok(w) = &w {
+                    eprintln!("  {:<36} {} requests, loads {:?}", w.key, w.trace.requests.len(), w.loads);
+                }
+                if let Ok(mut v) = built.lock() {
+                    v.push((i, w));
+                }
+            });
+        }
+    });
+    let mut built = built.into_inner().map_err(|_| "a cell's probe panicked".to_string())?;
+    built.sort_by_key(|(i, _)| *i);
+    let workloads: Vec<Workload> = built.into_iter().map(|(_, w)| w).collect::<Result<_, _>>()?;
+    let tasks = grid::tasks(&cells, &workloads);
+    eprintln!("replay-bench --robust: {} cells, {} runs on {} threads", cells.len(), tasks.len(), args.jobs);
+    let progress = |r: &RunResult| {
+        eprintln!(
+            "  {:<36} {:<17} load {:<4} TTFT p90 {:>8.2} s  hit {:>5.1} %  ({:.1} s)",
+            r.trace,
+            r.strategy,
+            suite::fmt_load(r.load),
+            r.ttft_p90_s,
+            100.0 * r.hit_rate,
+            r.wall_s
+        );
+    };
+    let mut results = suite::empty_results(&workloads);
+    suite::execute(&workloads, &mut results, &tasks, common, args.jobs, &progress)?;
+    let mut rows = Vec::new();
+    let mut failed = Vec::new();
+    for (c, w) in cells.iter().zip(&results) {
+        match grid::cell_result(c, w) {
+            Ok(r) => rows.push(r),
+            Err(e) => failed.push(e),
+        }
+    }
+    let s = grid::summary(&rows);
+    let wall = started.elapsed().as_secs_f64();
+    let cmd: Vec<String> = std::env::args().collect();
+    std::fs::create_dir_all(&args.out).map_err(|e| format!("{}: {e}", args.out.display()))?;
+    let md = args.out.join("robust.md");
+    std::fs::write(&md, grid::markdown(&rows, &failed, &s, &cmd.join(" "), wall))
+        .map_err(|e| format!("{}: {e}", md.display()))?;
+    let json = args.out.join("robust.json");
+    let body = serde_json::json!({ "summary": s, "cells": rows, "failed": failed, "results": results });
+    std::fs::write(&json, serde_json::to_string_pretty(&body).map_err(|e| e.to_string())?)
+        .map_err(|e| format!("{}: {e}", json.display()))?;
+    for r in &rows {
+        println!("{}", grid::cell_line(r));
+    }
+    println!("wrote {} and {} ({wall:.0} s)", md.display(), json.display());
+    println!("{}", grid::summary_line(&s));
+    if !failed.is_empty() {
+        return Err(format!("cells without figures: {}", failed.join("; ")));
     }
     Ok(())
 }

@@ -82,6 +82,37 @@ pub struct RunConfig {
     /// (counts and queued prefill, `inference_picker::state::inflight`) into this replica's store, where
     /// its readers add it to their own as they add another worker's.
     pub peer_sync_load: bool,
+    /// Heterogeneous pods: server `i` is `server` scaled by `pod_mix[i % len]`. Empty: every
+    /// server is `server`.
+    pub pod_mix: Vec<PodClass>,
+}
+
+/// One kind of pod in a heterogeneous pool, relative to `RunConfig::server`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PodClass {
+    /// Multiplies `ServerConfig::speed`.
+    pub speed: f64,
+    /// Multiplies `ServerConfig::num_gpu_blocks` (at least one block remains).
+    pub kv_factor: f64,
+}
+
+impl PodClass {
+    /// `base` as this class.
+    pub fn apply(&self, base: &ServerConfig) -> ServerConfig {
+        ServerConfig {
+            speed: base.speed * self.speed,
+            num_gpu_blocks: ((base.num_gpu_blocks as f64 * self.kv_factor).round() as u64).max(1),
+            ..base.clone()
+        }
+    }
+}
+
+/// Server `i`'s configuration under `mix` (see `RunConfig::pod_mix`).
+pub fn server_config(base: &ServerConfig, mix: &[PodClass], i: usize) -> ServerConfig {
+    match mix.len() {
+        0 => base.clone(),
+        n => mix[i % n].apply(base),
+    }
 }
 
 impl RunConfig {
@@ -109,6 +140,13 @@ impl RunConfig {
         }
         if !(self.load.is_finite() && self.load > 0.0) {
             return Err(format!("load must be a positive number, got {}", self.load));
+        }
+        if self
+            .pod_mix
+            .iter()
+            .any(|c| !(c.speed.is_finite() && c.speed > 0.0 && c.kv_factor.is_finite() && c.kv_factor > 0.0))
+        {
+            return Err(format!("pod classes need positive speed and KV factors, got {:?}", self.pod_mix));
         }
         self.server.validate().map_err(|e| e.to_string())
     }
@@ -210,7 +248,7 @@ pub fn run(trace: &Trace, policy: Policy, rc: &RunConfig) -> Result<RunResult, S
         server_cfg.enable_lora = true;
     }
     let servers: Vec<Server> = (0..n)
-        .map(|_| Server::new(server_cfg.clone()).map_err(|e| e.to_string()))
+        .map(|i| Server::new(server_config(&server_cfg, &rc.pod_mix, i)).map_err(|e| e.to_string()))
         .collect::<Result<_, _>>()?;
     let addresses: Vec<String> = (0..n).map(strategy::address).collect();
     let addr_index: hashbrown::HashMap<String, usize> =

@@ -14,7 +14,7 @@ use std::sync::Mutex;
 use model_server_sim::{ServerConfig, StepCost};
 use serde::Serialize;
 
-use crate::replay::{run, RunConfig};
+use crate::replay::{run, server_config, PodClass, RunConfig};
 use crate::stats::{hit_rate_bound, hit_rate_bound_lru, hit_rate_bound_opt, RunResult};
 use crate::strategy::Policy;
 use crate::trace::{self, SharedPrefixShape, Trace};
@@ -105,6 +105,8 @@ pub struct Workload {
     pub extras: Vec<Extra>,
     /// Check llm-d's published order (random and load-only far worse than prefix-aware).
     pub llm_d_check: bool,
+    /// Heterogeneous pods (`RunConfig::pod_mix`); empty for a uniform pool.
+    pub pod_mix: Vec<PodClass>,
 }
 
 impl Workload {
@@ -164,6 +166,7 @@ pub fn default_suite(data: &Path, scale: f64) -> Result<Vec<Workload>, String> {
         topology: (1, 1),
         extras: vec![],
         llm_d_check: false,
+        pod_mix: vec![],
     });
 
     let mut azure = trace::load(&data.join("azure_llm_inference_2023_conv.csv.gz"))?;
@@ -182,6 +185,7 @@ pub fn default_suite(data: &Path, scale: f64) -> Result<Vec<Workload>, String> {
         topology: (1, 1),
         extras: vec![],
         llm_d_check: false,
+        pod_mix: vec![],
     });
 
     let shape = SharedPrefixShape::llm_d();
@@ -217,6 +221,7 @@ pub fn default_suite(data: &Path, scale: f64) -> Result<Vec<Workload>, String> {
         topology: (1, 1),
         extras: vec![],
         llm_d_check: true,
+        pod_mix: vec![],
     });
     out.push(Workload {
         key: "shared-prefix-slow".into(),
@@ -232,6 +237,7 @@ pub fn default_suite(data: &Path, scale: f64) -> Result<Vec<Workload>, String> {
         topology: (1, 1),
         extras: vec![],
         llm_d_check: true,
+        pod_mix: vec![],
     });
 
     let mut lora = azure;
@@ -254,6 +260,7 @@ pub fn default_suite(data: &Path, scale: f64) -> Result<Vec<Workload>, String> {
         topology: (1, 1),
         extras: vec![],
         llm_d_check: false,
+        pod_mix: vec![],
     });
     Ok(out)
 }
@@ -278,18 +285,45 @@ fn shrink(t: &mut Trace, scale: f64) {
 /// batch and `c` per context token), the batch being as many requests as the KV cache holds (at
 /// most `max_batch`). A first-order estimate: it places the sweep, it does not replace it.
 pub fn estimated_capacity_rps(trace: &Trace, servers: usize, server: &ServerConfig) -> f64 {
+    estimated_capacity_rps_mix(trace, servers, server, &[])
+}
+
+/// [`estimated_capacity_rps`] for a pool of `servers` pods of `server` scaled by `mix`
+/// (`RunConfig::pod_mix`): the sum of each pod's own estimate, with the hit rate of one LRU cache
+/// the size of the whole pool's KV.
+pub fn estimated_capacity_rps_mix(
+    trace: &Trace,
+    servers: usize,
+    server: &ServerConfig,
+    mix: &[PodClass],
+) -> f64 {
     let n = trace.requests.len().max(1) as f64;
     let prompt = trace.requests.iter().map(|r| f64::from(r.prompt_tokens)).sum::<f64>() / n;
     let output = trace.requests.iter().map(|r| f64::from(r.output_tokens)).sum::<f64>() / n;
-    let kv_tokens = (server.num_gpu_blocks * u64::from(server.block_size)) as f64;
-    let hit = hit_rate_bound_lru(trace, servers as u64 * kv_tokens as u64);
-    let StepCost { a_ms, b_ms_per_prefill_token: b, c_ms_per_context_token: c } = server.cost;
-    let batch = (kv_tokens / (prompt + output / 2.0).max(1.0)).clamp(1.0, f64::from(server.max_batch));
-    let chunks = (prompt / f64::from(server.max_batched_tokens.max(1))).ceil();
-    let prefill_ms = b * prompt * (1.0 - hit) + a_ms * chunks;
-    let decode_ms = output * (a_ms / batch + c * (prompt + output / 2.0));
-    let per_request_ms = (prefill_ms + decode_ms) / server.speed.max(1e-9);
-    servers as f64 * 1000.0 / per_request_ms.max(1e-9)
+    let hit = hit_rate_bound_lru(trace, pool_kv_tokens(servers, server, mix));
+    (0..servers)
+        .map(|i| {
+            let s = server_config(server, mix, i);
+            let kv_tokens = (s.num_gpu_blocks * u64::from(s.block_size)) as f64;
+            let StepCost { a_ms, b_ms_per_prefill_token: b, c_ms_per_context_token: c } = s.cost;
+            let batch = (kv_tokens / (prompt + output / 2.0).max(1.0)).clamp(1.0, f64::from(s.max_batch));
+            let chunks = (prompt / f64::from(s.max_batched_tokens.max(1))).ceil();
+            let prefill_ms = b * prompt * (1.0 - hit) + a_ms * chunks;
+            let decode_ms = output * (a_ms / batch + c * (prompt + output / 2.0));
+            let per_request_ms = (prefill_ms + decode_ms) / s.speed.max(1e-9);
+            1000.0 / per_request_ms.max(1e-9)
+        })
+        .sum()
+}
+
+/// KV tokens of the whole pool: `servers` pods of `server` scaled by `mix`.
+pub fn pool_kv_tokens(servers: usize, server: &ServerConfig, mix: &[PodClass]) -> u64 {
+    (0..servers)
+        .map(|i| {
+            let s = server_config(server, mix, i);
+            s.num_gpu_blocks * u64::from(s.block_size)
+        })
+        .sum()
 }
 
 /// The load sweep for a trace: from light load to past saturation, as multiples of the load at
@@ -303,12 +337,13 @@ pub fn auto_loads(trace: &Trace, servers: usize, server: &ServerConfig) -> Vec<f
     v
 }
 
-fn two_digits(x: f64) -> f64 {
+/// `x` to two significant digits (1.0 for a value that is not a positive number).
+pub fn two_digits(x: f64) -> f64 {
     if !(x.is_finite() && x > 0.0) {
         return 1.0;
     }
-    let mag = 10f64.powf(x.log10().floor() - 1.0);
-    (x / mag).round() * mag
+    // Through the decimal text, so that 1.4 × 1.0 is 1.4 and not 1.4000000000000001.
+    format!("{x:.1e}").parse().unwrap_or(x)
 }
 
 /// A workload for any trace file: the core strategies (plus the tier example when the trace has
@@ -346,6 +381,7 @@ pub fn file_workload(path: &Path, servers: usize, loads: Vec<f64>) -> Result<Wor
         topology: (1, 1),
         extras: vec![],
         llm_d_check: false,
+        pod_mix: vec![],
     })
 }
 
@@ -604,7 +640,7 @@ pub fn empty_results(workloads: &[Workload]) -> Vec<WorkloadResult> {
     workloads
         .iter()
         .map(|w| {
-            let pool_tokens = w.servers as u64 * w.server.num_gpu_blocks * u64::from(w.server.block_size);
+            let pool_tokens = pool_kv_tokens(w.servers, &w.server, &w.pod_mix);
             WorkloadResult {
                 key: w.key.clone(),
                 about: w.about.clone(),
@@ -649,6 +685,7 @@ pub fn execute(
                     ours_overrides: common.ours_overrides.clone(),
                     peer_sync_ms: common.peer_sync_ms,
                     peer_sync_load: common.peer_sync_load,
+                    pod_mix: w.pod_mix.clone(),
                 };
                 let r = run(&w.trace, t.policy, &rc);
                 if let Ok(r) = &r {

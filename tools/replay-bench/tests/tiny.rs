@@ -22,6 +22,7 @@ fn rc(servers: usize, kv_blocks: u64, load: f64) -> RunConfig {
         ours_overrides: None,
         peer_sync_ms: None,
         peer_sync_load: false,
+        pod_mix: vec![],
     }
 }
 
