@@ -134,6 +134,47 @@ fn real_main() -> Result<(), String> {
     let args = Args::parse();
     #[allow(clippy::disallowed_methods)] // the benchmark's own wall time
     let started = std::time::Instant::now();
+    let mut overrides = serde_json::Map::new();
+    if let Some(j) = &args.ours_config {
+        match serde_json::from_str(j).map_err(|e| format!("--ours-config: {e}"))? {
+            serde_json::Value::Object(o) => overrides.extend(o),
+            _ => return Err("--ours-config: expected a JSON object".into()),
+        }
+    }
+    if let Some(j) = &args.ours_scheduler {
+        let v: serde_json::Value = serde_json::from_str(j).map_err(|e| format!("--ours-scheduler: {e}"))?;
+        overrides.insert("scheduler".into(), v);
+    }
+    let ours_overrides = (!overrides.is_empty()).then_some(serde_json::Value::Object(overrides));
+    let mut refresh = std::collections::BTreeMap::new();
+    for item in &args.refresh {
+        let (name, ms) =
+            item.split_once('=').ok_or_else(|| format!("--refresh {item:?}: expected name=ms"))?;
+        let ms: u64 = ms.parse().map_err(|e| format!("--refresh {item:?}: {e}"))?;
+        refresh.insert(Policy::parse(name)?, ms);
+    }
+    if args.seeds == 0 {
+        return Err("--seeds must be at least 1".into());
+    }
+    let common = Common {
+        refresh,
+        metrics_delay_ms: args.metrics_delay_ms,
+        seeds: (args.seed..args.seed + args.seeds).collect(),
+        ours_overrides,
+        peer_sync_ms: if args.no_peer_sync {
+            None
+        } else {
+            Some(args.peer_sync_ms.unwrap_or(inference_picker::poll::peers::DEFAULT_INTERVAL_MS))
+        },
+        peer_sync_load: args.peer_sync_load,
+    };
+    if args.bursts {
+        return bursts_main(&args, &common, started);
+    }
+    if args.robust {
+        return robust_main(&args, &common, started);
+    }
+    // The default set (or --trace) is read only here: the two studies build their own workloads.
     let mut workloads: Vec<Workload> = match &args.trace {
         Some(path) => {
             vec![suite::file_workload(path, args.servers, args.loads.clone())?]
@@ -177,46 +218,6 @@ fn real_main() -> Result<(), String> {
         if args.no_extras {
             w.extras.clear();
         }
-    }
-    let mut overrides = serde_json::Map::new();
-    if let Some(j) = &args.ours_config {
-        match serde_json::from_str(j).map_err(|e| format!("--ours-config: {e}"))? {
-            serde_json::Value::Object(o) => overrides.extend(o),
-            _ => return Err("--ours-config: expected a JSON object".into()),
-        }
-    }
-    if let Some(j) = &args.ours_scheduler {
-        let v: serde_json::Value = serde_json::from_str(j).map_err(|e| format!("--ours-scheduler: {e}"))?;
-        overrides.insert("scheduler".into(), v);
-    }
-    let ours_overrides = (!overrides.is_empty()).then_some(serde_json::Value::Object(overrides));
-    let mut refresh = std::collections::BTreeMap::new();
-    for item in &args.refresh {
-        let (name, ms) =
-            item.split_once('=').ok_or_else(|| format!("--refresh {item:?}: expected name=ms"))?;
-        let ms: u64 = ms.parse().map_err(|e| format!("--refresh {item:?}: {e}"))?;
-        refresh.insert(Policy::parse(name)?, ms);
-    }
-    if args.seeds == 0 {
-        return Err("--seeds must be at least 1".into());
-    }
-    let common = Common {
-        refresh,
-        metrics_delay_ms: args.metrics_delay_ms,
-        seeds: (args.seed..args.seed + args.seeds).collect(),
-        ours_overrides,
-        peer_sync_ms: if args.no_peer_sync {
-            None
-        } else {
-            Some(args.peer_sync_ms.unwrap_or(inference_picker::poll::peers::DEFAULT_INTERVAL_MS))
-        },
-        peer_sync_load: args.peer_sync_load,
-    };
-    if args.bursts {
-        return bursts_main(&args, &common, started);
-    }
-    if args.robust {
-        return robust_main(&args, &common, started);
     }
     let tasks = suite::main_tasks(&workloads, &common);
     eprintln!("replay-bench: {} runs on {} threads", tasks.len(), args.jobs);
