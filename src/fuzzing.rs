@@ -68,10 +68,17 @@ pub fn target(name: &str) -> Option<Entry> {
     TARGETS.iter().find(|(n, _)| *n == name).map(|(_, f)| *f)
 }
 
-const PATHS: &[&str] =
-    &["/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings", "/v1/other"];
+const PATHS: &[&str] = &[
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/responses",
+    "/v1/embeddings",
+    "/v1/messages",
+    "/v1/other",
+];
 
-/// Request body parser (`body::parse_request`) on every API path, and `rewrite_model`.
+/// Request body parser (`body::parse_request`) on every API path (Anthropic's Messages API
+/// included), and `rewrite_model`.
 pub fn body(data: &[u8]) {
     let top_model = serde_json::from_slice::<serde_json::Value>(data)
         .ok()

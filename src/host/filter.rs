@@ -16,7 +16,7 @@ use proxy_wasm::types::Action;
 
 use super::prof::timed;
 use super::{io, Worker};
-use crate::base::errors::Rejection;
+use crate::base::errors::{ErrorShape, Rejection};
 use crate::base::ports::SharedStore;
 use crate::base::telemetry;
 use crate::flow::admission::{self, Decision};
@@ -84,8 +84,12 @@ impl Filter {
     }
 
     fn reject(&mut self, rej: &Rejection) -> Action {
-        self.ex.borrow_mut().answered = true;
-        send_rejection(&self.worker, rej, None);
+        let shape = {
+            let mut ex = self.ex.borrow_mut();
+            ex.answered = true;
+            ex.head.error_shape()
+        };
+        send_rejection(&self.worker, rej, shape, None, &[]);
         Action::Pause
     }
 
@@ -220,8 +224,9 @@ impl Filter {
                 let mut ex = self.ex.borrow_mut();
                 ex.answered = true;
                 ex.prepared = None;
+                let shape = ex.head.error_shape();
                 drop(ex);
-                send_rejection(&worker, &rej, Some(0));
+                send_rejection(&worker, &rej, shape, Some(0), &[]);
                 Action::Pause
             }
         }
@@ -264,14 +269,24 @@ fn prepare_by_model(
     (prepared, reused)
 }
 
-/// Counts a rejection and answers it on the current (or effective) context, with the time
-/// flow control held the request when it got that far.
-fn send_rejection(worker: &Worker, rej: &Rejection, queue_ms: Option<u64>) {
+/// Counts a rejection and answers it on the current (or effective) context: in `shape`, the
+/// error shape of the request's API (every caller passes `RequestHead::error_shape`, which
+/// `request::protocol::error_shape` decides from the path), with the time flow control held the
+/// request when it got that far, and `extra` headers.
+fn send_rejection(
+    worker: &Worker,
+    rej: &Rejection,
+    shape: ErrorShape,
+    queue_ms: Option<u64>,
+    extra: &[(&str, &str)],
+) {
     worker.metrics.borrow_mut().count(telemetry::name(telemetry::REJECTIONS, &[("reason", rej.code)]));
-    match queue_ms {
-        Some(q) => io::send_rejection(rej, &[(QUEUE_MS_HEADER, &q.to_string())]),
-        None => io::send_rejection(rej, &[]),
-    };
+    let queued = queue_ms.map(|q| q.to_string());
+    let mut headers = extra.to_vec();
+    if let Some(q) = &queued {
+        headers.push((QUEUE_MS_HEADER, q));
+    }
+    io::send_rejection(rej, shape, &headers);
 }
 
 /// Picks the endpoint of a prepared request and sets the routing headers on the current (or
@@ -383,7 +398,7 @@ pub(crate) fn release_held(worker: &Worker, id: u32, waited_ms: u64, own_context
         Err(rej) => {
             ex.answered = true;
             ex.prepared = None;
-            send_rejection(worker, &rej, Some(waited_ms));
+            send_rejection(worker, &rej, ex.head.error_shape(), Some(waited_ms), &[]);
             drop(ex);
             io::set_effective_context(own_context);
             return;
@@ -398,7 +413,7 @@ pub(crate) fn release_held(worker: &Worker, id: u32, waited_ms: u64, own_context
         Ok(()) => io::resume_request(),
         Err(rej) => {
             ex.answered = true;
-            send_rejection(worker, &rej, Some(waited_ms));
+            send_rejection(worker, &rej, ex.head.error_shape(), Some(waited_ms), &[]);
         }
     }
     drop(ex);
@@ -422,9 +437,10 @@ pub(crate) fn answer_held(
     ex.answered = true;
     ex.prepared = None;
     let waited = waited_ms.unwrap_or_else(|| ex.held_at_ms.map_or(0, |t| io::now_ms().saturating_sub(t)));
+    let shape = ex.head.error_shape();
     drop(ex);
     if io::set_effective_context(id) {
-        send_rejection(worker, rej, Some(waited));
+        send_rejection(worker, rej, shape, Some(waited), &[]);
         io::set_effective_context(own_context);
     }
 }
@@ -714,12 +730,12 @@ impl Filter {
             HeadDecision::ReadBody => Action::Pause,
             HeadDecision::Reject { rejection, allow: None } => self.reject(&rejection),
             HeadDecision::Reject { rejection, allow: Some(allow) } => {
-                self.ex.borrow_mut().answered = true;
-                worker
-                    .metrics
-                    .borrow_mut()
-                    .count(telemetry::name(telemetry::REJECTIONS, &[("reason", rejection.code)]));
-                io::send_rejection(&rejection, &[("allow", allow)]);
+                let shape = {
+                    let mut ex = self.ex.borrow_mut();
+                    ex.answered = true;
+                    ex.head.error_shape()
+                };
+                send_rejection(&worker, &rejection, shape, None, &[("allow", allow)]);
                 Action::Pause
             }
             HeadDecision::Local(reply) => {

@@ -16,7 +16,7 @@ use std::time::Duration;
 use log::warn;
 use proxy_wasm::types::{BufferType, MapType, MetricType, Status};
 
-use crate::base::errors::Rejection;
+use crate::base::errors::{ErrorShape, Rejection};
 use crate::base::ports::{SharedStore, StoreError};
 
 /// Own imports of the proxy-wasm 0.2.1 ABI, each returning the host's `Status` as is, and safe
@@ -600,8 +600,9 @@ fn send_local(status: u32, headers: &[(&str, &str)], body: &[u8], details: &str)
     true
 }
 
-/// Answers the request locally with an OpenAI-style JSON error, plus `extra` headers.
-pub fn send_rejection(rej: &Rejection, extra: &[(&str, &str)]) -> bool {
+/// Answers the request locally with a JSON error in `shape` (OpenAI's or Anthropic's), plus
+/// `extra` headers.
+pub fn send_rejection(rej: &Rejection, shape: ErrorShape, extra: &[(&str, &str)]) -> bool {
     let retry = rej.retry_after_s.map(|s| s.to_string());
     let mut headers: Vec<(&str, &str)> =
         vec![("content-type", "application/json"), ("x-inference-picker-reject", rej.code)];
@@ -609,7 +610,7 @@ pub fn send_rejection(rej: &Rejection, extra: &[(&str, &str)]) -> bool {
         headers.push(("retry-after", r.as_str()));
     }
     headers.extend_from_slice(extra);
-    send_local(rej.status, &headers, &rej.body(), "inference_picker_reject")
+    send_local(rej.status, &headers, &rej.body_in(shape), "inference_picker_reject")
 }
 
 /// Answers locally with the given status, headers and body (not an error).

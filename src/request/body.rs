@@ -5,7 +5,10 @@
 //! - chat completions: `messages` (string content or content parts), `tools`;
 //! - completions: `prompt` (string, list of strings, token ids, or lists of token ids);
 //! - responses: `input` (string or list of items) and `instructions`;
-//! - embeddings: `input` (string, list of strings, or token ids).
+//! - embeddings: `input` (string, list of strings, or token ids);
+//! - Anthropic messages (`/v1/messages`): `system` and `messages` (string content or content
+//!   blocks), `tools`, and the required `max_tokens`; read by `request::anthropic`, which
+//!   writes the same canonical text as chat bodies.
 //!
 //! Parsing is typed and borrows from the body where it can: unknown fields are skipped without
 //! being built, so a large body costs one pass.
@@ -26,14 +29,18 @@ use serde::Deserialize;
 use serde_json::value::RawValue;
 
 use crate::base::errors::Rejection;
+use crate::request::anthropic::MessagesRequest;
+use crate::request::protocol::{route_path, MESSAGES_PATH};
 
-/// Which OpenAI API the body is for.
+/// Which API the body is for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ApiKind {
     ChatCompletions,
     Completions,
     Responses,
     Embeddings,
+    /// Anthropic's Messages API: the path is exactly `/v1/messages`.
+    Messages,
     /// A path we do not recognise; only `model` is read.
     Other,
 }
@@ -42,7 +49,9 @@ impl ApiKind {
     /// Classifies a request path (query string ignored).
     pub fn from_path(path: &str) -> ApiKind {
         let p = path.split('?').next().unwrap_or("").trim_end_matches('/');
-        if p.ends_with("/chat/completions") {
+        if route_path(path) == MESSAGES_PATH {
+            ApiKind::Messages
+        } else if p.ends_with("/chat/completions") {
             ApiKind::ChatCompletions
         } else if p.ends_with("/completions") {
             ApiKind::Completions
@@ -246,19 +255,30 @@ fn bad_request(code: &'static str, message: impl Into<String>) -> Rejection {
     Rejection::new(400, "invalid_request_error", code, message)
 }
 
+fn invalid_json(e: serde_json::Error) -> Rejection {
+    bad_request("invalid_json", format!("request body is not a valid JSON object: {e}"))
+}
+
+/// The top-level `model`: a string that is not blank.
+fn model_of(raw: Option<&RawValue>) -> Result<String, Rejection> {
+    match raw {
+        None => Err(bad_request("missing_model", "request body has no \"model\" field")),
+        Some(v) => match serde_json::from_str::<Cow<'_, str>>(v.get()) {
+            Ok(m) if !m.trim().is_empty() => Ok(m.into_owned()),
+            Ok(_) => Err(bad_request("missing_model", "\"model\" is empty")),
+            Err(_) => Err(bad_request("invalid_model", "\"model\" must be a string")),
+        },
+    }
+}
+
 /// Parses a request body. Errors are the 400s the filter answers with.
 pub fn parse_request(path: &str, body: &[u8]) -> Result<ParsedRequest, Rejection> {
-    let raw: RawRequest<'_> = serde_json::from_slice(body)
-        .map_err(|e| bad_request("invalid_json", format!("request body is not a valid JSON object: {e}")))?;
-    let model = match raw.model {
-        None => return Err(bad_request("missing_model", "request body has no \"model\" field")),
-        Some(v) => match serde_json::from_str::<Cow<'_, str>>(v.get()) {
-            Ok(m) if !m.trim().is_empty() => m.into_owned(),
-            Ok(_) => return Err(bad_request("missing_model", "\"model\" is empty")),
-            Err(_) => return Err(bad_request("invalid_model", "\"model\" must be a string")),
-        },
-    };
     let mut kind = ApiKind::from_path(path);
+    if kind == ApiKind::Messages {
+        return parse_messages(body);
+    }
+    let raw: RawRequest<'_> = serde_json::from_slice(body).map_err(invalid_json)?;
+    let model = model_of(raw.model)?;
     if kind == ApiKind::Other {
         kind = if raw.messages.is_some() {
             ApiKind::ChatCompletions
@@ -307,6 +327,24 @@ pub fn parse_request(path: &str, body: &[u8]) -> Result<ParsedRequest, Rejection
         model,
         stream: raw.stream.unwrap_or(false),
         cache_salt: raw.cache_salt.map(Cow::into_owned),
+        prompt,
+    })
+}
+
+/// An Anthropic Messages body (`request::anthropic`): the model as on every path, then the
+/// fields Anthropic requires, then the prompt text.
+fn parse_messages(body: &[u8]) -> Result<ParsedRequest, Rejection> {
+    let raw: MessagesRequest<'_> = serde_json::from_slice(body).map_err(invalid_json)?;
+    let model = model_of(raw.model)?;
+    raw.check()?;
+    // As for the other APIs: the prompt is built from the body's own text, in one reservation.
+    let mut prompt = String::with_capacity(body.len());
+    raw.write_prompt(&mut prompt);
+    Ok(ParsedRequest {
+        kind: ApiKind::Messages,
+        model,
+        stream: raw.stream.unwrap_or(false),
+        cache_salt: None,
         prompt,
     })
 }
@@ -410,8 +448,7 @@ struct ModelOnly<'a> {
 /// Errors are the same 400s as [`parse_request`] (the body was parsed by it already, so they
 /// only happen if it is called on a different body).
 pub fn rewrite_model(body: &[u8], new_model: &str) -> Result<Vec<u8>, Rejection> {
-    let m: ModelOnly<'_> = serde_json::from_slice(body)
-        .map_err(|e| bad_request("invalid_json", format!("request body is not a valid JSON object: {e}")))?;
+    let m: ModelOnly<'_> = serde_json::from_slice(body).map_err(invalid_json)?;
     let raw = m.model.ok_or_else(|| bad_request("missing_model", "request body has no \"model\" field"))?;
     // `raw` borrows from `body`: its position is the offset of its first byte in `body`.
     let value = raw.get().as_bytes();
@@ -687,6 +724,7 @@ mod tests {
         #[test]
         fn never_panics(s in ".{0,200}") {
             let _ = parse("/v1/chat/completions", &s);
+            let _ = parse("/v1/messages", &s);
             let _ = rewrite_model(s.as_bytes(), "m");
         }
 

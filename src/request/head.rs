@@ -4,12 +4,12 @@
 //! locally, reject, or let the request through. Also the conformance suite's endpoint selection
 //! and the 413 for a body over the limit.
 
-use crate::base::errors::Rejection;
+use crate::base::errors::{ErrorShape, Rejection};
 use crate::flow::priority::{self, PriorityHeaders};
 use crate::request::config::Settings;
 use crate::request::protocol::{
-    prefix_matches, CLIENT_ROUTING_HEADERS, CONFORMANCE_SELECTION_HEADER, HEALTH_PATHS, INFERENCE_PATHS,
-    MAX_SELECTION_ENTRIES, MODELS_PATH,
+    error_shape, prefix_matches, route_path, CLIENT_ROUTING_HEADERS, CONFORMANCE_SELECTION_HEADER,
+    HEALTH_PATHS, INFERENCE_PATHS, MAX_SELECTION_ENTRIES, MODELS_PATH,
 };
 use crate::state::snapshot::Snapshot;
 
@@ -34,6 +34,14 @@ pub struct RequestHead {
     /// Conformance mode only: the endpoints the conformance suite's test header names
     /// ([`conformance_selection`]); `None` otherwise.
     pub test_selection: Option<Vec<String>>,
+}
+
+impl RequestHead {
+    /// The shape of every error the filter answers this request with (`protocol::error_shape`:
+    /// Anthropic's on `/v1/messages`, OpenAI's elsewhere).
+    pub fn error_shape(&self) -> ErrorShape {
+        error_shape(&self.path)
+    }
 }
 
 /// The endpoints `test-epp-endpoint-selection` names, in conformance mode only: its value split
@@ -165,10 +173,7 @@ pub(super) fn clip(s: &str) -> &str {
 /// 7. anything else: 404 `not_found` JSON. Nothing reaches a pod unless the filter picked it.
 pub fn on_head(cfg: &Settings<'_>, head: &RequestHead, end_of_stream: bool) -> HeadDecision {
     let raw = head.path.split(['?', '#']).next().unwrap_or("");
-    let path = match raw.trim_end_matches('/') {
-        "" => "/",
-        p => p,
-    };
+    let path = route_path(&head.path);
     let method = head.method.as_str();
     if cfg.filter.passthrough_prefixes.iter().any(|p| prefix_matches(p, raw) || prefix_matches(p, path)) {
         return HeadDecision::PassThrough;
@@ -341,6 +346,7 @@ mod tests {
             ("POST", "/v1/load_lora_adapter"),
             ("GET", "/metrics"),
             ("POST", "/v1/chat/completions-x"),
+            ("POST", "/v1/messages/count_tokens"),
             ("POST", "/openai/v1/chat/completions"),
             ("GET", "/"),
             ("POST", ""),

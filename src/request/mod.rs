@@ -16,6 +16,7 @@
 //! `pipeline` ([`prepare`], [`route`], [`on_body`]) and `models` (the model list); their items are
 //! re-exported here.
 
+pub mod anthropic;
 pub mod body;
 pub mod config;
 pub mod head;

@@ -1,5 +1,8 @@
 //! The HTTP contract of the filter: the paths it routes or answers, the headers it reads, sets
-//! and removes (GIE's, Envoy's, llm-d's, the conformance suite's and its own).
+//! and removes (GIE's, Envoy's, llm-d's, the conformance suite's and its own), and the error
+//! shape each path's clients read.
+
+use crate::base::errors::ErrorShape;
 
 /// The request header naming the prefill pod, read by llm-d's routing sidecar.
 pub const PREFILLER_HEADER: &str = "x-prefiller-host-port";
@@ -47,16 +50,40 @@ pub const DEBUG_SCORES_HEADER: &str = "x-inference-picker-scores";
 /// before it went upstream (0 when it was not held). Also on flow-control rejections.
 pub const QUEUE_MS_HEADER: &str = "x-inference-picker-queue-ms";
 
+/// Anthropic's Messages API: an inference path whose errors are Anthropic-shaped
+/// ([`error_shape`]).
+pub const MESSAGES_PATH: &str = "/v1/messages";
 /// The inference paths the filter routes (POST only): OpenAI chat completions, completions,
-/// responses and embeddings. Matched exactly on the path without its query (a trailing `/` is
-/// ignored).
-pub const INFERENCE_PATHS: [&str; 4] =
-    ["/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings"];
+/// responses and embeddings, and Anthropic messages. Matched exactly on the path without its
+/// query (a trailing `/` is ignored: [`route_path`]).
+pub const INFERENCE_PATHS: [&str; 5] =
+    ["/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings", MESSAGES_PATH];
 /// Answered locally: the pool's model list, and one model by id (`/v1/models/{id}`).
 pub const MODELS_PATH: &str = "/v1/models";
 /// Health checks answered locally with 200 `{"status":"ok"}`: the gateway (this filter) is up.
 /// They say nothing about the pool's pods (the poller's metrics do).
 pub const HEALTH_PATHS: [&str; 4] = ["/health", "/healthz", "/readyz", "/livez"];
+
+/// The path as the filter matches it: without its query or fragment, a trailing `/` ignored
+/// (`/` for an empty path).
+pub fn route_path(path: &str) -> &str {
+    let raw = path.split(['?', '#']).next().unwrap_or("");
+    match raw.trim_end_matches('/') {
+        "" => "/",
+        p => p,
+    }
+}
+
+/// The shape of the errors the filter answers on `path`: Anthropic's on [`MESSAGES_PATH`] and
+/// below it (`/v1/messages/count_tokens`, `/v1/messages/batches`: not routed, but their clients
+/// are Anthropic clients, and read a 404 in that shape), OpenAI's everywhere else. The one place
+/// the choice is made; the host renders every rejection of a request with it.
+pub fn error_shape(path: &str) -> ErrorShape {
+    match route_path(path).strip_prefix(MESSAGES_PATH) {
+        Some(rest) if rest.is_empty() || rest.starts_with('/') => ErrorShape::Anthropic,
+        _ => ErrorShape::OpenAi,
+    }
+}
 
 /// True when `prefix` (a `filter.passthrough_prefixes` entry) covers `path`: equal, or followed
 /// by a `/` in `path` (whole segments: `/admin` covers `/admin/x`, not `/administrator`). A prefix
@@ -65,5 +92,23 @@ pub fn prefix_matches(prefix: &str, path: &str) -> bool {
     match path.strip_prefix(prefix) {
         Some(rest) => rest.is_empty() || rest.starts_with('/') || prefix.ends_with('/'),
         None => false,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn errors_are_anthropic_shaped_on_the_messages_path_and_below_it_only() {
+        for p in ["/v1/messages", "/v1/messages/", "/v1/messages?beta=true", "/v1/messages/count_tokens"] {
+            assert_eq!(error_shape(p), ErrorShape::Anthropic, "{p}");
+        }
+        for p in
+            ["/v1/chat/completions", "/v1/messagesx", "/v1/message", "/messages", "/x/v1/messages", "", "/"]
+        {
+            assert_eq!(error_shape(p), ErrorShape::OpenAi, "{p}");
+        }
+        assert_eq!((route_path("/a/?q#f"), route_path(""), route_path("//")), ("/a", "/", "/"));
     }
 }

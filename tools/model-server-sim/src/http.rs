@@ -1,4 +1,5 @@
-//! The HTTP shell: runs the pure [`Server`] model in real time behind an OpenAI-compatible API.
+//! The HTTP shell: runs the pure [`Server`] model in real time behind an OpenAI-compatible API,
+//! and Anthropic's Messages API (`POST /v1/messages`, [`Api::Messages`]).
 //!
 //! Model time is wall-clock milliseconds since the shell started. A background task (see
 //! [`engine_loop`]) advances the model to "now", hands every event to the request that owns it,
@@ -6,7 +7,9 @@
 //! requests and wait on a per-request channel, so every response is paced by the model.
 //!
 //! Endpoints are listed in the crate README. Every response carries `x-sim-server: <name>`, and
-//! every inference JSON body (and every stream chunk) carries `"served_by": "<name>"`.
+//! every inference JSON body (and every OpenAI stream chunk, and the message of an Anthropic
+//! stream's `message_start`) carries `"served_by": "<name>"`. Errors on `/v1/messages` are
+//! Anthropic-shaped (`{"type":"error","error":{"type","message"}}`), elsewhere OpenAI-shaped.
 //!
 //! Fault injection (`POST /sim/chaos`, [`ChaosMode`]) acts on inference requests only, so a pod can
 //! look healthy on `/metrics` while it fails, resets, hangs or cuts its streams. `reset` needs the
@@ -526,6 +529,7 @@ pub fn router(state: Arc<AppState>) -> Router {
     Router::new()
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
+        .route("/v1/messages", post(messages))
         .route("/v1/models", get(list_models))
         .route("/health", get(health))
         .route("/metrics", get(metrics))
@@ -792,10 +796,49 @@ async fn sim_reset_stats(State(st): State<Arc<AppState>>) -> Response {
     axum::Json(json!({ "reset": true })).into_response()
 }
 
+/// Which API an inference request came in on: it sets the body read, the answer's shape, and
+/// the shape of its errors.
 #[derive(Debug, Clone, Copy, PartialEq)]
 enum Api {
     Chat,
     Completion,
+    /// Anthropic's Messages API.
+    Messages,
+}
+
+impl Api {
+    fn path(self) -> &'static str {
+        match self {
+            Api::Chat => "/v1/chat/completions",
+            Api::Completion => "/v1/completions",
+            Api::Messages => "/v1/messages",
+        }
+    }
+
+    /// An error answer in this API's shape: OpenAI's as vLLM sends it, or Anthropic's.
+    fn error(self, status: StatusCode, message: impl Into<String>) -> Response {
+        match self {
+            Api::Chat | Api::Completion => error_response(status, error_kind(status), message),
+            Api::Messages => {
+                let body = json!({"type": "error", "error": {"type": anthropic_error_type(status), "message": message.into()}});
+                (status, axum::Json(body)).into_response()
+            }
+        }
+    }
+}
+
+/// Anthropic's error `type` for a status (its API's documented table).
+fn anthropic_error_type(status: StatusCode) -> &'static str {
+    match status.as_u16() {
+        401 => "authentication_error",
+        403 => "permission_error",
+        404 => "not_found_error",
+        413 => "request_too_large",
+        429 => "rate_limit_error",
+        503 | 529 => "overloaded_error",
+        400..=499 => "invalid_request_error",
+        _ => "api_error",
+    }
 }
 
 async fn chat_completions(
@@ -814,6 +857,15 @@ async fn completions(
     body: Bytes,
 ) -> Response {
     inference(st, Api::Completion, &ext, headers, body).await
+}
+
+async fn messages(
+    State(st): State<Arc<AppState>>,
+    ext: Extensions,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    inference(st, Api::Messages, &ext, headers, body).await
 }
 
 /// The OpenAI error type vLLM's clients expect for a status.
@@ -867,6 +919,10 @@ fn parse_request(st: &AppState, api: Api, v: &Value) -> Result<Parsed, String> {
             let text = chat_prompt_text(obj.get("messages"))?;
             (prompt::estimate_tokens(&text), prompt::block_hashes(&text, block))
         }
+        Api::Messages => {
+            let text = messages_prompt_text(obj.get("system"), obj.get("messages"))?;
+            (prompt::estimate_tokens(&text), prompt::block_hashes(&text, block))
+        }
         Api::Completion => match obj.get("prompt") {
             Some(Value::String(s)) => (prompt::estimate_tokens(s), prompt::block_hashes(s, block)),
             Some(Value::Array(items)) if items.len() == 1 && items.iter().all(Value::is_string) => {
@@ -886,6 +942,10 @@ fn parse_request(st: &AppState, api: Api, v: &Value) -> Result<Parsed, String> {
         },
     };
     let max_tokens = match obj.get("max_completion_tokens").or_else(|| obj.get("max_tokens")) {
+        // Anthropic's API requires it.
+        None | Some(Value::Null) if api == Api::Messages => {
+            return Err("max_tokens: Field required".to_string())
+        }
         None | Some(Value::Null) => st.cfg.default_max_tokens,
         Some(v) => match v.as_u64() {
             Some(n) if n >= 1 => u32::try_from(n).unwrap_or(u32::MAX),
@@ -902,19 +962,21 @@ fn parse_request(st: &AppState, api: Api, v: &Value) -> Result<Parsed, String> {
         Some(Value::Bool(b)) => *b,
         Some(v) => return Err(format!("`stream` must be a boolean, got {v}")),
     };
-    let include_usage = obj
-        .get("stream_options")
-        .and_then(|o| o.get("include_usage"))
-        .and_then(Value::as_bool)
-        .unwrap_or(false);
+    // An Anthropic stream always ends with its usage (`message_delta`).
+    let include_usage = api == Api::Messages
+        || obj
+            .get("stream_options")
+            .and_then(|o| o.get("include_usage"))
+            .and_then(Value::as_bool)
+            .unwrap_or(false);
     Ok(Parsed { model, prompt_tokens, hashes, max_tokens, stream, include_usage })
 }
 
-/// The prompt text an arrival is recorded with (`Arrival::content`): a chat request's last
-/// message content (its text parts joined), or a completion's string prompt.
+/// The prompt text an arrival is recorded with (`Arrival::content`): a chat or Anthropic
+/// request's last message content (its text parts joined), or a completion's string prompt.
 fn request_content(api: Api, v: &Value) -> Option<String> {
     match api {
-        Api::Chat => {
+        Api::Chat | Api::Messages => {
             let content = v.get("messages")?.as_array()?.last()?.get("content")?;
             match content {
                 Value::String(s) => Some(s.clone()),
@@ -961,6 +1023,57 @@ fn chat_prompt_text(messages: Option<&Value>) -> Result<String, String> {
         text.push('\n');
     }
     Ok(text)
+}
+
+/// The text an Anthropic request's chat template would produce, roughly: the system prompt, then
+/// "role: content" per message, where a content block gives its text (a `text` block's text, a
+/// `tool_result`'s content, a `tool_use`'s input JSON, a `thinking` block's thinking).
+fn messages_prompt_text(system: Option<&Value>, messages: Option<&Value>) -> Result<String, String> {
+    let Some(Value::Array(msgs)) = messages else {
+        return Err("messages: Field required (a list of messages)".to_string());
+    };
+    if msgs.is_empty() {
+        return Err("messages: at least one message is required".to_string());
+    }
+    let mut text = String::new();
+    match system {
+        None | Some(Value::Null) => {}
+        Some(s @ (Value::String(_) | Value::Array(_))) => {
+            text.push_str("system: ");
+            block_text(s, &mut text);
+            text.push('\n');
+        }
+        Some(_) => return Err("system: must be a string or a list of text blocks".to_string()),
+    }
+    for (i, m) in msgs.iter().enumerate() {
+        let role = m
+            .get("role")
+            .and_then(Value::as_str)
+            .ok_or_else(|| format!("messages.{i}.role: Field required"))?;
+        text.push_str(role);
+        text.push_str(": ");
+        match m.get("content") {
+            Some(c @ (Value::String(_) | Value::Array(_))) => block_text(c, &mut text),
+            _ => return Err(format!("messages.{i}.content: must be a string or a list of content blocks")),
+        }
+        text.push('\n');
+    }
+    Ok(text)
+}
+
+/// Appends the text of an Anthropic content (a string, a list of blocks, or one block).
+fn block_text(content: &Value, out: &mut String) {
+    match content {
+        Value::String(s) => out.push_str(s),
+        Value::Array(blocks) => blocks.iter().for_each(|b| block_text(b, out)),
+        Value::Object(b) => match b.get("type").and_then(Value::as_str) {
+            Some("tool_use") => out.push_str(&b.get("input").map(Value::to_string).unwrap_or_default()),
+            Some("tool_result") => b.get("content").into_iter().for_each(|c| block_text(c, out)),
+            Some("thinking") => out.push_str(b.get("thinking").and_then(Value::as_str).unwrap_or("")),
+            _ => out.push_str(b.get("text").and_then(Value::as_str).unwrap_or("")),
+        },
+        _ => {}
+    }
 }
 
 impl AppState {
@@ -1038,8 +1151,7 @@ async fn prefill_remotely(
             .map(str::to_string),
     };
     let pre = prefiller?;
-    let path = if api == Api::Chat { "/v1/chat/completions" } else { "/v1/completions" };
-    let ok = match remote_prefill(&pre, path, value).await {
+    let ok = match remote_prefill(&pre, api.path(), value).await {
         Ok(()) => {
             let mut core = lock(&st.core);
             core.server.import_prefix(&p.hashes, p.prompt_tokens, adapter);
@@ -1087,21 +1199,21 @@ async fn inference(
         ChaosMode::Ok => {}
         ChaosMode::Status { status } => {
             let code = StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-            return error_response(code, error_kind(code), format!("chaos: simulated {status}"));
+            return api.error(code, format!("chaos: simulated {status}"));
         }
         ChaosMode::Reset => {
             let reset = ext.get::<ConnectInfo<ConnHandle>>().is_some_and(|c| c.0.reset());
             // After a reset the response below cannot be written; without a connection (an
             // in-process call) it says why nothing was reset.
             let why = if reset { "chaos: reset" } else { "chaos: reset needs a TCP connection" };
-            return error_response(StatusCode::INTERNAL_SERVER_ERROR, "InternalServerError", why);
+            return api.error(StatusCode::INTERNAL_SERVER_ERROR, why);
         }
         ChaosMode::Hang => return std::future::pending::<Response>().await,
         ChaosMode::StreamCut { after_chunks } => cut_after = Some(after_chunks),
     }
     let value: Value = match parsed_body {
         Ok(v) => v,
-        Err(e) => return bad_request(format!("invalid JSON body: {e}")),
+        Err(e) => return api.error(StatusCode::BAD_REQUEST, format!("invalid JSON body: {e}")),
     };
     if let Some(m) = value.get("model").and_then(Value::as_str) {
         let mut s = lock(&st.stats);
@@ -1110,27 +1222,26 @@ async fn inference(
     }
     let p = match parse_request(&st, api, &value) {
         Ok(p) => p,
-        Err(m) => return bad_request(m),
+        Err(m) => return api.error(StatusCode::BAD_REQUEST, m),
     };
     let adapter = if st.cfg.models.contains(&p.model) {
         None
     } else if lock(&st.loras).contains(&p.model) {
         Some(p.model.clone())
     } else {
-        return error_response(
-            StatusCode::NOT_FOUND,
-            "NotFoundError",
-            format!("The model `{}` does not exist.", p.model),
-        );
+        return api.error(StatusCode::NOT_FOUND, format!("The model `{}` does not exist.", p.model));
     };
     let total = u64::from(p.prompt_tokens) + u64::from(p.max_tokens);
     if total > u64::from(st.cfg.max_model_len) {
-        return bad_request(format!(
-            "This model's maximum context length is {} tokens. However, you requested {} tokens \
+        return api.error(
+            StatusCode::BAD_REQUEST,
+            format!(
+                "This model's maximum context length is {} tokens. However, you requested {} tokens \
              ({} in the messages, {} in the completion). Please reduce the length of the messages \
              or completion.",
-            st.cfg.max_model_len, total, p.prompt_tokens, p.max_tokens
-        ));
+                st.cfg.max_model_len, total, p.prompt_tokens, p.max_tokens
+            ),
+        );
     }
     let prefilled_by = prefill_remotely(&st, api, &headers, &value, &p, adapter.as_deref()).await;
 
@@ -1154,15 +1265,22 @@ async fn inference(
     };
     if let Err(e) = submitted {
         return match e {
-            SubmitError::TooLarge { .. } => bad_request(format!("request cannot fit in the KV cache: {e}")),
-            _ => error_response(StatusCode::INTERNAL_SERVER_ERROR, "InternalServerError", e.to_string()),
+            SubmitError::TooLarge { .. } => {
+                api.error(StatusCode::BAD_REQUEST, format!("request cannot fit in the KV cache: {e}"))
+            }
+            _ => api.error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
         };
     }
     st.wake.notify_one();
 
+    let prefix = match api {
+        Api::Chat => "chatcmpl-",
+        Api::Completion => "cmpl-",
+        Api::Messages => "msg_",
+    };
     let reply = Reply {
         api,
-        id: format!("{}-sim{id:016x}", if api == Api::Chat { "chatcmpl" } else { "cmpl" }),
+        id: format!("{prefix}sim{id:016x}"),
         created: unix_now_s() as u64,
         model: p.model,
         served_by: st.cfg.name.clone(),
@@ -1233,9 +1351,8 @@ async fn wait_for_completion(
             }
             Event::Rejected { .. } => {
                 guard.armed = false;
-                return error_response(
+                return reply.api.error(
                     StatusCode::INTERNAL_SERVER_ERROR,
-                    "InternalServerError",
                     "the simulated engine could not schedule the request",
                 );
             }
@@ -1243,14 +1360,18 @@ async fn wait_for_completion(
         }
     }
     guard.armed = false;
-    error_response(StatusCode::INTERNAL_SERVER_ERROR, "InternalServerError", "engine stopped")
+    reply.api.error(StatusCode::INTERNAL_SERVER_ERROR, "engine stopped")
 }
+
+/// One SSE event: its `event:` name (Anthropic's streams name every event; OpenAI's name none)
+/// and its `data:`.
+type Sent = (Option<&'static str>, String);
 
 struct StreamState {
     reply: Reply,
     rx: mpsc::UnboundedReceiver<Event>,
     guard: AbortGuard,
-    queued: std::collections::VecDeque<String>,
+    queued: std::collections::VecDeque<Sent>,
     done: bool,
     /// Chaos `stream_cut`: events still to send before the body fails.
     cut_after: Option<u32>,
@@ -1275,35 +1396,37 @@ fn sse_stream(
                 s.cut_after = None;
                 return Some((Err(std::io::Error::other("chaos: stream cut")), s));
             }
-            if let Some(data) = s.queued.pop_front() {
+            if let Some((name, data)) = s.queued.pop_front() {
                 s.cut_after = s.cut_after.map(|n| n.saturating_sub(1));
-                return Some((Ok(SseEvent::default().data(data)), s));
+                let event = SseEvent::default().data(data);
+                return Some((
+                    Ok(match name {
+                        Some(n) => event.event(n),
+                        None => event,
+                    }),
+                    s,
+                ));
             }
             if s.done {
                 return None;
             }
             match s.rx.recv().await {
                 Some(Event::FirstToken { .. }) => {
-                    if s.reply.api == Api::Chat {
-                        s.queued.push_back(s.reply.chunk(json!({"role": "assistant", "content": ""}), None));
-                    }
+                    let first = s.reply.first_events();
+                    s.queued.extend(first);
                     s.queued.push_back(s.reply.token_chunk(0));
                 }
                 Some(Event::Token { index, .. }) => s.queued.push_back(s.reply.token_chunk(index)),
                 Some(Event::Finished { cached_tokens, .. }) => {
                     s.guard.armed = false;
-                    if s.reply.include_usage {
-                        s.queued.push_back(s.reply.usage_chunk(cached_tokens));
-                    }
-                    s.queued.push_back("[DONE]".into());
+                    let last = s.reply.last_events(cached_tokens);
+                    s.queued.extend(last);
                     s.done = true;
                 }
                 Some(Event::Rejected { .. }) | None => {
                     s.guard.armed = false;
-                    let err = json!({"error": {"message": "the simulated engine could not schedule the request",
-                        "type": "InternalServerError", "param": null, "code": 500}});
-                    s.queued.push_back(err.to_string());
-                    s.queued.push_back("[DONE]".into());
+                    let last = s.reply.error_events("the simulated engine could not schedule the request");
+                    s.queued.extend(last);
                     s.done = true;
                 }
                 Some(Event::Preempted { .. }) => {}
@@ -1339,6 +1462,89 @@ impl Reply {
             (Api::Chat, false) => "chat.completion",
             (Api::Chat, true) => "chat.completion.chunk",
             (Api::Completion, _) => "text_completion",
+            (Api::Messages, _) => "message",
+        }
+    }
+
+    /// Anthropic's `usage`: the prompt's tokens (those read from the prefix cache apart) and the
+    /// output's.
+    fn anthropic_usage(&self, cached_tokens: u32) -> Value {
+        json!({
+            "input_tokens": self.prompt_tokens.saturating_sub(cached_tokens),
+            "cache_read_input_tokens": cached_tokens,
+            "cache_creation_input_tokens": 0,
+            "output_tokens": self.output_tokens,
+        })
+    }
+
+    /// An Anthropic `message` object; `content` and `usage` as given.
+    fn message(&self, content: Value, stop_reason: Option<&str>, usage: Value) -> Value {
+        json!({
+            "id": self.id,
+            "type": "message",
+            "role": "assistant",
+            "model": self.model,
+            "content": content,
+            "stop_reason": stop_reason,
+            "stop_sequence": null,
+            "usage": usage,
+            "served_by": self.served_by,
+        })
+    }
+
+    /// The events of a stream before its first token: a chat stream's role chunk, or Anthropic's
+    /// `message_start` (usage so far: the prompt, no output) and `content_block_start`.
+    fn first_events(&self) -> Vec<Sent> {
+        match self.api {
+            Api::Chat => vec![(None, self.chunk(json!({"role": "assistant", "content": ""}), None))],
+            Api::Completion => Vec::new(),
+            Api::Messages => {
+                let usage = json!({"input_tokens": self.prompt_tokens, "output_tokens": 0});
+                let start = json!({"type": "message_start", "message": self.message(json!([]), None, usage)});
+                let block = json!({"type": "content_block_start", "index": 0,
+                    "content_block": {"type": "text", "text": ""}});
+                vec![
+                    (Some("message_start"), start.to_string()),
+                    (Some("content_block_start"), block.to_string()),
+                ]
+            }
+        }
+    }
+
+    /// The events after the last token: the usage chunk (when asked) and `[DONE]`, or Anthropic's
+    /// `content_block_stop`, `message_delta` (the stop reason and the usage) and `message_stop`.
+    fn last_events(&self, cached_tokens: u32) -> Vec<Sent> {
+        match self.api {
+            Api::Chat | Api::Completion => {
+                let usage = self.include_usage.then(|| (None, self.usage_chunk(cached_tokens)));
+                usage.into_iter().chain([(None, "[DONE]".to_string())]).collect()
+            }
+            Api::Messages => {
+                let stop = json!({"type": "content_block_stop", "index": 0});
+                let delta = json!({"type": "message_delta",
+                    "delta": {"stop_reason": "max_tokens", "stop_sequence": null},
+                    "usage": self.anthropic_usage(cached_tokens)});
+                vec![
+                    (Some("content_block_stop"), stop.to_string()),
+                    (Some("message_delta"), delta.to_string()),
+                    (Some("message_stop"), json!({"type": "message_stop"}).to_string()),
+                ]
+            }
+        }
+    }
+
+    /// A stream's end on an engine failure: an error chunk and `[DONE]`, or Anthropic's `error`
+    /// event.
+    fn error_events(&self, message: &str) -> Vec<Sent> {
+        match self.api {
+            Api::Chat | Api::Completion => {
+                let err = json!({"error": {"message": message, "type": "InternalServerError", "param": null, "code": 500}});
+                vec![(None, err.to_string()), (None, "[DONE]".to_string())]
+            }
+            Api::Messages => {
+                let err = json!({"type": "error", "error": {"type": "api_error", "message": message}});
+                vec![(Some("error"), err.to_string())]
+            }
         }
     }
 
@@ -1353,6 +1559,10 @@ impl Reply {
 
     fn full_response(&self, cached_tokens: u32) -> Value {
         let text: String = (0..self.output_tokens).map(word).collect();
+        if self.api == Api::Messages {
+            let content = json!([{"type": "text", "text": text}]);
+            return self.message(content, Some("max_tokens"), self.anthropic_usage(cached_tokens));
+        }
         let choice = match self.api {
             Api::Chat => json!({
                 "index": 0,
@@ -1360,7 +1570,9 @@ impl Reply {
                 "logprobs": null,
                 "finish_reason": "length",
             }),
-            Api::Completion => json!({"index": 0, "text": text, "logprobs": null, "finish_reason": "length"}),
+            Api::Completion | Api::Messages => {
+                json!({"index": 0, "text": text, "logprobs": null, "finish_reason": "length"})
+            }
         };
         json!({
             "id": self.id,
@@ -1377,7 +1589,7 @@ impl Reply {
     fn chunk(&self, delta: Value, finish: Option<&str>) -> String {
         let choice = match self.api {
             Api::Chat => json!({"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish}),
-            Api::Completion => json!({
+            Api::Completion | Api::Messages => json!({
                 "index": 0,
                 "text": delta.get("content").cloned().unwrap_or(json!("")),
                 "logprobs": null,
@@ -1395,9 +1607,15 @@ impl Reply {
         .to_string()
     }
 
-    fn token_chunk(&self, index: u32) -> String {
+    /// Output token `index` as a chunk, or as Anthropic's `content_block_delta`.
+    fn token_chunk(&self, index: u32) -> Sent {
+        if self.api == Api::Messages {
+            let delta = json!({"type": "content_block_delta", "index": 0,
+                "delta": {"type": "text_delta", "text": word(index)}});
+            return (Some("content_block_delta"), delta.to_string());
+        }
         let last = index + 1 >= self.output_tokens;
-        self.chunk(json!({"content": word(index)}), last.then_some("length"))
+        (None, self.chunk(json!({"content": word(index)}), last.then_some("length")))
     }
 
     fn usage_chunk(&self, cached_tokens: u32) -> String {

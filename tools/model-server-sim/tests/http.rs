@@ -156,6 +156,106 @@ async fn bad_requests_get_openai_errors() {
 }
 
 #[tokio::test]
+async fn anthropic_message_has_usage_and_names_the_server() {
+    let app = app(Engine::Vllm);
+    let body = json!({"model": "ad1", "max_tokens": 4, "system": [{"type": "text", "text": "Be brief."}],
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "hello"}]}]});
+    let (status, server, text) = call(&app, "POST", "/v1/messages", &body.to_string()).await;
+    assert_eq!((status, server.as_str()), (StatusCode::OK, "sim-test"));
+    let v = parse(&text);
+    assert!(v["id"].as_str().unwrap().starts_with("msg_"));
+    assert_eq!(
+        (v["type"].as_str(), v["role"].as_str(), v["model"].as_str()),
+        (Some("message"), Some("assistant"), Some("ad1"))
+    );
+    assert_eq!(v["content"], json!([{"type": "text", "text": "lorem ipsum dolor sit"}]));
+    assert_eq!((v["stop_reason"].as_str(), v["served_by"].as_str()), (Some("max_tokens"), Some("sim-test")));
+    // "system: Be brief.\nuser: hello\n" = 30 chars = 8 tokens (4 chars a token, rounded up).
+    assert_eq!(
+        v["usage"],
+        json!({"input_tokens": 8, "cache_read_input_tokens": 0, "cache_creation_input_tokens": 0, "output_tokens": 4})
+    );
+    // The arrival records the last message's text.
+    let stats = parse(&call(&app, "GET", "/sim/stats", "").await.2);
+    assert_eq!(stats["arrivals"][0]["content"], "hello");
+}
+
+#[tokio::test]
+async fn anthropic_stream_sends_the_documented_events_in_order() {
+    let app = app(Engine::Vllm);
+    let body = json!({"model": "base", "max_tokens": 3, "stream": true,
+        "messages": [{"role": "user", "content": "hi"}]});
+    let (status, _, text) = call(&app, "POST", "/v1/messages", &body.to_string()).await;
+    assert_eq!(status, StatusCode::OK);
+    let names: Vec<&str> = text.lines().filter_map(|l| l.strip_prefix("event: ")).collect();
+    assert_eq!(
+        names,
+        [
+            "message_start",
+            "content_block_start",
+            "content_block_delta",
+            "content_block_delta",
+            "content_block_delta",
+            "content_block_stop",
+            "message_delta",
+            "message_stop"
+        ],
+        "{text}"
+    );
+    let data: Vec<Value> = text.lines().filter_map(|l| l.strip_prefix("data: ")).map(parse).collect();
+    assert_eq!(data.len(), names.len());
+    // Every event's `type` is its name.
+    for (d, n) in data.iter().zip(&names) {
+        assert_eq!(d["type"].as_str(), Some(*n), "{d}");
+    }
+    let start = &data[0]["message"];
+    assert_eq!((start["model"].as_str(), start["served_by"].as_str()), (Some("base"), Some("sim-test")));
+    assert_eq!(start["content"], json!([]));
+    let deltas: Vec<&str> = data[2..5].iter().map(|d| d["delta"]["text"].as_str().unwrap()).collect();
+    assert_eq!(deltas, ["lorem", " ipsum", " dolor"]);
+    assert_eq!(data[6]["delta"]["stop_reason"], "max_tokens");
+    assert_eq!(data[6]["usage"]["output_tokens"], 3);
+    assert!(data[6]["usage"]["input_tokens"].as_u64().is_some());
+}
+
+#[tokio::test]
+async fn anthropic_requests_get_anthropic_errors() {
+    let app = app(Engine::Vllm);
+    let msgs = r#""messages": [{"role": "user", "content": "x"}]"#;
+    let cases = [
+        ("{\"model\": ".to_string(), StatusCode::BAD_REQUEST),
+        (format!(r#"{{"model": "base", {msgs}}}"#), StatusCode::BAD_REQUEST),
+        (format!(r#"{{"model": "base", "max_tokens": 0, {msgs}}}"#), StatusCode::BAD_REQUEST),
+        (r#"{"model": "base", "max_tokens": 1, "messages": []}"#.to_string(), StatusCode::BAD_REQUEST),
+        (
+            r#"{"model": "base", "max_tokens": 1, "messages": [{"content": "x"}]}"#.to_string(),
+            StatusCode::BAD_REQUEST,
+        ),
+        (
+            r#"{"model": "base", "max_tokens": 1, "messages": [{"role": "user", "content": 5}]}"#.to_string(),
+            StatusCode::BAD_REQUEST,
+        ),
+        (format!(r#"{{"model": "base", "max_tokens": 1, "system": 5, {msgs}}}"#), StatusCode::BAD_REQUEST),
+        (format!(r#"{{"model": "gpt-9", "max_tokens": 1, {msgs}}}"#), StatusCode::NOT_FOUND),
+    ];
+    for (body, want) in cases {
+        let (status, _, text) = call(&app, "POST", "/v1/messages", &body).await;
+        assert_eq!(status, want, "{body}");
+        let v = parse(&text);
+        let kind = if want == StatusCode::NOT_FOUND { "not_found_error" } else { "invalid_request_error" };
+        assert_eq!((v["type"].as_str(), v["error"]["type"].as_str()), (Some("error"), Some(kind)), "{text}");
+        assert!(v["error"]["message"].as_str().is_some_and(|m| !m.is_empty()));
+    }
+    let (_, _, text) = call(&app, "POST", "/v1/messages", &format!(r#"{{"model": "base", {msgs}}}"#)).await;
+    assert_eq!(parse(&text)["error"]["message"], "max_tokens: Field required");
+    // Chaos answers in the path's shape too.
+    call(&app, "POST", "/sim/chaos", r#"{"mode": "status", "status": 529, "count": 1}"#).await;
+    let body = format!(r#"{{"model": "base", "max_tokens": 1, {msgs}}}"#);
+    let (status, _, text) = call(&app, "POST", "/v1/messages", &body).await;
+    assert_eq!((status.as_u16(), parse(&text)["error"]["type"].as_str()), (529, Some("overloaded_error")));
+}
+
+#[tokio::test]
 async fn shared_prefix_hits_the_cache_across_requests() {
     let app = app(Engine::Vllm);
     // 2,000 chars of shared system prompt = 500 tokens ≥ 31 full 16-token blocks.

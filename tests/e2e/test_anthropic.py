@@ -1,0 +1,144 @@
+"""Anthropic's Messages API (`POST /v1/messages`) through the gateway, with the official `anthropic`
+client, in a real Envoy 1.40 running the built .wasm in front of simulated model servers: plain
+and streamed messages, the errors the module answers in Anthropic's shape (each as the client's
+own exception type), and the turns of one conversation landing on the pod that holds its prefix."""
+import json
+
+import anthropic  # in tests/requirements.txt: a missing client is a broken venv, not a skip
+import pytest
+import requests
+
+from harness import LLAMA, REPO, Envoy, Sim, endpoint, picker_config
+
+SERVED = "x-gateway-destination-endpoint-served"
+REJECT = "x-inference-picker-reject"
+FIXTURES = REPO / "tests" / "fixtures" / "requests"
+
+
+@pytest.fixture(scope="module")
+def pool():
+    sims = [Sim(f"anth-{i}", loras=("sql-lora",)) for i in range(3)]
+    envoy = None
+    try:
+        envoy = Envoy(picker_config([endpoint(s) for s in sims], filter={"expose_served_endpoint": True}))
+        envoy.wait_routable()
+        yield envoy, sims
+    finally:
+        if envoy is not None:
+            envoy.stop()
+        for s in sims:
+            s.stop()
+
+
+def client(envoy) -> anthropic.Anthropic:
+    # max_retries=0: the test must see the gateway's answer, not a retry of it. A new client is a
+    # new connection: the kernel spreads them over Envoy's workers.
+    return anthropic.Anthropic(base_url=envoy.url, api_key="unused", max_retries=0, timeout=30)
+
+
+def by_address(sims) -> dict:
+    return {s.address: s for s in sims}
+
+
+def test_a_message_and_a_streamed_message_through_the_gateway(pool):
+    envoy, sims = pool
+    raw = client(envoy).messages.with_raw_response.create(
+        model=LLAMA, max_tokens=5, system="Be brief.", messages=[{"role": "user", "content": "Say hi"}])
+    msg = raw.parse()
+    assert raw.headers[SERVED] in by_address(sims)
+    assert (msg.type, msg.role, msg.model, msg.stop_reason) == ("message", "assistant", LLAMA, "max_tokens")
+    assert msg.content[0].type == "text" and msg.content[0].text
+    assert msg.usage.input_tokens > 0 and msg.usage.output_tokens == 5
+    # The pod got the body as sent, on the same path.
+    pod = by_address(sims)[raw.headers[SERVED]]
+    assert pod.stats()["last_request_model"] == LLAMA
+
+    # Streamed: the raw events in Anthropic's order, and the SDK's own accumulation of them.
+    stream = client(envoy).messages.create(model=LLAMA, max_tokens=3, stream=True,
+                                           messages=[{"role": "user", "content": [{"type": "text", "text": "Count"}]}])
+    types = [e.type for e in stream]
+    assert types == ["message_start", "content_block_start"] + ["content_block_delta"] * 3 + [
+        "content_block_stop", "message_delta", "message_stop"], types
+    with client(envoy).messages.stream(model=LLAMA, max_tokens=4,
+                                       messages=[{"role": "user", "content": "Count again"}]) as s:
+        pieces = list(s.text_stream)
+        final = s.get_final_message()
+    assert len(pieces) == 4 and "".join(pieces) == final.content[0].text
+    assert final.usage.output_tokens == 4 and final.stop_reason == "max_tokens"
+
+    # A LoRA adapter is routed as on the OpenAI paths (to a pod serving it, the name kept).
+    lora = client(envoy).messages.create(model="sql-lora", max_tokens=2, messages=[{"role": "user", "content": "x"}])
+    assert lora.model == "sql-lora"
+
+
+def test_b_errors_are_anthropic_shaped_with_the_clients_exception_types(pool):
+    envoy, sims = pool
+    before = [s.requests_total() for s in sims]
+    c = client(envoy)
+    hi = [{"role": "user", "content": "hi"}]
+    cases = [
+        # (call, exception, status, Anthropic type, the module's code)
+        (lambda: c.messages.create(model="no-such-model", max_tokens=5, messages=hi),
+         anthropic.NotFoundError, 404, "not_found_error", "model_not_found"),
+        (lambda: c.messages.create(model=anthropic.NOT_GIVEN, max_tokens=5, messages=hi),
+         anthropic.BadRequestError, 400, "invalid_request_error", "missing_model"),
+        (lambda: c.messages.create(model=LLAMA, max_tokens=anthropic.NOT_GIVEN, messages=hi),
+         anthropic.BadRequestError, 400, "invalid_request_error", "missing_max_tokens"),
+        (lambda: c.messages.create(model=LLAMA, max_tokens=5,
+                                   messages=[{"role": "user", "content": "x" * (5 * 1024 * 1024)}]),
+         anthropic.RequestTooLargeError, 413, "request_too_large", "request_too_large"),
+        # Not routed (only /v1/messages is), and answered in the shape its client reads.
+        (lambda: c.messages.count_tokens(model=LLAMA, messages=hi),
+         anthropic.NotFoundError, 404, "not_found_error", "not_found"),
+    ]
+    for call, exc, status, kind, code in cases:
+        with pytest.raises(exc) as err:
+            call()
+        e = err.value
+        assert e.status_code == status, e
+        assert e.response.headers["content-type"] == "application/json"
+        assert e.response.headers[REJECT] == code
+        assert e.body == {"type": "error", "error": {"type": kind, "message": e.body["error"]["message"]}}, e.body
+        assert e.body["error"]["message"]
+    # A body that is not JSON, and a wrong method: the same shape (plain HTTP here).
+    r = requests.post(envoy.url + "/v1/messages", data=b"{not json", headers={"content-type": "application/json"},
+                      timeout=10)
+    assert (r.status_code, r.json()["type"], r.json()["error"]["type"]) == (400, "error", "invalid_request_error")
+    r = requests.get(envoy.url + "/v1/messages", timeout=10)
+    assert (r.status_code, r.headers["allow"], r.json()["error"]["type"]) == (405, "POST, OPTIONS",
+                                                                             "invalid_request_error")
+    # The OpenAI paths keep OpenAI's shape.
+    r = requests.post(envoy.url + "/v1/chat/completions", json={"model": "no-such-model", "messages": hi}, timeout=10)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    # None of them reached a pod.
+    assert [s.requests_total() for s in sims] == before
+
+
+def test_c_the_turns_of_a_conversation_land_on_one_pod(pool):
+    envoy, sims = pool
+    doc = json.loads((FIXTURES / "chat_shared_prefix_1.request.json").read_text())
+    system, document = doc["messages"][0]["content"], doc["messages"][1]["content"]
+    homes = set()
+    for case in range(10):
+        # Each case is a new conversation: a distinct system prompt starts its prefix. The client
+        # marks its newest block for Anthropic's prompt cache, as coding agents do; the marker
+        # moves from turn to turn and is no part of the prefix.
+        sys_blocks = [{"type": "text", "text": f"[case {case}] {system}", "cache_control": {"type": "ephemeral"}}]
+        turns = [{"role": "user", "content": [{"type": "text", "text": document + "\nSummarise.",
+                                                 "cache_control": {"type": "ephemeral"}}]}]
+        served = []
+        for turn in range(3):
+            raw = client(envoy).messages.with_raw_response.create(model=LLAMA, max_tokens=2, system=sys_blocks,
+                                                                  messages=turns)
+            served.append(raw.headers[SERVED])
+            answer = raw.parse().content[0].text
+            for block in turns[-1]["content"]:
+                block.pop("cache_control", None)
+            turns += [{"role": "assistant", "content": answer},
+                      {"role": "user", "content": [{"type": "text", "text": f"And then? ({turn})",
+                                                    "cache_control": {"type": "ephemeral"}}]}]
+        assert len(set(served)) == 1, f"case {case}: {served}"
+        homes.add(served[0])
+    # Different conversations still spread over the pool: the affinity is the prefix's, not a
+    # preference for one pod.
+    assert len(homes) >= 2, homes
