@@ -440,8 +440,7 @@ impl Scheduler {
         };
         let basis = Basis { rates, mean, winner, credit: 1.0 - credit_share };
         let pred = self.predictions(ask, pool, px, &basis);
-        let at_stake = !predict::nothing_distinguishes(&px.matched, &pool.eligible);
-        let costs = self.costs(&pred, &pool.eligible, at_stake);
+        let costs = self.costs(&pred, &pool.eligible);
         for (r, p) in rows.iter_mut().zip(&pred) {
             r.predicted_ms = p.ttft;
             r.work = p.work;
@@ -499,10 +498,8 @@ impl Scheduler {
 
     /// Step 8's ranking: predicted TTFT plus the miss penalty (`predict`, "Cost"), times the KV
     /// congestion factor (`predict`, "KV congestion"; a missing usage takes the KV scorer's
-    /// neutral fill, so a pod without the metric never looks emptier than the others). The
-    /// factor stops at `kv_full_at` only when `hits_at_stake` (some eligible pod holds more of
-    /// the prompt than another).
-    fn costs(&self, pred: &[Prediction], eligible: &[bool], hits_at_stake: bool) -> Vec<f64> {
+    /// neutral fill, so a pod without the metric never looks emptier than the others).
+    fn costs(&self, pred: &[Prediction], eligible: &[bool]) -> Vec<f64> {
         let pr = &self.cfg.predicted;
         // Sum and count of the eligible candidates' queues: the miss penalty's `busy`.
         let (mut queue_sum, mut queue_n) = (0.0, 0.0);
@@ -521,12 +518,11 @@ impl Scheduler {
         let busy = if queue_n > 0.0 { queue_sum / queue_n } else { 0.0 };
         let penalty = predict::MissPenalty::new(least, busy, pr.miss_weight);
         let neutral_free = neutral_score(lowest_free);
-        let full_at = predict::kv_full_at(pr.kv_full_at, hits_at_stake);
         pred.iter()
             .map(|p| {
                 let cost = p.ttft + penalty.of_usable_rate(p.usable_rate, p.uncached);
-                if full_at > 0.0 {
-                    cost * predict::kv_congestion(1.0 - p.kv_free.unwrap_or(neutral_free), full_at)
+                if pr.kv_full_at > 0.0 {
+                    cost * predict::kv_congestion(1.0 - p.kv_free.unwrap_or(neutral_free), pr.kv_full_at)
                 } else {
                     cost
                 }
