@@ -192,6 +192,8 @@ def missing_config_fields(fields: set[str], reference: str) -> list[str]:
 NOT_METRICS = {
     "inference_picker_pool": "filter state: the pool that claimed a request (request/pools.rs)",
     "inference_picker_parsed": "filter state: the parsed body handed to the next pool",
+    "inference_picker_prompt_tokens": "filter state: a response's prompt tokens (request/usage.rs)",
+    "inference_picker_completion_tokens": "filter state: a response's completion tokens",
     "inference_picker_reject": "local reply details (Envoy's response_code_details)",
     "inference_picker_local": "local reply details",
 }

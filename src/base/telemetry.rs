@@ -25,6 +25,21 @@ pub const SNAPSHOT_AGE: &str = "inference_picker_snapshot_age_ms";
 /// Requests in flight per endpoint, across all workers (the shared count).
 pub const ENDPOINT_INFLIGHT: &str = "inference_picker_endpoint_inflight";
 
+/// Prompt tokens the model servers reported in their responses (`crate::request::usage`), by
+/// model (as sent upstream) and tenant ([`BoundedLabels`]).
+pub const PROMPT_TOKENS: &str = "inference_picker_prompt_tokens_total";
+/// Completion tokens the model servers reported, by model and tenant.
+pub const COMPLETION_TOKENS: &str = "inference_picker_completion_tokens_total";
+/// Routed 2xx responses whose usage was read, by `outcome` (`counted`, `missing`, `too_large`,
+/// `malformed`, `encoded`: `crate::request::usage::Outcome`).
+pub const USAGE_RESPONSES: &str = "inference_picker_usage_responses_total";
+/// The `tenant` label of a request without a trusted tenant (GIE's default flow).
+pub const NO_TENANT: &str = "default-flow";
+/// The `tenant` label of the tenants past [`MAX_TENANT_LABELS`].
+pub const OTHER_TENANT: &str = "other";
+/// Most distinct tenants one VM names in a label; the later ones share [`OTHER_TENANT`].
+pub const MAX_TENANT_LABELS: usize = 64;
+
 /// Flow control, per priority and outcome: `passed` (went on without waiting), `held`,
 /// `released` (went on after waiting), `timed_out` (503 after `max_wait_ms`), `shed` (429,
 /// sheddable while saturated), `queue_full` (429, refused or evicted), `cancelled` (the client
@@ -150,7 +165,35 @@ impl LogLimiter {
 }
 
 /// The tag names the Envoy config must extract.
-pub const TAGS: [&str; 6] = ["pool", "model", "endpoint", "outcome", "reason", "priority"];
+pub const TAGS: [&str; 7] = ["pool", "model", "endpoint", "outcome", "reason", "priority", "tenant"];
+
+/// Values of a label that comes from requests (the tenant), bounded: the first `max` distinct
+/// values keep their own label, every later one gets `overflow`. Envoy never deletes a stat, so
+/// without the bound every tenant ever seen would stay a metric name.
+#[derive(Debug)]
+pub struct BoundedLabels {
+    max: usize,
+    overflow: &'static str,
+    seen: Vec<String>,
+}
+
+impl BoundedLabels {
+    pub fn new(max: usize, overflow: &'static str) -> Self {
+        Self { max, overflow, seen: Vec::new() }
+    }
+
+    /// The label for `value`: itself while there is room or when already seen, else `overflow`.
+    pub fn label<'a>(&mut self, value: &'a str) -> &'a str {
+        if self.seen.iter().any(|s| s == value) {
+            return value;
+        }
+        if self.seen.len() < self.max {
+            self.seen.push(value.to_string());
+            return value;
+        }
+        self.overflow
+    }
+}
 
 /// Builds `base;k=v;k=v`.
 pub fn name(base: &str, tags: &[(&str, &str)]) -> String {
@@ -196,6 +239,17 @@ mod tests {
         let tags: Vec<_> =
             [Some(("model", "m")), endpoint_tag(true, "10.0.0.1:8000")].into_iter().flatten().collect();
         assert_eq!(name(REQUESTS, &tags), "inference_picker_requests_total;model=m;endpoint=10.0.0.1:8000");
+    }
+
+    #[test]
+    fn bounded_labels_keep_the_first_values_and_pool_the_rest() {
+        let mut l = BoundedLabels::new(2, OTHER_TENANT);
+        assert_eq!(l.label("a"), "a");
+        assert_eq!(l.label("b"), "b");
+        assert_eq!(l.label("c"), "other");
+        // Values seen before keep their label; the set stays at its bound.
+        assert_eq!((l.label("a"), l.label("b"), l.label("d")), ("a", "b", "other"));
+        assert_eq!(l.seen.len(), 2);
     }
 
     #[test]

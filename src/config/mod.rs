@@ -199,6 +199,7 @@ impl Config {
     pub fn request(&self) -> crate::request::config::Settings<'_> {
         crate::request::config::Settings {
             filter: &self.filter,
+            session_header: &self.scheduler.session.header,
             priority: &self.priority,
             prefix: &self.scheduler.prefix,
             pd: self.pd.as_ref(),
@@ -275,6 +276,12 @@ impl Config {
         self.validate_endpoints(&names, &mut errs);
         self.poller.validate_into("poller", &mut errs);
         self.filter.validate_into("filter", &mut errs);
+        crate::request::session::validate(
+            &self.request(),
+            &self.scheduler.session.token_header,
+            "filter.session_headers",
+            &mut errs.0,
+        );
         self.priority.validate("priority", &mut errs.0);
         self.saturation.validate("saturation", self.poller.interval_ms, &mut errs.0);
         self.flow_control.validate("flow_control", &mut errs.0);

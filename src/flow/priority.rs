@@ -29,8 +29,10 @@
 //!
 //! # Fairness id
 //! `x-gateway-inference-fairness-id` (GIE) names the tenant for round-robin within a priority
-//! level. When untrusted, absent or empty it is `default-flow`. Values are cut to
-//! [`MAX_FAIRNESS_ID_BYTES`] so that a hostile value cannot grow the queue's bookkeeping.
+//! level. When it is untrusted, absent or empty, and `trust_session_headers` is set, the
+//! request's session id names the flow instead ([`PriorityHeaders::with_session`]); otherwise
+//! it is `default-flow`. Values are cut to [`MAX_FAIRNESS_ID_BYTES`] so that a hostile value
+//! cannot grow the queue's bookkeeping.
 
 use std::collections::BTreeMap;
 
@@ -65,6 +67,13 @@ settings! {
         /// `default-flow`): a client that can choose its fairness id can take a larger share by
         /// sending many ids.
         pub trust_fairness_header: bool = false,
+        /// Use the request's session id (the first usable value of `scheduler.session.header`,
+        /// then `filter.session_headers`) as its fairness id when no trusted
+        /// `x-gateway-inference-fairness-id` names one. Default false (the session headers feed
+        /// session affinity only): coding agents choose their session ids, so a client that sends
+        /// many gets many shares of the round-robin. Turn it on to give each session its own share,
+        /// or when something in front of this filter sets or removes those headers.
+        pub trust_session_headers: bool = false,
     }
 }
 
@@ -122,7 +131,7 @@ impl CriticalityPriorities {
 
 /// True for a header name Envoy will hand to the filter as written: lower case, RFC 9110 token
 /// characters, not a pseudo-header.
-fn valid_header_name(name: &str) -> bool {
+pub fn valid_header_name(name: &str) -> bool {
     !name.is_empty()
         && name.bytes().all(|b| {
             b.is_ascii_lowercase()
@@ -218,6 +227,8 @@ pub struct PriorityHeaders {
     pub objective: Option<String>,
     pub tier: Option<String>,
     pub fairness_id: Option<String>,
+    /// `fairness_id` is the session id ([`PriorityHeaders::with_session`]), not a tenant's.
+    pub fairness_from_session: bool,
 }
 
 fn non_empty_trimmed(v: Option<String>) -> Option<String> {
@@ -259,7 +270,26 @@ impl PriorityHeaders {
         } else {
             None
         };
-        Self { objective, tier, fairness_id }
+        Self { objective, tier, fairness_id, fairness_from_session: false }
+    }
+
+    /// With `priority.trust_session_headers`, the request's session id (already checked by
+    /// `request::session`) is the fairness id when no trusted fairness header gave one; cut to
+    /// [`MAX_FAIRNESS_ID_BYTES`] like the header's value. Otherwise nothing changes.
+    pub fn with_session(mut self, cfg: &PriorityConfig, session_id: Option<&str>) -> Self {
+        if cfg.trust_session_headers && self.fairness_id.is_none() {
+            self.fairness_id = session_id
+                .and_then(|s| non_empty_trimmed(Some(s.to_string())))
+                .map(|s| truncate_at_char(s, MAX_FAIRNESS_ID_BYTES));
+            self.fairness_from_session = self.fairness_id.is_some();
+        }
+        self
+    }
+
+    /// The tenant a trusted `x-gateway-inference-fairness-id` names, if one does (a fairness id
+    /// taken from the session id is no tenant: there is one per conversation).
+    pub fn tenant(&self) -> Option<&str> {
+        self.fairness_id.as_deref().filter(|_| !self.fairness_from_session)
     }
 
     /// Applies the precedence objective > tier > model criticality.
@@ -467,6 +497,39 @@ mod tests {
         let h = Headers::new(&[(FAIRNESS_HEADER, long)]);
         let f = resolve(&cfg, Criticality::Standard, &h).fairness_id;
         assert_eq!(f, "a".repeat(127));
+    }
+
+    #[test]
+    fn session_id_names_the_flow_only_when_trusted_and_no_fairness_header_did() {
+        let fair = |cfg: &PriorityConfig, pairs: &[(&'static str, &'static str)], session: Option<&str>| {
+            let h = Headers::new(pairs);
+            PriorityHeaders::read(cfg, &|n| h.get(n))
+                .with_session(cfg, session)
+                .resolve(cfg, Criticality::Standard)
+                .fairness_id
+        };
+        // Not trusted (the default): the session id never becomes a fairness id.
+        let off = PriorityConfig::default();
+        assert_eq!(fair(&off, &[], Some("sess-1")), "default-flow");
+        let on = PriorityConfig { trust_session_headers: true, ..PriorityConfig::default() };
+        assert_eq!(fair(&on, &[], Some("sess-1")), "sess-1");
+        assert_eq!(fair(&on, &[], None), "default-flow");
+        // An untrusted fairness header is not read, so the session still names the flow.
+        assert_eq!(fair(&on, &[(FAIRNESS_HEADER, "tenant-a")], Some("sess-1")), "sess-1");
+        // A trusted fairness header wins over the session.
+        let both = PriorityConfig { trust_fairness_header: true, ..on.clone() };
+        assert_eq!(fair(&both, &[(FAIRNESS_HEADER, "tenant-a")], Some("sess-1")), "tenant-a");
+        assert_eq!(fair(&both, &[(FAIRNESS_HEADER, " ")], Some("sess-1")), "sess-1");
+        // Only a fairness id from the trusted header names a tenant.
+        let h = Headers::new(&[(FAIRNESS_HEADER, "tenant-a")]);
+        let read =
+            |cfg: &PriorityConfig| PriorityHeaders::read(cfg, &|n| h.get(n)).with_session(cfg, Some("s"));
+        assert_eq!(read(&both).tenant(), Some("tenant-a"));
+        assert_eq!((read(&on).tenant(), read(&on).fairness_id.as_deref()), (None, Some("s")));
+        assert_eq!(read(&off).tenant(), None);
+        // Bounded like the header: 256-byte session ids are cut to 128 bytes.
+        let long = "s".repeat(256);
+        assert_eq!(fair(&on, &[], Some(&long)), "s".repeat(MAX_FAIRNESS_ID_BYTES));
     }
 
     #[test]

@@ -66,9 +66,14 @@ pub(crate) struct Exchange {
     split: bool,
     /// A peer gateway's prefix records (`crate::poll::peers`): answered here once the body is in.
     peer: bool,
+    /// The model sent upstream (the token counters' `model` label).
+    model: Option<String>,
+    /// The response's token usage being read (`filter.token_usage`, a routed 2xx response).
+    usage: Option<crate::request::usage::UsageScan>,
 }
 
 mod peer;
+mod usage;
 
 pub(crate) type Shared = Rc<RefCell<Exchange>>;
 
@@ -364,6 +369,7 @@ fn go(worker: &Worker, ex: &mut Exchange, inputs: PickState<'_>) -> Result<(), R
         inputs.now_ms.saturating_sub(inputs.snapshot.published_ms),
     );
     ex.destinations = std::iter::once(pick.primary.clone()).chain(pick.fallbacks.iter().cloned()).collect();
+    ex.model = Some(pick.target_model.clone());
     ex.primary = Some(pick.primary);
     ex.ticket = pick.ticket;
     ex.session_token = Some(pick.session_token);
@@ -613,8 +619,15 @@ impl HttpContext for Filter {
         timed!("hook.response_headers", self.response_headers())
     }
 
-    fn on_http_response_body(&mut self, _body_size: usize, _end_of_stream: bool) -> Action {
-        timed!("hook.response_body", self.response_body())
+    fn on_http_response_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+        timed!("hook.response_body", self.response_body());
+        timed!("hook.response_usage", self.read_usage(body_size, end_of_stream));
+        Action::Continue
+    }
+
+    fn on_http_response_trailers(&mut self, _num_trailers: usize) -> Action {
+        self.finish_usage();
+        Action::Continue
     }
 
     fn on_log(&mut self) {
@@ -625,6 +638,8 @@ impl HttpContext for Filter {
 
 impl Filter {
     fn on_log_inner(&mut self) {
+        // A body that ended without end_of_stream (the client left mid-stream) still reports.
+        self.finish_usage();
         let ticket = std::mem::take(&mut self.ex.borrow_mut().ticket);
         if ticket != 0 {
             timed!("log.request_done", self.worker.scheduler.borrow_mut().request_done(ticket));
@@ -696,7 +711,10 @@ impl Filter {
         if headers.contains("x-inference-picker-test-panic") {
             panic!("inference-picker: crash-test build, x-inference-picker-test-panic");
         }
-        let priority = PriorityHeaders::read(&cfg.priority, &|h: &str| headers.get(h));
+        let get = |h: &str| headers.get(h);
+        let session_id = request::session::session_id(&cfg.request(), &get);
+        let priority =
+            PriorityHeaders::read(&cfg.priority, &get).with_session(&cfg.priority, session_id.as_deref());
         let test_selection = request::conformance_selection(
             &cfg.request(),
             cfg.filter
@@ -714,7 +732,7 @@ impl Filter {
             method: headers.get(":method").unwrap_or_default(),
             path: headers.get(":path").unwrap_or_default(),
             content_length: headers.get("content-length").and_then(|v| v.trim().parse().ok()),
-            session_id: headers.get(&cfg.scheduler.session.header),
+            session_id,
             session_token: headers.get(&cfg.scheduler.session.token_header),
             priority,
             test_selection,
@@ -784,14 +802,23 @@ impl Filter {
         // Only a streamed response's first body byte is its first token: a non-streamed one
         // arrives whole at the end, so it teaches no prefill rate (its ledger entry ends in
         // `on_log`).
-        if self.ex.borrow().ticket != 0 {
-            let streamed = timed!(
-                "rsp.content_type",
-                io::response_header("content-type").is_some_and(|c| c.contains("text/event-stream"))
-            );
-            if !streamed {
-                self.ex.borrow_mut().first_byte_seen = true;
-            }
+        let routed = {
+            let ex = self.ex.borrow();
+            ex.primary.is_some() && !ex.answered && !ex.passthrough
+        };
+        let usage = routed && self.worker.cfg.filter.token_usage;
+        let content_type = if self.ex.borrow().ticket != 0 || usage {
+            timed!("rsp.content_type", io::response_header("content-type"))
+        } else {
+            None
+        };
+        if self.ex.borrow().ticket != 0
+            && !content_type.as_deref().is_some_and(|c| c.contains("text/event-stream"))
+        {
+            self.ex.borrow_mut().first_byte_seen = true;
+        }
+        if usage {
+            timed!("rsp.usage", self.start_usage(content_type.as_deref()));
         }
         let ex = self.ex.borrow();
         if ex.answered || ex.passthrough {
@@ -823,7 +850,7 @@ impl Filter {
         Action::Continue
     }
 
-    fn response_body(&mut self) -> Action {
+    fn response_body(&mut self) {
         // The first response byte ends the request's prefill: the scheduler learns the endpoint's
         // rate from the time since it was sent (one shared-data CAS write, once per request).
         let (ticket, seen) = {
@@ -864,6 +891,5 @@ impl Filter {
                 }
             }
         }
-        Action::Continue
     }
 }

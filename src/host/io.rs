@@ -510,6 +510,17 @@ pub fn request_body(size: usize) -> Option<Vec<u8>> {
     }
 }
 
+/// The response body chunk in the buffer, up to `size` bytes (`None` if the host has none).
+pub fn response_body(size: usize) -> Option<Vec<u8>> {
+    match abi::buffer(BufferType::HttpResponseBody, 0, size) {
+        Ok(b) => b,
+        Err(s) => {
+            warn!("reading the response body failed: {s:?}");
+            None
+        }
+    }
+}
+
 /// Replaces the whole buffered request body.
 pub fn replace_request_body(current_size: usize, body: &[u8]) -> bool {
     abi::set_buffer(BufferType::HttpRequestBody, 0, current_size, body).is_ok()
@@ -844,6 +855,16 @@ impl Metrics {
     pub fn count_tagged(&mut self, base: &str, tags: &[(&str, &str)]) {
         if let Some(id) = self.tagged_id(MetricType::Counter, base, tags) {
             let _ = abi::increment_metric(id, 1);
+        }
+    }
+
+    /// Adds `delta` to the counter `base` with `tags`, without building a `String` per call.
+    pub fn add_tagged(&mut self, base: &str, tags: &[(&str, &str)], delta: u64) {
+        if delta == 0 {
+            return;
+        }
+        if let Some(id) = self.tagged_id(MetricType::Counter, base, tags) {
+            let _ = abi::increment_metric(id, i64::try_from(delta).unwrap_or(i64::MAX));
         }
     }
 

@@ -77,6 +77,8 @@ pub(crate) struct Worker {
     pub peer_token: Option<String>,
     /// When this worker last re-set the per-endpoint in-flight gauges (ms; 0 = never).
     pub inflight_gauges_ms: Cell<u64>,
+    /// The `tenant` labels of the token counters this VM has named (bounded).
+    pub tenants: RefCell<crate::base::telemetry::BoundedLabels>,
 }
 
 impl Worker {
@@ -450,6 +452,10 @@ impl RootContext for Root {
                 ),
                 peer_token: cfg.peers.as_ref().and_then(|p| p.resolve_token(|name| std::env::var(name).ok())),
                 inflight_gauges_ms: Cell::new(0),
+                tenants: RefCell::new(crate::base::telemetry::BoundedLabels::new(
+                    crate::base::telemetry::MAX_TENANT_LABELS,
+                    crate::base::telemetry::OTHER_TENANT,
+                )),
                 cfg,
             }))
         };

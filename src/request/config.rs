@@ -4,6 +4,7 @@
 use crate::base::json::ConfigError;
 use crate::base::settings::settings;
 use crate::flow::priority::PriorityConfig;
+use crate::request::protocol::AGENT_SESSION_HEADERS;
 use crate::scheduler::config::{FailureMode, PrefixConfig};
 use crate::state::catalog::Catalog;
 
@@ -50,6 +51,25 @@ settings! {
         /// choose its pod. Off, the header is removed and ignored. Default false. See
         /// `docs/conformance.md`.
         pub conformance_mode: bool = false,
+        /// More request headers that name a session, tried in order after
+        /// `scheduler.session.header`; the first with a usable value is the session id, used
+        /// exactly as that header's (session affinity, the split target of a model rewrite, and
+        /// with `priority.trust_session_headers` the fairness id). Usable: 1 to 256 bytes of
+        /// printable ASCII once surrounding spaces and tabs are trimmed; any other value is
+        /// skipped and the next header tried. At most 16 lower-case names, none twice, none a
+        /// header the filter removes or the session-token header. Default: the headers of common
+        /// coding agents and routers, `x-dynamo-session-id` (Dynamo), `x-claude-code-session-id`
+        /// (Claude Code), `x-session-affinity` (OpenCode), `session-id`, `thread-id` and
+        /// `session_id` (Codex). `[]`: only `scheduler.session.header`.
+        #[schema(length(max = crate::request::protocol::MAX_SESSION_HEADERS), inner(regex(pattern = r"^[a-z0-9!#$%&'*+.^_`|~-]+$")))]
+        pub session_headers: Vec<String> = AGENT_SESSION_HEADERS.iter().map(|h| h.to_string()).collect(),
+        /// Read the token usage the model server reports in each routed 2xx response (the body's
+        /// `usage`, or a stream's usage events), count it in `inference_picker_prompt_tokens_total`
+        /// and `inference_picker_completion_tokens_total`, and set it in the stream's filter state
+        /// for access logs. The body passes unchanged; only a usage object of at most 2 KiB is
+        /// kept while it is read. Default true. Off, no response body is read (one host call per
+        /// body chunk saved).
+        pub token_usage: bool = true,
     }
 }
 
@@ -114,6 +134,8 @@ impl PdConfig {
 #[derive(Debug, Clone, Copy)]
 pub struct Settings<'a> {
     pub filter: &'a FilterConfig,
+    /// `scheduler.session.header`: the first header that names a session.
+    pub session_header: &'a str,
     pub priority: &'a PriorityConfig,
     /// `scheduler.prefix`.
     pub prefix: &'a PrefixConfig,

@@ -3,8 +3,8 @@
 //! the returned decision onto host calls (set headers, replace body, local reply).
 //!
 //! Order for one request:
-//! 1. request headers: [`RequestHead`] is read (including the trusted priority headers, see
-//!    `crate::flow::priority`), then every header in [`headers_to_remove`] is removed; [`on_head`]
+//! 1. request headers: [`RequestHead`] is read (the session id, see [`session`], and the
+//!    trusted priority headers, see `crate::flow::priority`), then every header in [`headers_to_remove`] is removed; [`on_head`]
 //!    decides whether to read the body;
 //! 2. complete body: [`prepare`] parses it, resolves the model (rewrite/split, base model) and
 //!    the priority; the host applies the body rewrite at once;
@@ -25,6 +25,8 @@ pub mod pd;
 pub mod pipeline;
 pub mod pools;
 pub mod protocol;
+pub mod session;
+pub mod usage;
 
 #[cfg(test)]
 mod tests_support;

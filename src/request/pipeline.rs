@@ -282,7 +282,7 @@ mod tests {
         assert_eq!(p.priority.fairness_id, "default-flow");
         // A trusted objective wins over the model; the untrusted tier value was never read
         // (PriorityHeaders::read would not fill it), and here it is absent anyway.
-        let h = PriorityHeaders { objective: Some("batch".into()), tier: None, fairness_id: None };
+        let h = PriorityHeaders { objective: Some("batch".into()), ..PriorityHeaders::default() };
         let p = prepare(
             &c.request(),
             &sched,

@@ -50,6 +50,24 @@ pub const DEBUG_SCORES_HEADER: &str = "x-inference-picker-scores";
 /// before it went upstream (0 when it was not held). Also on flow-control rejections.
 pub const QUEUE_MS_HEADER: &str = "x-inference-picker-queue-ms";
 
+/// Request headers that name a session, as coding agents and routers send them: the default of
+/// `filter.session_headers`, tried in this order after `scheduler.session.header`
+/// (`x-session-id`, which OpenCode also sends). Dynamo's own header comes first, as a client
+/// sets it on purpose; then Claude Code's, OpenCode's, and Codex's current, newer and older
+/// forms.
+pub const AGENT_SESSION_HEADERS: [&str; 6] = [
+    "x-dynamo-session-id",
+    "x-claude-code-session-id",
+    "x-session-affinity",
+    "session-id",
+    "thread-id",
+    "session_id",
+];
+/// Most entries of `filter.session_headers`.
+pub const MAX_SESSION_HEADERS: usize = 16;
+/// Longest usable session id, in bytes (after trimming); a longer value is skipped.
+pub const MAX_SESSION_ID_BYTES: usize = 256;
+
 /// Anthropic's Messages API: an inference path whose errors are Anthropic-shaped
 /// ([`error_shape`]).
 pub const MESSAGES_PATH: &str = "/v1/messages";

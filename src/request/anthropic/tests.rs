@@ -224,7 +224,7 @@ fn a_messages_request_is_prepared_like_a_chat_request() {
     );
     assert_eq!((p.priority.priority, p.priority.source), (10, PrioritySource::Model));
     assert_eq!(p.prompt, "user\nhi\u{1e}");
-    let h = PriorityHeaders { objective: Some("batch".into()), tier: None, fairness_id: None };
+    let h = PriorityHeaders { objective: Some("batch".into()), ..PriorityHeaders::default() };
     let held = RequestHead { priority: h, ..head.clone() };
     let p = prepare(&c.request(), &sched, &mut rng, &held, body, &snapshot()).unwrap();
     assert_eq!((p.priority.priority, p.priority.source), (-20, PrioritySource::Objective));
