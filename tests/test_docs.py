@@ -21,6 +21,7 @@ import re
 from pathlib import Path
 
 import pytest
+import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG_REFERENCE = ROOT / "docs" / "configuration.md"
@@ -194,6 +195,9 @@ NOT_METRICS = {
     "inference_picker_parsed": "filter state: the parsed body handed to the next pool",
     "inference_picker_prompt_tokens": "filter state: a response's prompt tokens (request/usage.rs)",
     "inference_picker_completion_tokens": "filter state: a response's completion tokens",
+    **{f"inference_picker_{k}": "filter state: the decision record (request/decision.rs)" for k in (
+        "endpoint", "fallbacks", "prefill_endpoint", "reason", "model", "priority", "objective", "tier",
+        "predicted_ttft_ms", "queue_ms", "error")},
     "inference_picker_reject": "local reply details (Envoy's response_code_details)",
     "inference_picker_local": "local reply details",
 }
@@ -595,3 +599,27 @@ def test_self_check_dashboard():
     assert dashboard_problems("{not json", emitted)[0].startswith("dashboard: not JSON")
     assert "no integer schemaVersion" in dashboard_problems(json.dumps({"panels": [
         {"title": "ok", "targets": [{"expr": "inference_picker_requests_total"}]}]}), emitted)[0]
+
+
+def decision_keys() -> list[str]:
+    """The filter-state keys of the decision record, from its consts in request/decision.rs."""
+    code = (ROOT / "src" / "request" / "decision.rs").read_text()
+    return re.findall(r'pub const [A-Z_]+: &str = "(inference_picker_[a-z_]+)";', code)
+
+
+def test_decision_record_is_documented_logged_and_traced():
+    keys = decision_keys()
+    assert len(keys) >= 10, keys
+    # Every key is one the metrics check knows is filter state, not a metric.
+    assert set(keys) <= set(NOT_METRICS), sorted(set(keys) - set(NOT_METRICS))
+    reference = METRICS_REFERENCE.read_text()
+    envoy_yaml = (ROOT / "envoy" / "envoy.yaml").read_text()
+    hcm = yaml.safe_load(envoy_yaml)["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0][
+        "typed_config"]
+    log_format = json.dumps(hcm["access_log"][0]["typed_config"]["log_format"])
+    tags = json.dumps(hcm["tracing"]["custom_tags"])
+    for key in keys + ["inference_picker_prompt_tokens", "inference_picker_completion_tokens"]:
+        state = f"%FILTER_STATE(wasm.{key}:PLAIN)%"
+        assert f"`wasm.{key}`" in reference, f"{key} is not in docs/observability.md"
+        assert state in log_format, f"{key} is not in envoy/envoy.yaml's access log"
+        assert state in tags, f"{key} is not a tracing custom tag in envoy/envoy.yaml"

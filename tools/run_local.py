@@ -67,7 +67,8 @@ def main() -> int:
         "\nEnvoy with inference-picker is listening on 127.0.0.1:8080 (admin :9901). Try:\n\n"
         "  curl -s http://127.0.0.1:8080/v1/chat/completions -H 'content-type: application/json' \\\n"
         f"    -d '{{\"model\":\"{LLAMA}\",\"messages\":[{{\"role\":\"user\",\"content\":\"Hello\"}}]}}' -i\n\n"
-        "The simulator's JSON (\"served_by\") names the pod that answered.\n"
+        "The simulator's JSON (\"served_by\") names the pod that answered; Envoy prints one JSON\n"
+        "access-log line per request here, with the module's decision (endpoint, reason, ...).\n"
         "Ctrl-C stops everything.\n",
         flush=True,
     )

@@ -286,12 +286,22 @@ fn send_rejection(
     extra: &[(&str, &str)],
 ) {
     worker.metrics.borrow_mut().count(telemetry::name(telemetry::REJECTIONS, &[("reason", rej.code)]));
+    if worker.cfg.filter.decision_state {
+        set_decision(&crate::request::decision::rejected(rej, queue_ms));
+    }
     let queued = queue_ms.map(|q| q.to_string());
     let mut headers = extra.to_vec();
     if let Some(q) = &queued {
         headers.push((QUEUE_MS_HEADER, q));
     }
     io::send_rejection(rej, shape, &headers);
+}
+
+/// Sets the decision record's fields (`crate::request::decision`) in the stream's filter state.
+fn set_decision(fields: &[(&'static str, String)]) {
+    for (key, value) in fields {
+        io::set_stream_property(key, value.as_bytes());
+    }
 }
 
 /// Picks the endpoint of a prepared request and sets the routing headers on the current (or
@@ -323,6 +333,18 @@ fn go(worker: &Worker, ex: &mut Exchange, inputs: PickState<'_>) -> Result<(), R
             .metrics
             .borrow_mut()
             .count(telemetry::name(telemetry::PD_DECISIONS, &[("decision", pick.decision.as_str())]));
+    }
+    if worker.cfg.filter.decision_state {
+        timed!("go.decision_state", {
+            let fields = crate::request::decision::routed(
+                &pick.pick,
+                pick.prefiller.as_deref(),
+                &prepared.priority,
+                ex.head.session_id.is_some(),
+                ex.queue_ms.unwrap_or(0),
+            );
+            set_decision(&fields);
+        });
     }
     let pick = pick.pick;
     timed!("go.headers", {

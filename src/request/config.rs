@@ -70,6 +70,13 @@ settings! {
         /// kept while it is read. Default true. Off, no response body is read (one host call per
         /// body chunk saved).
         pub token_usage: bool = true,
+        /// Set the decision of each request in the stream's filter state, for Envoy's access
+        /// log and tracer: the chosen pod and its fallbacks, the reason, the model, the
+        /// priority, objective and tier, the predicted TTFT and the time held, or the error code
+        /// of a request the module answered (keys `wasm.inference_picker_*`, listed in
+        /// docs/observability.md). Default true. Off, those host calls (about seven a request)
+        /// are saved.
+        pub decision_state: bool = true,
     }
 }
 

@@ -19,6 +19,7 @@
 pub mod anthropic;
 pub mod body;
 pub mod config;
+pub mod decision;
 pub mod head;
 pub mod models;
 pub mod pd;

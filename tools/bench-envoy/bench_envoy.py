@@ -75,6 +75,8 @@ PROMPTED = ("module", "extproc-sched")
 # Top-level sections added to the module's configuration (--module-extra), e.g. body-based
 # routing: {"pool": {"name": "bench", "route_by_model": true}}.
 MODULE_EXTRA: dict = {}
+# `--observability`: every front keeps the shipped access log and tracer.
+OBSERVABILITY = False
 # Scrapes per second of the poll-floor fronts (`--floor-rate`; 0: none).
 FLOOR_RATE: list[float] = [200.0]
 FLOORS = ("floor-headers", "floor-body")
@@ -308,6 +310,17 @@ def front_config(variant: str, base: dict, addresses: list[str], pod_port: int, 
     doc = copy.deepcopy(base)
     set_ports(doc, port, admin_port)
     hcm_cfg = first_hcm(doc)
+    # The shipped access log and tracer are Envoy's own work, the same for every front: left
+    # out of all of them, so the fronts differ only in their filters. The module front still
+    # sets its decision in filter state (`filter.decision_state`), as shipped.
+    # `--observability` keeps both in every front (the access log written to /dev/null, the
+    # spans exported to a collector that is not there), to measure what they cost.
+    if OBSERVABILITY:
+        for entry in hcm_cfg.get("access_log", []):
+            entry["typed_config"]["path"] = "/dev/null"
+    else:
+        hcm_cfg.pop("access_log", None)
+        hcm_cfg.pop("tracing", None)
     # Every front uses the shipped route (retry policy included) and the shipped pool cluster
     # (STATIC, override_host), listing these pods: only the filters differ. The shipped cluster
     # routes only to addresses its members list in x-gateway-destination-endpoint; `plain` and
@@ -577,6 +590,8 @@ def main() -> int:
     ap.add_argument("--metrics", default=str(METRICS_FIXTURE),
                     help="the pods' /metrics body (default: the 27 KB vLLM V1 fixture; its waiting series "
                          "are set to 0)")
+    ap.add_argument("--observability", action="store_true",
+                    help="keep envoy.yaml's access log (to /dev/null) and OpenTelemetry tracer in every front")
     ap.add_argument("--keep-logs", action="store_true",
                     help="keep the working directory with every Envoy's log (e.g. a phase-timing build's table)")
     ap.add_argument("--floor-rate", type=float, default=200.0,
@@ -585,6 +600,8 @@ def main() -> int:
                          "the body too, parsing nothing); 0 skips them (default 200)")
     args = ap.parse_args()
     MODULE_EXTRA.update(json.loads(args.module_extra))
+    global OBSERVABILITY
+    OBSERVABILITY = args.observability
     FLOOR_RATE[0] = args.floor_rate
     if args.combine:
         return combine(args.combine, Path(args.out))

@@ -16,6 +16,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_envoy as be  # noqa: E402
+from bench_envoy import first_hcm  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -136,8 +137,24 @@ def test_front_configs_share_the_listener_and_differ_only_in_filters():
     boot = docs["module"]["bootstrap_extensions"][0]["typed_config"]["config"]
     assert json.loads(boot["configuration"]["value"]) == cfg
     assert boot["vm_config"]["code"]["local"]["filename"] == "/m.wasm"
+    # The shipped access log and tracer are left out of every front alike.
+    assert "access_log" in first_hcm(base) and "tracing" in first_hcm(base)
+    for v, h in hcm.items():
+        assert "access_log" not in h and "tracing" not in h, v
     # The base file is not modified in place.
     assert "127.88." not in json.dumps(base)
+
+
+def test_observability_keeps_the_shipped_log_and_tracer_in_every_front(monkeypatch):
+    base = yaml.safe_load((REPO / "envoy/envoy.yaml").read_text())
+    monkeypatch.setattr(be, "OBSERVABILITY", True)
+    for v in be.VARIANTS:
+        doc = be.front_config(v, base, be.pod_addresses(2), 9000, 8000, 8001, Path("/m.wasm"), Path("/p.wasm"),
+                              epp_port=7000)
+        h = first_hcm(doc)
+        assert h["access_log"][0]["typed_config"]["path"] == "/dev/null", v
+        assert h["tracing"] == first_hcm(base)["tracing"], v
+    assert first_hcm(base)["access_log"][0]["typed_config"]["path"] == "/dev/stdout"
 
 
 @pytest.mark.parametrize("variant", sorted(be.EXTPROC))
