@@ -142,3 +142,30 @@ def test_c_the_turns_of_a_conversation_land_on_one_pod(pool):
     # Different conversations still spread over the pool: the affinity is the prefix's, not a
     # preference for one pod.
     assert len(homes) >= 2, homes
+
+
+def test_d_envoys_own_replies_on_the_messages_path_are_anthropic_shaped():
+    """When every pod the module listed resets the request, Envoy itself answers (503, response
+    flag UC/URX): envoy/envoy.yaml's local-reply mappers give it Anthropic's shape on
+    /v1/messages, the client's OverloadedError-family exception, and OpenAI's shape elsewhere."""
+    sim = Sim("anth-reset")
+    envoy = None
+    try:
+        envoy = Envoy(picker_config([endpoint(sim)]), concurrency=1)
+        envoy.wait_routable()
+        sim.chaos("reset")
+        with pytest.raises(anthropic.APIStatusError) as err:
+            client(envoy).messages.create(model=LLAMA, max_tokens=5, messages=[{"role": "user", "content": "hi"}])
+        e = err.value
+        assert e.status_code == 503, e
+        assert REJECT not in e.response.headers, "Envoy answered, not the module"
+        assert e.body["type"] == "error" and e.body["error"]["type"] == "overloaded_error", e.body
+        assert e.body["error"]["message"], e.body
+        assert sim.chaos_total() >= 1, "the pod was tried"
+        r = requests.post(envoy.url + "/v1/chat/completions", timeout=30, json={
+            "model": LLAMA, "messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "upstream_unavailable", r.text
+    finally:
+        if envoy is not None:
+            envoy.stop()
+        sim.stop()
