@@ -173,7 +173,7 @@ fn fr(r: &Range, digits: usize) -> String {
 pub fn section(rows: &[Row], load: f64, scale: f64, seeds: usize, cmd: &str) -> String {
     let mut s = String::new();
     s.push_str(&format!(
-        "## Premium under bursts (issue #15)\n\nMooncake, tier mix 20 % premium / 50 % standard / \
+        "## Premium under bursts\n\nMooncake, tier mix 20 % premium / 50 % standard / \
          30 % sheddable, 8 servers, load {load} (1.5 × the pool's capacity on this trace), first \
          {:.0} % of the trace, {seeds} seeds; median [min–max]. Unloaded: the same premium \
          requests at the same times with nothing else on the pool; ratio per seed.\n\n`{cmd}`\n\n",

@@ -99,7 +99,7 @@ struct Args {
     /// to measure a proposed default, e.g. '{"weights":{"inflight":3}}'.
     #[arg(long)]
     ours_scheduler: Option<String>,
-    /// Run the burst study instead (issue #15; `replay_bench::bursts`): premium TTFT p90 of
+    /// Run the burst study instead (`replay_bench::bursts`): premium TTFT p90 of
     /// `ours-tiers` at 1.5× overload on Mooncake's tier mix, with plain, grouped and on/off
     /// arrivals, against the same premium requests alone. Reads --scale, --seeds, --jobs,
     /// --strategies (default ours-tiers), --loads (first value; default 6.75) and --out

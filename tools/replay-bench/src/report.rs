@@ -159,7 +159,7 @@ A discrete-event replay in virtual time (`tools/replay-bench`):
   on a low match, cache threshold 0.3, balance 64 / 1.5×, on its router-local in-flight counts;
   `src/sglang.rs`). No baseline is tuned. \"Best baseline\" is the best of gie-default(+lora),
   sglang, least-request, round-robin and random at that load.
-- **References (issue #16).** `dynamo`: NVIDIA Dynamo's KV router (cost = prefill blocks +
+- **References.** `dynamo`: NVIDIA Dynamo's KV router (cost = prefill blocks +
   active blocks, temperature 0) with KV events, i.e. the servers' exact cache content at each
   decision; `dynamo-no-kv-events`: the same predicting the cache from its own routing with a
   120 s TTL (`src/dynamo.rs`). `oracle`: the perfect-information picker, which simulates a copy
@@ -245,7 +245,7 @@ const NOTES: &str = "
 /// The Done-when figures of issues #11 and #16 for every workload, from the SUMMARY values.
 fn targets(results: &[WorkloadResult]) -> String {
     let mut s = String::new();
-    let _ = writeln!(s, "\n## Targets (issue #11 \"Done when\", shipped default, median of the seeds)\n");
+    let _ = writeln!(s, "\n## Targets (shipped default, median of the seeds)\n");
     s.push_str("| workload | target | measured | verdict |\n|---|---|---:|---|\n");
     for w in results {
         let vals = match suite::summary_values(w) {
