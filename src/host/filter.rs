@@ -298,7 +298,7 @@ fn send_rejection(
 }
 
 /// Sets the decision record's fields (`crate::request::decision`) in the stream's filter state.
-fn set_decision(fields: &[(&'static str, String)]) {
+fn set_decision(fields: &[(&'static str, std::borrow::Cow<'_, str>)]) {
     for (key, value) in fields {
         io::set_stream_property(key, value.as_bytes());
     }
@@ -334,10 +334,13 @@ fn go(worker: &Worker, ex: &mut Exchange, inputs: PickState<'_>) -> Result<(), R
             .borrow_mut()
             .count(telemetry::name(telemetry::PD_DECISIONS, &[("decision", pick.decision.as_str())]));
     }
+    // Built once: the routing header, and the decision record's fallbacks (its tail).
+    let destination = pick.pick.destination_header();
     if worker.cfg.filter.decision_state {
         timed!("go.decision_state", {
             let fields = crate::request::decision::routed(
                 &pick.pick,
+                &destination,
                 pick.prefiller.as_deref(),
                 &prepared.priority,
                 ex.head.session_id.is_some(),
@@ -348,7 +351,7 @@ fn go(worker: &Worker, ex: &mut Exchange, inputs: PickState<'_>) -> Result<(), R
     }
     let pick = pick.pick;
     timed!("go.headers", {
-        io::set_request_header(DESTINATION_HEADER, Some(&pick.destination_header()));
+        io::set_request_header(DESTINATION_HEADER, Some(&destination));
         io::set_request_header(MAX_RETRIES_HEADER, Some(&pick.fallbacks.len().to_string()));
         io::set_request_header(ORIGINAL_DST_HEADER, Some(&pick.primary));
     });

@@ -25,6 +25,8 @@
 //! A request the module answers (a 4xx, a 429 shed, a 503 with no pod) has
 //! `inference_picker_reason` `rejected` and its error code, plus its queue time when it was held.
 
+use std::borrow::Cow;
+
 use crate::base::errors::Rejection;
 use crate::flow::priority::PriorityDecision;
 use crate::scheduler::{Pick, PickReason};
@@ -99,44 +101,48 @@ impl Reason {
     }
 }
 
-/// A routed request's fields, in [`KEYS`] order, leaving out those without a value.
-pub fn routed(
-    pick: &Pick,
-    prefiller: Option<&str>,
-    priority: &PriorityDecision,
+/// A routed request's fields, in [`KEYS`] order, leaving out those without a value. `destination`
+/// is the pick's `x-gateway-destination-endpoint` value ([`Pick::destination_header`]: the
+/// primary, then the fallbacks), which the filter builds anyway; the fallbacks are its tail.
+/// Values borrow from the pick and the priority where they can: no copy per field.
+pub fn routed<'a>(
+    pick: &'a Pick,
+    destination: &'a str,
+    prefiller: Option<&'a str>,
+    priority: &'a PriorityDecision,
     session: bool,
     queue_ms: u64,
-) -> Vec<(&'static str, String)> {
+) -> Vec<(&'static str, Cow<'a, str>)> {
     let mut out = Vec::with_capacity(9);
-    out.push((ENDPOINT, pick.primary.clone()));
-    if !pick.fallbacks.is_empty() {
-        out.push((FALLBACKS, pick.fallbacks.join(",")));
+    out.push((ENDPOINT, Cow::Borrowed(pick.primary.as_str())));
+    if let Some((_, fallbacks)) = destination.split_once(',') {
+        out.push((FALLBACKS, Cow::Borrowed(fallbacks)));
     }
     if let Some(p) = prefiller {
-        out.push((PREFILL_ENDPOINT, p.to_string()));
+        out.push((PREFILL_ENDPOINT, Cow::Borrowed(p)));
     }
-    out.push((REASON, Reason::of(pick, session).as_str().to_string()));
-    out.push((MODEL, pick.target_model.clone()));
-    out.push((PRIORITY, priority.priority.to_string()));
+    out.push((REASON, Cow::Borrowed(Reason::of(pick, session).as_str())));
+    out.push((MODEL, Cow::Borrowed(pick.target_model.as_str())));
+    out.push((PRIORITY, Cow::Owned(priority.priority.to_string())));
     if let Some(o) = &priority.objective {
-        out.push((OBJECTIVE, o.clone()));
+        out.push((OBJECTIVE, Cow::Borrowed(o.as_str())));
     }
     if let Some(t) = &priority.tier {
-        out.push((TIER, t.clone()));
+        out.push((TIER, Cow::Borrowed(t.as_str())));
     }
     if let Some(ms) = pick.predicted_ms.and_then(tenths) {
-        out.push((PREDICTED_TTFT_MS, ms));
+        out.push((PREDICTED_TTFT_MS, Cow::Owned(ms)));
     }
-    out.push((QUEUE_MS, queue_ms.to_string()));
+    out.push((QUEUE_MS, Cow::Owned(queue_ms.to_string())));
     out
 }
 
 /// An answered request's fields: the reason `rejected`, the error code, and the queue time when
 /// flow control held it.
-pub fn rejected(rej: &Rejection, queue_ms: Option<u64>) -> Vec<(&'static str, String)> {
-    let mut out = vec![(REASON, Reason::Rejected.as_str().to_string()), (ERROR, rej.code.to_string())];
+pub fn rejected(rej: &Rejection, queue_ms: Option<u64>) -> Vec<(&'static str, Cow<'static, str>)> {
+    let mut out = vec![(REASON, Cow::Borrowed(Reason::Rejected.as_str())), (ERROR, Cow::Borrowed(rej.code))];
     if let Some(q) = queue_ms {
-        out.push((QUEUE_MS, q.to_string()));
+        out.push((QUEUE_MS, Cow::Owned(q.to_string())));
     }
     out
 }
@@ -187,8 +193,8 @@ mod tests {
         }
     }
 
-    fn get<'a>(fields: &'a [(&'static str, String)], key: &str) -> Option<&'a str> {
-        fields.iter().find(|(k, _)| *k == key).map(|(_, v)| v.as_str())
+    fn get<'a>(fields: &'a [(&'static str, Cow<'_, str>)], key: &str) -> Option<&'a str> {
+        fields.iter().find(|(k, _)| *k == key).map(|(_, v)| v.as_ref())
     }
 
     #[test]
@@ -202,13 +208,10 @@ mod tests {
 
     #[test]
     fn routed_fields_carry_the_decision() {
-        let f = routed(
-            &pick(PickReason::Scored, 0.5),
-            Some("10.0.0.9:8000"),
-            &priority(Some("premium"), None),
-            false,
-            42,
-        );
+        let p = pick(PickReason::Scored, 0.5);
+        let prio = priority(Some("premium"), None);
+        let dest = p.destination_header();
+        let f = routed(&p, &dest, Some("10.0.0.9:8000"), &prio, false, 42);
         assert_eq!(get(&f, ENDPOINT), Some("10.0.0.1:8000"));
         assert_eq!(get(&f, FALLBACKS), Some("10.0.0.2:8000,10.0.0.3:8000"));
         assert_eq!(get(&f, PREFILL_ENDPOINT), Some("10.0.0.9:8000"));
@@ -230,7 +233,9 @@ mod tests {
         let mut p = pick(PickReason::Scored, 0.0);
         p.fallbacks.clear();
         p.predicted_ms = None;
-        let f = routed(&p, None, &priority(None, Some("gold")), false, 0);
+        let prio = priority(None, Some("gold"));
+        let dest = p.destination_header();
+        let f = routed(&p, &dest, None, &prio, false, 0);
         for key in [FALLBACKS, PREFILL_ENDPOINT, OBJECTIVE, PREDICTED_TTFT_MS, ERROR] {
             assert_eq!(get(&f, key), None, "{key}");
         }
