@@ -440,7 +440,8 @@ impl Scheduler {
         };
         let basis = Basis { rates, mean, winner, credit: 1.0 - credit_share };
         let pred = self.predictions(ask, pool, px, &basis);
-        let costs = self.costs(&pred, &pool.eligible);
+        let at_stake = !predict::nothing_distinguishes(&px.matched, &pool.eligible);
+        let costs = self.costs(&pred, &pool.eligible, at_stake);
         for (r, p) in rows.iter_mut().zip(&pred) {
             r.predicted_ms = p.ttft;
             r.work = p.work;
@@ -498,8 +499,10 @@ impl Scheduler {
 
     /// Step 8's ranking: predicted TTFT plus the miss penalty (`predict`, "Cost"), times the KV
     /// congestion factor (`predict`, "KV congestion"; a missing usage takes the KV scorer's
-    /// neutral fill, so a pod without the metric never looks emptier than the others).
-    fn costs(&self, pred: &[Prediction], eligible: &[bool]) -> Vec<f64> {
+    /// neutral fill, so a pod without the metric never looks emptier than the others). The
+    /// factor stops at `kv_full_at` only when `hits_at_stake` (some eligible pod holds more of
+    /// the prompt than another).
+    fn costs(&self, pred: &[Prediction], eligible: &[bool], hits_at_stake: bool) -> Vec<f64> {
         let pr = &self.cfg.predicted;
         // Sum and count of the eligible candidates' queues: the miss penalty's `busy`.
         let (mut queue_sum, mut queue_n) = (0.0, 0.0);
@@ -518,11 +521,17 @@ impl Scheduler {
         let busy = if queue_n > 0.0 { queue_sum / queue_n } else { 0.0 };
         let penalty = predict::MissPenalty::new(least, busy, pr.miss_weight);
         let neutral_free = neutral_score(lowest_free);
+        let capped = predict::kv_full_at(pr.kv_full_at, true);
         pred.iter()
             .map(|p| {
                 let cost = p.ttft + penalty.of_usable_rate(p.usable_rate, p.uncached);
-                if pr.kv_full_at > 0.0 {
-                    cost * predict::kv_congestion(1.0 - p.kv_free.unwrap_or(neutral_free), pr.kv_full_at)
+                let full_at = if !hits_at_stake && p.waiting < 1.0 {
+                    predict::kv_full_at(pr.kv_full_at, false)
+                } else {
+                    capped
+                };
+                if full_at > 0.0 {
+                    cost * predict::kv_congestion(1.0 - p.kv_free.unwrap_or(neutral_free), full_at)
                 } else {
                     cost
                 }

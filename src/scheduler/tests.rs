@@ -773,8 +773,9 @@ fn a_pod_whose_kv_cache_is_nearly_full_loses_to_a_short_queue_elsewhere() {
     assert_eq!(fresh_pick_kv(Some(0.95), 1.0, ""), "b:1");
     // Off: the empty queue wins.
     assert_eq!(fresh_pick_kv(Some(0.95), 1.0, r#","kv_full_at":0"#), "a:1");
-    // Bounded: past kv_full_at the factor stops at 5, so a long enough queue still loses.
-    assert_eq!(fresh_pick_kv(Some(1.0), 5.0, ""), "a:1");
+    // Nothing cached anywhere, so no hit is at stake: the factor is not capped at kv_full_at,
+    // and a full cache loses even to five queued requests (factor 100 against 6 × 1.11).
+    assert_eq!(fresh_pick_kv(Some(1.0), 5.0, ""), "b:1");
     // An ordinary usage does not outweigh a queue: KV 30 % (factor 1.43) against one request.
     assert_eq!(fresh_pick_kv(Some(0.3), 1.0, ""), "a:1");
 }
@@ -1100,6 +1101,66 @@ fn the_miss_penalty_keeps_a_prefix_on_its_pod_when_the_saving_is_only_a_short_qu
     // The reported prediction is still the TTFT, not the ranking cost: `a`'s is above `b`'s.
     let (ms_a, ms_b) = (default.predicted_ms.unwrap(), alone.predicted_ms.unwrap());
     assert!(ms_a > ms_b, "{ms_a} {ms_b}");
+}
+
+/// Turn 2 of [`turn_two_with_a_busier_cached_pod`]'s conversation (or, with `fresh`, a prompt
+/// nobody holds) with both pods idle, `a:1` (which holds turn 1) at KV usage `kv_a` and `b:1` at
+/// `kv_b`.
+fn turn_two_on_full_caches(kv_a: f64, kv_b: f64, fresh: bool) -> String {
+    let mut s = Scheduler::new(&config_ttft(r#","scheduler":{"predicted":{"affinity_slack":0}}"#));
+    let (store, inf) = (MemStore::new(), InflightCounts::default());
+    let t1 = fresh_prompt(7, 16);
+    let mut t2 = t1.clone();
+    t2.push_str(&"and one more question ".repeat(48));
+    let only_a =
+        Snapshot { version: 1, published_ms: NOW - 50, endpoints: vec![ep("a:1", &["llama"], 0.0, 0.3)] };
+    let r1 = PickRequest { model: "llama", prompt: &t1, ..Default::default() };
+    let p1 = s.pick_model(&r1, &only_a, &inf, &store, &mut SplitMix64::new(1), NOW).unwrap();
+    assert_eq!(p1.primary, "a:1");
+    s.request_done(p1.ticket);
+    let both = Snapshot {
+        version: 2,
+        published_ms: NOW - 50,
+        endpoints: vec![ep("a:1", &["llama"], 0.0, kv_a), ep("b:1", &["llama"], 0.0, kv_b)],
+    };
+    let other = fresh_prompt(8, 17);
+    let r2 = PickRequest { model: "llama", prompt: if fresh { &other } else { &t2 }, ..Default::default() };
+    s.pick_model(&r2, &both, &inf, &store, &mut SplitMix64::new(2), NOW).unwrap().primary
+}
+
+#[test]
+fn past_kv_full_at_the_cache_hit_decides_but_with_no_hit_at_stake_the_freer_cache_does() {
+    // Both past kv_full_at 0.8: with turn 1 cached on `a`, both count as full and the hit keeps
+    // the conversation on `a` even at 97 % against 85 %.
+    assert_eq!(turn_two_on_full_caches(0.97, 0.85, false), "a:1");
+    // A prompt neither pod holds: nothing to trade, the uncapped factor sends it to the freer
+    // cache (factor 33 against 6.7).
+    assert_eq!(turn_two_on_full_caches(0.97, 0.85, true), "b:1");
+    // Below kv_full_at, the same usages rank alike in both cases: the freer cache.
+    assert_eq!(turn_two_on_full_caches(0.2, 0.1, true), "b:1");
+}
+
+/// The primary of a fresh prompt (no hit at stake) on `a:1` and `b:1`, each `(queue, kv)`.
+fn fresh_pick_queues_kv(a: (f64, f64), b: (f64, f64)) -> String {
+    let mut s = Scheduler::new(&config_ttft(r#","scheduler":{"predicted":{"affinity_slack":0}}"#));
+    let sn = snap(vec![ep("a:1", &["llama"], a.0, a.1), ep("b:1", &["llama"], b.0, b.1)]);
+    let prompt = fresh_prompt(9, 8);
+    let r = PickRequest { model: "llama", prompt: &prompt, ..Default::default() };
+    s.pick_model(&r, &sn, &InflightCounts::default(), &MemStore::new(), &mut SplitMix64::new(4), NOW)
+        .unwrap()
+        .primary
+}
+
+#[test]
+fn with_no_hit_at_stake_only_a_pod_with_no_queue_has_its_kv_factor_uncapped() {
+    // Both pods queue: both count as full past kv_full_at (factor 5), so the shorter queue wins
+    // however full its cache (97 % against 85 %).
+    assert_eq!(fresh_pick_queues_kv((1.0, 0.97), (2.0, 0.85)), "a:1");
+    // `a` has no queue: its factor runs to 0.99 (33 at 97 %), and the pod with room wins even
+    // with a request queued (factor 5 there).
+    assert_eq!(fresh_pick_queues_kv((0.0, 0.97), (1.0, 0.85)), "b:1");
+    // Below kv_full_at nothing changes: the empty queue wins.
+    assert_eq!(fresh_pick_queues_kv((0.0, 0.5), (1.0, 0.1)), "a:1");
 }
 
 #[test]
