@@ -54,6 +54,17 @@ pub const FLOW_WAITING: &str = "inference_picker_flow_waiting";
 /// Histogram of the time, in ms, that released and timed-out requests were held, per priority.
 pub const FLOW_QUEUE_TIME: &str = "inference_picker_flow_queue_time_ms";
 
+/// Requests with a TTFT target, by `class` (objective, else tier, else `default`) and
+/// `outcome`: `met` / `missed` (TTFT measured at the proxy, request sent to the first byte of a
+/// streamed response), `shed` (429 `slo_unattainable`), `unmeasured` (a non-streamed response,
+/// whose first byte comes after the whole generation, or a split P/D request).
+pub const SLO_REQUESTS: &str = "inference_picker_slo_requests_total";
+/// Histogram of predicted ÷ actual TTFT in per cent (100: exact), per model, for every streamed
+/// response whose pick had a prediction.
+pub const TTFT_PREDICTION_RATIO: &str = "inference_picker_ttft_prediction_ratio_pct";
+/// Histogram of the TTFT measured at the proxy, in ms, per model (streamed responses).
+pub const TTFT_MS: &str = "inference_picker_ttft_ms";
+
 /// Passive health: endpoints ejected from picking, by endpoint and reason
 /// (`consecutive_5xx`, `consecutive_gateway_failure`, `failure_rate`, `probation`); counted by
 /// the worker that decided the ejection.
@@ -165,7 +176,7 @@ impl LogLimiter {
 }
 
 /// The tag names the Envoy config must extract.
-pub const TAGS: [&str; 7] = ["pool", "model", "endpoint", "outcome", "reason", "priority", "tenant"];
+pub const TAGS: [&str; 8] = ["pool", "model", "endpoint", "outcome", "reason", "priority", "tenant", "class"];
 
 /// Values of a label that comes from requests (the tenant), bounded: the first `max` distinct
 /// values keep their own label, every later one gets `overflow`. Envoy never deletes a stat, so

@@ -136,12 +136,17 @@ impl Level {
         None
     }
 
-    /// The front id of `flow`'s queue; `flow` then goes to the back of the round-robin (the
-    /// same rotation as [`Level::pop`] when it is at the front).
-    fn pop_flow(&mut self, flow: &str) -> Option<u32> {
+    /// The next id of `flow`'s queue at `now_ms` ([`urgency`]: the same choice as
+    /// [`plan_take`]); `flow` then goes to the back of the round-robin (the same rotation as
+    /// [`Level::pop`] when it is at the front).
+    fn pop_flow(&mut self, flow: &str, now_ms: u64) -> Option<u32> {
         let pos = self.rr.iter().position(|f| f == flow)?;
         let q = self.flows.get_mut(flow)?;
-        let (_, _, id) = q.pop_first()?;
+        // Still on time (deadline > now), else without a deadline (u64::MAX sorts after every
+        // finite one), else the earliest past its deadline.
+        let next = q.range((now_ms.saturating_add(1), 0, 0)..).next().or_else(|| q.first()).copied()?;
+        q.remove(&next);
+        let (_, _, id) = next;
         let empty = q.is_empty();
         if let Some(f) = self.rr.remove(pos) {
             if empty {
@@ -177,23 +182,48 @@ struct PlanLevel {
     flows: VecDeque<(String, u16, VecDeque<u64>)>,
 }
 
+/// The order of held requests within a tenant's queue at `now_ms`: those still before their
+/// deadline, earliest first; then those without one, in arrival order; then those already past
+/// their deadline, earliest first (they will miss it whatever happens; serving them first would
+/// make the ones still on time miss theirs too). Lower goes first.
+fn urgency(deadline: u64, now_ms: u64) -> (u8, u64) {
+    if deadline == u64::MAX {
+        (1, 0)
+    } else if deadline > now_ms {
+        (0, deadline)
+    } else {
+        (2, deadline)
+    }
+}
+
+/// The index of the request a tenant's (sorted) deadlines release next at `now_ms` ([`urgency`]).
+fn next_of(ds: &VecDeque<u64>, now_ms: u64) -> Option<usize> {
+    ds.iter().enumerate().min_by_key(|(i, d)| (urgency(**d, now_ms), *i)).map(|(i, _)| i)
+}
+
 /// Takes one request of the highest non-empty level: among the tenants `may` accepts, the one
-/// whose front request has the earliest deadline, the first in round-robin order on a tie (so
-/// without deadlines, plain round robin); that tenant rotates to the back. Returns (priority,
+/// whose next request ([`urgency`]) is the most urgent, the first in round-robin order on a tie
+/// (so without deadlines, plain round robin); that tenant rotates to the back. Returns (priority,
 /// tenant, bucket).
-fn plan_take(view: &mut [PlanLevel], may: &dyn Fn(i32, u16) -> bool) -> Option<(i32, String, u16)> {
+fn plan_take(
+    view: &mut [PlanLevel],
+    may: &dyn Fn(i32, u16) -> bool,
+    now_ms: u64,
+) -> Option<(i32, String, u16)> {
     let level = view.iter_mut().find(|l| !l.flows.is_empty())?;
     let p = level.priority;
-    let mut best: Option<(usize, u64)> = None;
+    let mut best: Option<(usize, (u8, u64))> = None;
     for (i, (_, b, ds)) in level.flows.iter().enumerate() {
-        let d = ds.front().copied().unwrap_or(u64::MAX);
-        if may(p, *b) && best.is_none_or(|(_, bd)| d < bd) {
-            best = Some((i, d));
+        let u = next_of(ds, now_ms).and_then(|j| ds.get(j)).map_or((1, 0), |d| urgency(*d, now_ms));
+        if may(p, *b) && best.is_none_or(|(_, bu)| u < bu) {
+            best = Some((i, u));
         }
     }
     let (pos, _) = best?;
     let (flow, b, mut ds) = level.flows.remove(pos)?;
-    ds.pop_front();
+    if let Some(j) = next_of(&ds, now_ms) {
+        ds.remove(j);
+    }
     if !ds.is_empty() {
         level.flows.push_back((flow.clone(), b, ds));
     }
@@ -353,7 +383,10 @@ impl FlowQueue {
 
     /// Decides whether the request goes on now, waits, or is refused. See the module doc.
     pub fn admit(&mut self, store: &dyn SharedStore, t: &Ticket, cap: &Capacity, now_ms: u64) -> Admission {
-        if t.priority < 0 && cap.saturated_for(t.priority) {
+        // A sheddable request with a latency target is not shed for saturation: the scheduler
+        // sheds it when no pod is predicted to meet its target (`crate::scheduler::slo`), unless
+        // requests of its priority or higher wait (below).
+        if t.priority < 0 && cap.saturated_for(t.priority) && t.deadline_ms.is_none() {
             self.stats.at(t.priority).shed += 1;
             return Admission::Reject(self.rejection_shed());
         }
@@ -420,6 +453,11 @@ impl FlowQueue {
             // capacity epoch, i.e. the pool is saturated for it. Holding it would serve it
             // later, ahead of nothing it should yield to.
             if t.priority < 0 {
+                // With a target and nothing of its priority or higher waiting, the prediction
+                // decides (the scheduler sheds it if no pod can serve it in time).
+                if t.deadline_ms.is_some() && ahead == 0 {
+                    return (Plan::Pass, false);
+                }
                 return (Plan::Shed, false);
             }
             let evict = if total < max_queue {
@@ -672,7 +710,7 @@ impl FlowQueue {
                     }
                     let served = &rec.served;
                     let may = |p: i32, b: u16| waived || served.allows(p, b);
-                    match plan_take(&mut sim, &may) {
+                    match plan_take(&mut sim, &may, now_ms) {
                         Some((p, flow, b)) => {
                             if cap.reserve.is_some_and(|r| p < r.min_priority) {
                                 low_left = low_left.saturating_sub(1);
@@ -724,7 +762,7 @@ impl FlowQueue {
         self.dirty = false;
         for (p, flow) in picks {
             let Some(level) = self.levels.get_mut(&Reverse(p)) else { continue };
-            let Some(id) = level.pop_flow(&flow) else { continue };
+            let Some(id) = level.pop_flow(&flow, now_ms) else { continue };
             if level.len == 0 {
                 self.levels.remove(&Reverse(p));
             }

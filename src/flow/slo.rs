@@ -225,6 +225,36 @@ pub fn budget_ms(ttft_ms: u32, margin: f64) -> f64 {
     f64::from(ttft_ms) * (1.0 - m)
 }
 
+/// The `class` label of a request's SLO counters: its objective, else its tier, else
+/// [`DEFAULT_CLASS`] (bounded: objectives and tiers are names of the configuration).
+pub fn class<'a>(objective: Option<&'a str>, tier: Option<&'a str>) -> &'a str {
+    objective.or(tier).unwrap_or(DEFAULT_CLASS)
+}
+
+/// The class of a request with neither objective nor tier (a target from the header alone).
+pub const DEFAULT_CLASS: &str = "default";
+
+/// Predicted ÷ actual TTFT in per cent, the prediction-error histogram's sample: 100 is exact,
+/// below 100 an underestimate. `None` when either is not a positive, finite number (nothing to
+/// learn from), capped at 100,000 %.
+pub fn prediction_ratio_pct(predicted_ms: f64, actual_ms: u64) -> Option<u64> {
+    if !(predicted_ms.is_finite() && predicted_ms > 0.0) || actual_ms == 0 {
+        return None;
+    }
+    let pct = (predicted_ms / actual_ms as f64 * 100.0).round();
+    Some(if pct >= 100_000.0 { 100_000 } else { pct as u64 })
+}
+
+/// The outcome of a request with a TTFT target, measured at the proxy (request sent to first
+/// response byte of a streamed response).
+pub fn outcome(target_ms: u32, actual_ms: u64) -> &'static str {
+    if actual_ms <= u64::from(target_ms) {
+        "met"
+    } else {
+        "missed"
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -295,6 +325,21 @@ mod tests {
         assert_eq!(budget_ms(1000, 0.2), 800.0);
         assert_eq!(budget_ms(1000, f64::NAN), 1000.0);
         assert!((budget_ms(1000, 5.0) - 100.0).abs() < 1e-9);
+    }
+
+    #[test]
+    fn class_ratio_and_outcome() {
+        assert_eq!(class(Some("batch"), Some("premium")), "batch");
+        assert_eq!(class(None, Some("premium")), "premium");
+        assert_eq!(class(None, None), DEFAULT_CLASS);
+        assert_eq!(prediction_ratio_pct(120.0, 100), Some(120));
+        assert_eq!(prediction_ratio_pct(50.0, 200), Some(25));
+        assert_eq!(prediction_ratio_pct(1e12, 1), Some(100_000));
+        assert_eq!(prediction_ratio_pct(f64::NAN, 100), None);
+        assert_eq!(prediction_ratio_pct(0.0, 100), None);
+        assert_eq!(prediction_ratio_pct(10.0, 0), None);
+        assert_eq!(outcome(500, 500), "met");
+        assert_eq!(outcome(500, 501), "missed");
     }
 
     #[test]

@@ -758,16 +758,37 @@ fn deadlines_order_tenants_but_never_overrule_priority() {
 }
 
 #[test]
-fn a_request_past_its_deadline_is_still_served_first_and_only_max_wait_rejects() {
+fn a_request_past_its_deadline_goes_after_those_still_on_time_and_only_max_wait_rejects() {
     let s = MemStore::new();
     let mut q = FlowQueue::new(&cfg(), "m", 1);
-    assert!(held(&q.admit(&s, &td(1, 0, "a", None), &SAT, 0)));
-    assert!(held(&q.admit(&s, &td(2, 0, "b", Some(100)), &SAT, 0)));
-    // At 500 ms its deadline has passed: it is not rejected for that (it is not sheddable, and a
-    // sheddable request is never held); it goes first.
+    assert!(held(&q.admit(&s, &td(1, 0, "a", Some(100)), &SAT, 0)));
+    assert!(held(&q.admit(&s, &td(2, 0, "a", None), &SAT, 0)));
+    assert!(held(&q.admit(&s, &td(3, 0, "b", Some(900)), &SAT, 0)));
+    assert!(held(&q.admit(&s, &td(4, 0, "b", Some(200)), &SAT, 0)));
+    // At 500 ms, 1 and 4 are past their deadlines: they are not rejected for that (they are not
+    // sheddable, and a sheddable request is never held), but they go last: first the one still
+    // on time (3), then the one without a deadline (2), then the late ones, earliest first.
     assert!(q.on_tick(&s, &SAT, 500).is_empty());
-    assert_eq!(released(&q.on_tick(&s, &room(2, 1), 600)), vec![2]);
+    let mut order = Vec::new();
+    for epoch in 2..=4 {
+        order.extend(released(&q.on_tick(&s, &room(epoch, 1), 500 + epoch)));
+    }
+    assert_eq!(order, vec![3, 2, 1]);
     // max_wait_ms (1,000) still applies to whatever is left.
     let a = q.on_tick(&s, &SAT, 1_000);
-    assert!(matches!(a.as_slice(), [Action::Reject { id: 1, .. }]), "{a:?}");
+    assert!(matches!(a.as_slice(), [Action::Reject { id: 4, .. }]), "{a:?}");
+}
+
+#[test]
+fn a_sheddable_request_with_a_target_is_left_to_the_prediction_unless_others_wait() {
+    let s = MemStore::new();
+    let mut q = FlowQueue::new(&cfg(), "m", 1);
+    // Saturated, nobody waiting: without a target it is shed, with one it goes on (the
+    // scheduler sheds it if no pod is predicted to meet the target).
+    assert!(matches!(q.admit(&s, &td(1, -5, "a", None), &SAT, 0), Admission::Reject(_)));
+    assert_eq!(q.admit(&s, &td(2, -5, "a", Some(5_000)), &SAT, 0), Admission::Pass);
+    // A request of its priority or higher waits: shed, so it never overtakes it.
+    assert!(held(&q.admit(&s, &td(3, 0, "a", None), &SAT, 0)));
+    let Admission::Reject(r) = q.admit(&s, &td(4, -5, "a", Some(5_000)), &SAT, 0) else { panic!("not shed") };
+    assert_eq!(r.code, "request_shed");
 }

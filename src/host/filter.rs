@@ -70,9 +70,12 @@ pub(crate) struct Exchange {
     model: Option<String>,
     /// The response's token usage being read (`filter.token_usage`, a routed 2xx response).
     usage: Option<crate::request::usage::UsageScan>,
+    /// The prediction and TTFT target its first byte is compared with (`slo`).
+    slo: Option<slo::Watch>,
 }
 
 mod peer;
+mod slo;
 mod usage;
 
 pub(crate) type Shared = Rc<RefCell<Exchange>>;
@@ -315,11 +318,13 @@ fn go(worker: &Worker, ex: &mut Exchange, inputs: PickState<'_>) -> Result<(), R
     let pick = {
         let mut scheduler = worker.scheduler.borrow_mut();
         let mut rng = worker.rng.borrow_mut();
-        timed!(
+        let routed = timed!(
             "go.route",
             request::route(&worker.cfg.request(), &mut scheduler, &mut *rng, &ex.head, &prepared, inputs)
-        )?
+        );
+        routed.inspect_err(|r| slo::on_refused(worker, &prepared.priority, r))?
     };
+    slo::on_pick(ex, &prepared.priority, &pick.pick, inputs.now_ms);
     if let Some(prefiller) = &pick.prefiller {
         io::set_request_header(crate::request::protocol::PREFILLER_HEADER, Some(prefiller));
         if let Err(e) = worker.inflight.borrow_mut().adjust(inputs.store, prefiller, 1, inputs.now_ms) {
@@ -832,7 +837,8 @@ impl Filter {
             ex.primary.is_some() && !ex.answered && !ex.passthrough
         };
         let usage = routed && self.worker.cfg.filter.token_usage;
-        let content_type = if self.ex.borrow().ticket != 0 || usage {
+        let slo_watch = routed && self.ex.borrow().slo.is_some();
+        let content_type = if self.ex.borrow().ticket != 0 || usage || slo_watch {
             timed!("rsp.content_type", io::response_header("content-type"))
         } else {
             None
@@ -841,6 +847,9 @@ impl Filter {
             && !content_type.as_deref().is_some_and(|c| c.contains("text/event-stream"))
         {
             self.ex.borrow_mut().first_byte_seen = true;
+        }
+        if slo_watch && !content_type.as_deref().is_some_and(|c| c.contains("text/event-stream")) {
+            slo::on_first_byte(&self.worker, &mut self.ex.borrow_mut(), false);
         }
         if usage {
             timed!("rsp.usage", self.start_usage(content_type.as_deref()));
@@ -876,6 +885,12 @@ impl Filter {
     }
 
     fn response_body(&mut self) {
+        // A streamed response's first byte: its TTFT against the prediction and the target.
+        if self.ex.borrow().slo.is_some() {
+            let mut ex = self.ex.borrow_mut();
+            let measured = !ex.split;
+            slo::on_first_byte(&self.worker, &mut ex, measured);
+        }
         // The first response byte ends the request's prefill: the scheduler learns the endpoint's
         // rate from the time since it was sent (one shared-data CAS write, once per request).
         let (ticket, seen) = {

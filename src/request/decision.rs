@@ -19,6 +19,8 @@
 //! | `inference_picker_objective` | the trusted objective header's value, when configured |
 //! | `inference_picker_tier` | the trusted tier header's value, when configured |
 //! | `inference_picker_predicted_ttft_ms` | the chosen pod's predicted TTFT, one decimal |
+//! | `inference_picker_ttft_target_ms` | the request's TTFT target (`crate::flow::slo`), when it has one |
+//! | `inference_picker_slo` | what the prediction said of that target: `meets`, `misses`, `unknown` |
 //! | `inference_picker_queue_ms` | the time flow control held the request (0: not held) |
 //! | `inference_picker_error` | the error code of a request the module answered itself |
 //!
@@ -40,11 +42,13 @@ pub const PRIORITY: &str = "inference_picker_priority";
 pub const OBJECTIVE: &str = "inference_picker_objective";
 pub const TIER: &str = "inference_picker_tier";
 pub const PREDICTED_TTFT_MS: &str = "inference_picker_predicted_ttft_ms";
+pub const TTFT_TARGET_MS: &str = "inference_picker_ttft_target_ms";
+pub const SLO: &str = "inference_picker_slo";
 pub const QUEUE_MS: &str = "inference_picker_queue_ms";
 pub const ERROR: &str = "inference_picker_error";
 
 /// Every key this module may set, for the docs' check and the shipped config's log format.
-pub const KEYS: [&str; 11] = [
+pub const KEYS: [&str; 13] = [
     ENDPOINT,
     FALLBACKS,
     PREFILL_ENDPOINT,
@@ -54,6 +58,8 @@ pub const KEYS: [&str; 11] = [
     OBJECTIVE,
     TIER,
     PREDICTED_TTFT_MS,
+    TTFT_TARGET_MS,
+    SLO,
     QUEUE_MS,
     ERROR,
 ];
@@ -113,7 +119,7 @@ pub fn routed<'a>(
     session: bool,
     queue_ms: u64,
 ) -> Vec<(&'static str, Cow<'a, str>)> {
-    let mut out = Vec::with_capacity(9);
+    let mut out = Vec::with_capacity(11);
     out.push((ENDPOINT, Cow::Borrowed(pick.primary.as_str())));
     if let Some((_, fallbacks)) = destination.split_once(',') {
         out.push((FALLBACKS, Cow::Borrowed(fallbacks)));
@@ -132,6 +138,12 @@ pub fn routed<'a>(
     }
     if let Some(ms) = pick.predicted_ms.and_then(tenths) {
         out.push((PREDICTED_TTFT_MS, Cow::Owned(ms)));
+    }
+    if let Some(t) = priority.targets.ttft_ms {
+        out.push((TTFT_TARGET_MS, Cow::Owned(t.to_string())));
+    }
+    if let Some(v) = pick.slo {
+        out.push((SLO, Cow::Borrowed(v.as_str())));
     }
     out.push((QUEUE_MS, Cow::Owned(queue_ms.to_string())));
     out
@@ -223,8 +235,16 @@ mod tests {
         assert_eq!(get(&f, OBJECTIVE), Some("premium"));
         assert_eq!(get(&f, TIER), None);
         assert_eq!(get(&f, PREDICTED_TTFT_MS), Some("123.5"));
+        assert_eq!(get(&f, TTFT_TARGET_MS), None);
         assert_eq!(get(&f, QUEUE_MS), Some("42"));
         assert_eq!(get(&f, ERROR), None);
+        // With a target, the target and the verdict.
+        let mut p = p.clone();
+        p.slo = Some(crate::scheduler::SloVerdict::Misses);
+        let mut prio = prio.clone();
+        prio.targets.ttft_ms = Some(500);
+        let f = routed(&p, &dest, Some("10.0.0.9:8000"), &prio, false, 42);
+        assert_eq!((get(&f, TTFT_TARGET_MS), get(&f, SLO)), (Some("500"), Some("misses")));
         // Every key is one of KEYS, in KEYS order, once.
         let order: Vec<usize> = f.iter().map(|(k, _)| KEYS.iter().position(|x| x == k).unwrap()).collect();
         assert!(order.windows(2).all(|w| w[0] < w[1]), "{order:?}");
@@ -238,7 +258,7 @@ mod tests {
         let prio = priority(None, Some("gold"));
         let dest = p.destination_header();
         let f = routed(&p, &dest, None, &prio, false, 0);
-        for key in [FALLBACKS, PREFILL_ENDPOINT, OBJECTIVE, PREDICTED_TTFT_MS, ERROR] {
+        for key in [FALLBACKS, PREFILL_ENDPOINT, OBJECTIVE, PREDICTED_TTFT_MS, TTFT_TARGET_MS, SLO, ERROR] {
             assert_eq!(get(&f, key), None, "{key}");
         }
         assert_eq!(get(&f, TIER), Some("gold"));

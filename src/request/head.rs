@@ -235,6 +235,10 @@ fn inference_head(cfg: &Settings<'_>, head: &RequestHead, end_of_stream: bool) -
             return HeadDecision::reject(too_large(cfg));
         }
     }
+    // A trusted latency-target header that is not a number of milliseconds: 400 before the body.
+    if let Err(r) = head.priority.slo.parse(&cfg.priority.slo) {
+        return HeadDecision::reject(r);
+    }
     if end_of_stream {
         return HeadDecision::reject(Rejection::new(
             400,
@@ -497,5 +501,45 @@ mod tests {
         // Nothing matching (or garbage): 503, never a fall back to the whole pool.
         assert_eq!(addrs(&["10.0.0.9"]), Err(503));
         assert_eq!(addrs(&["10.0.0.1:9999", "pod-a"]), Err(503));
+    }
+}
+
+#[cfg(test)]
+mod slo_header_tests {
+    use super::*;
+    use crate::config::Config;
+    use crate::flow::priority::PriorityHeaders;
+
+    fn cfg(trusted: bool) -> Config {
+        let doc = format!(
+            r#"{{"version":1,"endpoints":[{{"address":"10.0.0.1:8000","models":["m"]}}],
+                "models":[{{"name":"m"}}],"priority":{{"slo":{{"trust_headers":{trusted}}}}}}}"#
+        );
+        Config::from_json(doc.as_bytes()).unwrap()
+    }
+
+    fn post(c: &Config, ttft: &'static str) -> HeadDecision {
+        let get = |n: &str| (n == "x-slo-ttft-ms").then(|| ttft.to_string());
+        let head = RequestHead {
+            method: "POST".into(),
+            path: "/v1/chat/completions".into(),
+            priority: PriorityHeaders::read(&c.priority, &get),
+            ..RequestHead::default()
+        };
+        on_head(&c.request(), &head, false)
+    }
+
+    #[test]
+    fn a_trusted_target_header_that_is_not_milliseconds_is_a_400_before_the_body() {
+        let c = cfg(true);
+        assert_eq!(post(&c, "250"), HeadDecision::ReadBody);
+        match post(&c, "soon") {
+            HeadDecision::Reject { rejection: r, .. } => {
+                assert_eq!((r.status, r.code), (400, "invalid_slo_header"))
+            }
+            other => panic!("{other:?}"),
+        }
+        // Untrusted, the same value is never read: the request goes on (the header is stripped).
+        assert_eq!(post(&cfg(false), "soon"), HeadDecision::ReadBody);
     }
 }

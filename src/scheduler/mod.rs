@@ -271,6 +271,8 @@ pub struct Scheduler {
     ledger: predict::Ledger,
     /// This worker's view of the learnt per-endpoint rates (`crate::state::rates`).
     rates: crate::state::rates::RateCache,
+    /// The TTFT prediction's online calibration (`slo::Calibration`).
+    calibration: slo::Calibration,
 }
 
 impl Scheduler {
@@ -292,6 +294,7 @@ impl Scheduler {
             session_keys: SessionKeys::default(),
             ledger: predict::Ledger::default(),
             rates: crate::state::rates::RateCache::default(),
+            calibration: slo::Calibration::default(),
             cfg: sc,
         }
     }
@@ -336,13 +339,16 @@ impl Scheduler {
             return Ok(());
         }
         match self.ledger.first_byte(ticket, served, now_ms) {
-            Some(o) => crate::state::rates::observe(
-                store,
-                endpoint_key(&o.address),
-                o.work,
-                o.ms,
-                self.cfg.predicted.prior_ms_per_token,
-            ),
+            Some(o) => {
+                self.calibration.observe(o.predicted_ms, o.ms);
+                crate::state::rates::observe(
+                    store,
+                    endpoint_key(&o.address),
+                    o.work,
+                    o.ms,
+                    self.cfg.predicted.prior_ms_per_token,
+                )
+            }
             None => Ok(()),
         }
     }

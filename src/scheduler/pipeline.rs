@@ -172,7 +172,12 @@ impl Scheduler {
                 let pp = pr.pred.get(p);
                 let u = pp.map_or(ask.prompt_tokens, |x| x.uncached);
                 let w = pp.map_or(u, |x| x.work);
-                (pp.map(|x| x.ttft), self.ledger.sent(c.address, u, w, ask.st.now_ms))
+                let ticket = self.ledger.sent(c.address, u, w, ask.st.now_ms);
+                if let Some(x) = pp {
+                    self.ledger.note_prediction(ticket, x.ttft);
+                }
+                // Reported calibrated (`slo::Calibration`), as the target compares it.
+                (pp.map(|x| self.calibration.correct(x.ttft)), ticket)
             }
             _ => (None, 0),
         };
@@ -451,7 +456,8 @@ impl Scheduler {
         let at_stake = !predict::nothing_distinguishes(&px.matched, &pool.eligible);
         let costs = self.costs(&pred, &pool.eligible, at_stake);
         for (r, p) in rows.iter_mut().zip(&pred) {
-            r.predicted_ms = p.ttft;
+            // Shown calibrated, as the target compares it (`slo::Calibration`).
+            r.predicted_ms = self.calibration.correct(p.ttft);
             r.work = p.work;
             r.rate = p.rate;
         }
@@ -624,7 +630,7 @@ impl Scheduler {
 
     /// `slo::plan` with this pick's predictions and whether each candidate's rate is learnt.
     fn slo_plan(&self, ask: &SloAsk, pool: &Pool<'_>, pr: &Predicted) -> (slo::Plan, SloVerdict) {
-        let ttft: Vec<f64> = pr.pred.iter().map(|x| x.ttft).collect();
+        let ttft: Vec<f64> = pr.pred.iter().map(|x| self.calibration.correct(x.ttft)).collect();
         let uncached: Vec<f64> = pr.pred.iter().map(|x| x.uncached).collect();
         let known: Vec<bool> =
             pool.addr_hash.iter().map(|&h| self.rates.has(endpoint_key_of_hash(h))).collect();

@@ -138,6 +138,8 @@ struct Entry {
     sent_ms: u64,
     /// No first byte yet.
     prefilling: bool,
+    /// The TTFT predicted at the pick, ms (0: none noted).
+    predicted_ms: f64,
 }
 
 /// Per endpoint: (prefill tokens pending, requests pending, tokens of the requests still active).
@@ -157,6 +159,8 @@ pub struct Observation {
     pub work: f64,
     /// Send → first byte (ms).
     pub ms: u64,
+    /// The TTFT predicted at the pick, ms (0: none noted, [`Ledger::note_prediction`]).
+    pub predicted_ms: f64,
 }
 
 /// This worker's requests sent and still in prefill (no first byte yet), per endpoint.
@@ -230,7 +234,15 @@ impl Ledger {
         });
         self.entries.insert(
             ticket,
-            Entry { address: address.to_string(), hash, tokens, work, sent_ms: now_ms, prefilling: true },
+            Entry {
+                address: address.to_string(),
+                hash,
+                tokens,
+                work,
+                sent_ms: now_ms,
+                prefilling: true,
+                predicted_ms: 0.0,
+            },
         );
         self.oldest_ms = Some(self.oldest_ms.map_or(now_ms, |o| o.min(now_ms)));
         ticket
@@ -282,7 +294,20 @@ impl Ledger {
         if served.is_some_and(|s| s != e.address) {
             return None;
         }
-        Some(Observation { ms: now_ms.saturating_sub(e.sent_ms), work: e.work, address: e.address })
+        Some(Observation {
+            ms: now_ms.saturating_sub(e.sent_ms),
+            work: e.work,
+            address: e.address,
+            predicted_ms: e.predicted_ms,
+        })
+    }
+
+    /// Notes the TTFT predicted for `ticket` at its pick (raw, before calibration), for the
+    /// prediction's calibration at its first byte.
+    pub fn note_prediction(&mut self, ticket: u64, predicted_ms: f64) {
+        if let Some(e) = self.entries.get_mut(&ticket) {
+            e.predicted_ms = if predicted_ms.is_finite() { num::max(predicted_ms, 0.0) } else { 0.0 };
+        }
     }
 
     /// The request ended (with or without a first byte): forget it.
@@ -736,7 +761,7 @@ mod tests {
         let b = l.sent("a", 3000.0, 4000.0, 20);
         assert_eq!(l.pending("a"), (4000.0, 2));
         let o = l.first_byte(a, Some("a"), 110).unwrap();
-        assert_eq!(o, Observation { address: "a".into(), work: 1500.0, ms: 100 });
+        assert_eq!(o, Observation { address: "a".into(), work: 1500.0, ms: 100, predicted_ms: 0.0 });
         assert_eq!(l.pending("a"), (3000.0, 1));
         // Served by a fallback: no observation, but the prefill is no longer pending.
         assert_eq!(l.first_byte(b, Some("b"), 200), None);

@@ -138,6 +138,47 @@ pub fn plan(ask: &SloAsk, o: &Offer<'_>) -> (Plan, SloVerdict) {
     }
 }
 
+/// The online calibration of the TTFT prediction: the running median of `ln(predicted ÷
+/// actual)` over this worker's streamed first bytes, tracked by a fixed-step stochastic
+/// approximation (each observation moves it [`CALIBRATION_STEP`] toward the side it falls on,
+/// so it settles where half the observations are above it). Predictions compared with a target,
+/// and the prediction reported (`Pick::predicted_ms`), are divided by `exp(bias)`: a prediction
+/// that runs 26 % high on a workload is read 26 % lower there. The ranking is not touched: it
+/// compares pods, and a common factor does not reorder them. Starts at 0 (no correction); bounded
+/// to ±ln 10.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Calibration {
+    log_bias: f64,
+    observed: u64,
+}
+
+/// The median tracker's step in log space (about 2 % per observation).
+pub const CALIBRATION_STEP: f64 = 0.02;
+
+impl Calibration {
+    /// One first byte: the raw prediction made at the pick and the measured time, both ms.
+    /// Ignored when either is not positive.
+    pub fn observe(&mut self, predicted_ms: f64, actual_ms: u64) {
+        if !(predicted_ms.is_finite() && predicted_ms > 0.0) || actual_ms == 0 {
+            return;
+        }
+        let x = (predicted_ms / actual_ms as f64).ln();
+        let step = if x > self.log_bias { CALIBRATION_STEP } else { -CALIBRATION_STEP };
+        self.log_bias = (self.log_bias + step).clamp(-std::f64::consts::LN_10, std::f64::consts::LN_10);
+        self.observed = self.observed.saturating_add(1);
+    }
+
+    /// `ms` corrected: divided by the learnt bias.
+    pub fn correct(&self, ms: f64) -> f64 {
+        ms / self.log_bias.exp()
+    }
+
+    /// First bytes observed so far.
+    pub fn observed(&self) -> u64 {
+        self.observed
+    }
+}
+
 /// The candidates by `key` (lower first, `total_cmp`, index order on ties), eligible only.
 pub fn by_key(key: &[f64], eligible: &[bool]) -> Vec<usize> {
     let mut idx: Vec<usize> = (0..key.len()).filter(|&i| eligible.get(i).copied().unwrap_or(false)).collect();
@@ -250,6 +291,29 @@ mod tests {
         let mut o = O::new(&[100.0]);
         o.eligible[0] = false;
         assert_eq!(plan(&ask(800.0, None, true), &o.offer()), (Plan::AsToday, SloVerdict::Unknown));
+    }
+
+    #[test]
+    fn calibration_settles_on_the_median_ratio_and_leaves_a_fresh_one_alone() {
+        let mut c = Calibration::default();
+        assert_eq!(c.correct(100.0), 100.0);
+        // Predictions 1.3× the actual half the time and 1.2× the other half: the median is
+        // between, and a prediction is read about 1.25× lower.
+        for i in 0..2_000u64 {
+            c.observe(if i % 2 == 0 { 130.0 } else { 120.0 }, 100);
+        }
+        let corrected = c.correct(125.0);
+        assert!((corrected - 100.0).abs() < 5.0, "{corrected}");
+        assert_eq!(c.observed(), 2_000);
+        // Nonsense is ignored; the bias is bounded.
+        c.observe(f64::NAN, 100);
+        c.observe(100.0, 0);
+        assert_eq!(c.observed(), 2_000);
+        let mut far = Calibration::default();
+        for _ in 0..10_000 {
+            far.observe(1e9, 1);
+        }
+        assert!((far.correct(1000.0) - 100.0).abs() < 1e-6);
     }
 
     #[test]

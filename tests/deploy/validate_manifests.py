@@ -335,7 +335,7 @@ def check_scoping(proxy: Proxy, report: Report):
 
 
 # The tag names the module's metric names carry (`crate::telemetry::TAGS`).
-STATS_TAGS = ("pool", "model", "endpoint", "outcome", "reason", "priority", "tenant")
+STATS_TAGS = ("pool", "model", "endpoint", "outcome", "reason", "priority", "tenant", "class")
 
 
 def check_stats_tags(proxy: Proxy, report: Report):
