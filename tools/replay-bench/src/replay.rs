@@ -33,7 +33,7 @@ use std::rc::Rc;
 
 use inference_picker::base::ports::{MemStore, Rng, SplitMix64};
 use inference_picker::config::Config;
-use inference_picker::flow::priority::resolve_priority;
+use inference_picker::flow::priority::{resolve_priority, PriorityHeaders};
 use inference_picker::flow::saturation::{saturated, SaturationParams};
 use inference_picker::flow::{Action, Admission, Capacity, FlowQueue, Ticket};
 use inference_picker::poll::poller::{Poller, ScrapeResult};
@@ -230,6 +230,8 @@ struct Sim<'a> {
     events: Vec<Event>,
     /// `oracle-approx-prefix`: its index of its own routing.
     approx: Option<oracle::ApproxIndex>,
+    /// The trace has tier labels (`Trace::has_tiers`, computed once).
+    tiers: bool,
     /// `RunConfig::peer_sync_ms`: the next exchange, the table's shard keys, and each replica's
     /// shard values as of the last exchange (what it has already passed on).
     peer_sync: Option<PeerSync>,
@@ -331,6 +333,7 @@ pub fn run(trace: &Trace, policy: Policy, rc: &RunConfig) -> Result<RunResult, S
             test_selection: None,
         },
         events: Vec::new(),
+        tiers: trace.has_tiers(),
         peer_sync: rc.peer_sync_ms.filter(|_| policy.is_ours() && n_replicas > 1).map(|ms| PeerSync {
             every_ms: ms as f64,
             next: 0.0,
@@ -433,6 +436,7 @@ impl Sim<'_> {
                 // kept so that every strategy sees the same random sequence).
                 let wi = rng.below(rc.replicas * rc.workers) % self.workers.len();
                 self.live[idx].arrival = ta;
+                self.out.arrived(idx, ta);
                 self.live[idx].replica = self.workers[wi].replica;
                 self.live[idx].worker = wi;
                 self.arrive(wi, idx, ta)?;
@@ -765,6 +769,14 @@ impl Sim<'_> {
             self.publish_now(self.workers[wi].replica, t)?;
         }
         let snap = if self.policy.uses_scheduler() { Some(self.snapshot(wi)?) } else { None };
+        // The trusted priority headers, as the host reads them before the body (the tier label
+        // in the header the configuration names; nothing for a configuration that trusts none).
+        if self.tiers && self.policy.uses_scheduler() {
+            let tier = strategy::tier_header(self.policy, req.tier.as_str());
+            self.head.priority = PriorityHeaders::read(&self.cfg.priority, &|h| {
+                (h == tier.0).then(|| tier.1.clone())
+            });
+        }
         let w = &mut self.workers[wi];
         let rep = &mut self.replicas[w.replica];
         let counts = rep.inflight.borrow_mut().read(&rep.store, now_ms).unwrap_or_default();
@@ -792,6 +804,9 @@ impl Sim<'_> {
                             Ok(routed) => {
                                 self.live[idx].worker = wi;
                                 self.live[idx].ticket = routed.pick.ticket;
+                                if let Some(ms) = routed.pick.predicted_ms {
+                                    self.out.predicted(idx, ms, t);
+                                }
                                 self.addr_index
                                     .get(routed.pick.primary.as_str())
                                     .copied()
