@@ -75,6 +75,7 @@ pub fn workloads(data: &Path, scale: f64, load: f64, strategies: &[Policy]) -> R
                 extras: vec![],
                 llm_d_check: false,
                 pod_mix: vec![],
+                slo: None,
             });
         }
     }
@@ -263,6 +264,8 @@ mod tests {
             hit_rate: 0.0,
             hit_rate_vllm_counters: 0.0,
             prediction: None,
+            ttft_by_request: vec![],
+            rejected_by_request: vec![],
             preemptions: 0,
             per_server: vec![],
             scrape_errors: 0,

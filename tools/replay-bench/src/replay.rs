@@ -85,6 +85,10 @@ pub struct RunConfig {
     /// Heterogeneous pods: server `i` is `server` scaled by `pod_mix[i % len]`. Empty: every
     /// server is `server`.
     pub pod_mix: Vec<PodClass>,
+    /// The tiers' TTFT targets (the SLO study, `crate::slo`): `ours-slo` carries them in its
+    /// configuration (`priority.tier.slo`), `llm-d-slo` as each request's `x-slo-ttft-ms`.
+    /// `None` elsewhere.
+    pub slo: Option<crate::slo::SloTargets>,
 }
 
 /// One kind of pod in a heterogeneous pool, relative to `RunConfig::server`.
@@ -259,7 +263,7 @@ pub fn run(trace: &Trace, policy: Policy, rc: &RunConfig) -> Result<RunResult, S
     // The configuration document is the same for every policy's poller (endpoints, interval);
     // Scheduler-based policies also take their scheduler section from it.
     let mut cfg: Config = if policy.uses_scheduler() {
-        strategy::config(policy, n, trace.adapters, rc.poll_ms, rc.ours_overrides.as_ref())?
+        strategy::config_with(policy, n, trace.adapters, rc.poll_ms, rc.ours_overrides.as_ref(), rc.slo.as_ref())?
     } else {
         strategy::config(Policy::Ours, n, trace.adapters, rc.poll_ms, None)?
     };
@@ -784,6 +788,7 @@ impl Sim<'_> {
             Policy::Ours
             | Policy::OursFlow
             | Policy::OursTiers
+            | Policy::OursSlo
             | Policy::OursPerfectState
             | Policy::GieDefault
             | Policy::GieDefaultLora
@@ -813,6 +818,49 @@ impl Sim<'_> {
                                     .ok_or_else(|| format!("unknown endpoint {}", routed.pick.primary))
                             }
                             Err(rej) => Err(format!("router_{}_{}", rej.status, rej.code)),
+                        }
+                    }
+                    _ => Err("no scheduler".into()),
+                }
+            }
+            Policy::LlmDSlo => {
+                let body = text::chat_body(&model, &msgs, req.output_tokens);
+                match (w.sched.as_mut(), snap) {
+                    (Some(s), Some(snap)) => {
+                        let health = HealthView::default();
+                        let state = PickState {
+                            snapshot: &snap,
+                            inflight: &counts,
+                            health: &health,
+                            store: &rep.store,
+                            now_ms,
+                        };
+                        let slo_ms = self.rc.slo.map(|t| t.of(req.tier));
+                        let sheddable = req.tier == crate::trace::Tier::Sheddable;
+                        let routed = crate::slo::llm_d_route(
+                            &self.cfg.request(),
+                            s,
+                            &mut w.rng,
+                            &self.head,
+                            &body,
+                            state,
+                            slo_ms,
+                            sheddable,
+                            &|a| counts.get(a),
+                        );
+                        match routed {
+                            Ok(pick) => {
+                                self.live[idx].worker = wi;
+                                self.live[idx].ticket = pick.ticket;
+                                if let Some(ms) = pick.predicted_ms {
+                                    self.out.predicted(idx, ms, t);
+                                }
+                                self.addr_index
+                                    .get(pick.primary.as_str())
+                                    .copied()
+                                    .ok_or_else(|| format!("unknown endpoint {}", pick.primary))
+                            }
+                            Err(reason) => Err(reason),
                         }
                     }
                     _ => Err("no scheduler".into()),

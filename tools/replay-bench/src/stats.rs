@@ -117,6 +117,13 @@ pub struct RunResult {
     /// Predicted ÷ actual TTFT (`PredictionStat`), for strategies that predict.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub prediction: Option<PredictionStat>,
+    /// Per request (trace order): its TTFT in s when it finished (`crate::slo`'s attainment).
+    /// Not written to results.json.
+    #[serde(skip)]
+    pub ttft_by_request: Vec<Option<f64>>,
+    /// Per request: it was rejected. Not written to results.json.
+    #[serde(skip)]
+    pub rejected_by_request: Vec<bool>,
     pub preemptions: u64,
     /// Requests routed to each server.
     pub per_server: Vec<u64>,
@@ -334,6 +341,8 @@ impl Outcome {
             },
             tiers,
             prediction,
+            ttft_by_request: self.ttft,
+            rejected_by_request: self.rejected_idx,
             preemptions: self.preemptions,
             per_server: self.per_server,
             scrape_errors: self.scrape_errors.len(),
