@@ -239,9 +239,27 @@ mod tests {
             strategy: "ours-tiers".into(),
             seed,
             tiers: vec![
-                TierStat { tier: "premium".into(), finished: 10, rejected: 0, ttft_p90_s: premium, ..Default::default() },
-                TierStat { tier: "standard".into(), finished: 10, rejected: 0, ttft_p90_s: 3.0, ..Default::default() },
-                TierStat { tier: "sheddable".into(), finished: 5, rejected: 5, ttft_p90_s: 9.0, ..Default::default() },
+                TierStat {
+                    tier: "premium".into(),
+                    finished: 10,
+                    rejected: 0,
+                    ttft_p90_s: premium,
+                    ..Default::default()
+                },
+                TierStat {
+                    tier: "standard".into(),
+                    finished: 10,
+                    rejected: 0,
+                    ttft_p90_s: 3.0,
+                    ..Default::default()
+                },
+                TierStat {
+                    tier: "sheddable".into(),
+                    finished: 5,
+                    rejected: 5,
+                    ttft_p90_s: 9.0,
+                    ..Default::default()
+                },
             ],
             load: 6.75,
             servers: 8,

@@ -495,7 +495,16 @@ fn slo_main(args: &Args, common: &Common, started: std::time::Instant) -> Result
         predictions = slo::prediction_lines(&pr);
     }
     let cmd: Vec<String> = std::env::args().collect();
-    let md = slo::section(&rows, &verdicts, &targets, &predictions, &notes, &cmd.join(" "), args.scale, common.seeds.len());
+    let md = slo::section(
+        &rows,
+        &verdicts,
+        &targets,
+        &predictions,
+        &notes,
+        &cmd.join(" "),
+        args.scale,
+        common.seeds.len(),
+    );
     std::fs::create_dir_all(&args.out).map_err(|e| format!("{}: {e}", args.out.display()))?;
     let path = args.out.join("slo.md");
     std::fs::write(&path, &md).map_err(|e| format!("{}: {e}", path.display()))?;

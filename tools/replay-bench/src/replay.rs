@@ -263,7 +263,14 @@ pub fn run(trace: &Trace, policy: Policy, rc: &RunConfig) -> Result<RunResult, S
     // The configuration document is the same for every policy's poller (endpoints, interval);
     // Scheduler-based policies also take their scheduler section from it.
     let mut cfg: Config = if policy.uses_scheduler() {
-        strategy::config_with(policy, n, trace.adapters, rc.poll_ms, rc.ours_overrides.as_ref(), rc.slo.as_ref())?
+        strategy::config_with(
+            policy,
+            n,
+            trace.adapters,
+            rc.poll_ms,
+            rc.ours_overrides.as_ref(),
+            rc.slo.as_ref(),
+        )?
     } else {
         strategy::config(Policy::Ours, n, trace.adapters, rc.poll_ms, None)?
     };
@@ -777,9 +784,8 @@ impl Sim<'_> {
         // in the header the configuration names; nothing for a configuration that trusts none).
         if self.tiers && self.policy.uses_scheduler() {
             let tier = strategy::tier_header(self.policy, req.tier.as_str());
-            self.head.priority = PriorityHeaders::read(&self.cfg.priority, &|h| {
-                (h == tier.0).then(|| tier.1.clone())
-            });
+            self.head.priority =
+                PriorityHeaders::read(&self.cfg.priority, &|h| (h == tier.0).then(|| tier.1.clone()));
         }
         let w = &mut self.workers[wi];
         let rep = &mut self.replicas[w.replica];

@@ -120,7 +120,11 @@ impl SloTargets {
                 3_600_000
             }
         };
-        SloTargets { premium_ms: t(MULTIPLIERS[0]), standard_ms: t(MULTIPLIERS[1]), sheddable_ms: t(MULTIPLIERS[2]) }
+        SloTargets {
+            premium_ms: t(MULTIPLIERS[0]),
+            standard_ms: t(MULTIPLIERS[1]),
+            sheddable_ms: t(MULTIPLIERS[2]),
+        }
     }
 
     pub fn of(&self, tier: Tier) -> u32 {
@@ -256,7 +260,13 @@ pub fn llm_d_decide(
 }
 
 /// `prefix-cache-affinity-filter` at `threshold` over `keep`.
-fn affinity(cands: &[LlmDCand], keep: Vec<usize>, threshold: f64, p: &LlmDParams, rng: &mut dyn Rng) -> Vec<usize> {
+fn affinity(
+    cands: &[LlmDCand],
+    keep: Vec<usize>,
+    threshold: f64,
+    p: &LlmDParams,
+    rng: &mut dyn Rng,
+) -> Vec<usize> {
     if rng.next_f64() < p.affinity_explore {
         return keep;
     }
@@ -265,7 +275,10 @@ fn affinity(cands: &[LlmDCand], keep: Vec<usize>, threshold: f64, p: &LlmDParams
         return keep;
     }
     let best = |v: &[usize]| v.iter().map(|&i| cands[i].predicted_ms).fold(f64::INFINITY, f64::min);
-    if !other.is_empty() && p.max_ttft_penalty_ms > 0.0 && best(&sticky) > best(&other) + p.max_ttft_penalty_ms {
+    if !other.is_empty()
+        && p.max_ttft_penalty_ms > 0.0
+        && best(&sticky) > best(&other) + p.max_ttft_penalty_ms
+    {
         return keep;
     }
     sticky
@@ -336,13 +349,24 @@ pub fn llm_d_route(
     };
     let mut probe = sched.clone();
     let seen = probe
-        .pick(PickInput { route: &prepared.route, request: request(), state, scope: PickScope::default(), rng })
+        .pick(PickInput {
+            route: &prepared.route,
+            request: request(),
+            state,
+            scope: PickScope::default(),
+            rng,
+        })
         .map_err(reason)?;
     let rows = parse_debug(seen.debug_scores.as_deref().unwrap_or(""));
     let cands: Vec<LlmDCand> = rows
         .into_iter()
         .map(|(address, prefix, predicted_ms)| {
-            let m = state.snapshot.endpoints.iter().find(|e| e.address == address).and_then(|e| e.metrics.as_ref());
+            let m = state
+                .snapshot
+                .endpoints
+                .iter()
+                .find(|e| e.address == address)
+                .and_then(|e| e.metrics.as_ref());
             LlmDCand {
                 dispatched: dispatched(&address),
                 running: m.and_then(|m| m.running),
@@ -412,7 +436,10 @@ pub fn load_of(factor: f64, capacity: f64) -> f64 {
 pub fn probe_workload(b: &Base) -> Workload {
     Workload {
         key: format!("{}-unloaded", b.key),
-        about: format!("{} at {} × capacity: the unloaded TTFT the targets derive from.", b.key, UNLOADED_FACTOR),
+        about: format!(
+            "{} at {} × capacity: the unloaded TTFT the targets derive from.",
+            b.key, UNLOADED_FACTOR
+        ),
         trace: b.trace.clone(),
         servers: b.servers,
         server: ServerConfig::default(),
@@ -487,7 +514,12 @@ impl TierCount {
 
 /// Per tier (in `Tier::ALL` order) the requests, those that met their target and those shed,
 /// from a run's per-request TTFTs (`None`: not finished) and rejections.
-pub fn count(tiers: &[Tier], ttft_s: &[Option<f64>], rejected: &[bool], targets: &SloTargets) -> [TierCount; 3] {
+pub fn count(
+    tiers: &[Tier],
+    ttft_s: &[Option<f64>],
+    rejected: &[bool],
+    targets: &SloTargets,
+) -> [TierCount; 3] {
     let mut out = [TierCount::default(); 3];
     for (i, &t) in tiers.iter().enumerate() {
         let k = Tier::ALL.iter().position(|x| *x == t).unwrap_or(0);
@@ -512,12 +544,7 @@ pub fn goodput(met: usize, span_s: f64) -> f64 {
 }
 
 /// Requests rejected in `slo` that met their target in `base` (same trace, seed and load).
-pub fn shed_meeting_target(
-    tiers: &[Tier],
-    slo: &RunResult,
-    base: &RunResult,
-    targets: &SloTargets,
-) -> usize {
+pub fn shed_meeting_target(tiers: &[Tier], slo: &RunResult, base: &RunResult, targets: &SloTargets) -> usize {
     tiers
         .iter()
         .enumerate()
@@ -554,7 +581,8 @@ pub fn rows(w: &Workload, r: &WorkloadResult, capacity: f64) -> Vec<Row> {
     let mut out = Vec::new();
     for &load in &w.loads {
         for p in &w.strategies {
-            let runs: Vec<&RunResult> = r.runs.iter().filter(|x| x.strategy == p.name() && x.load == load).collect();
+            let runs: Vec<&RunResult> =
+                r.runs.iter().filter(|x| x.strategy == p.name() && x.load == load).collect();
             if runs.is_empty() {
                 continue;
             }
@@ -757,7 +785,9 @@ pub fn prediction_lines(results: &[WorkloadResult]) -> Vec<String> {
             if stats.is_empty() {
                 continue;
             }
-            let m = |f: &dyn Fn(&PredictionStat) -> f64| Range::of(&stats.iter().map(f).collect::<Vec<_>>()).median;
+            let m = |f: &dyn Fn(&PredictionStat) -> f64| {
+                Range::of(&stats.iter().map(f).collect::<Vec<_>>()).median
+            };
             v.push(format!(
                 "PREDICTION trace={} load={} median={:.2} p10={:.2} p90={:.2} n={} seeds={}",
                 w.key,
@@ -784,6 +814,7 @@ pub fn prediction_workloads(data: &Path, scale: f64) -> Result<Vec<Workload>, St
 }
 
 /// The whole section (markdown).
+#[allow(clippy::too_many_arguments)]
 pub fn section(
     rows: &[Row],
     verdicts: &[Verdict],
@@ -918,7 +949,12 @@ mod tests {
         assert_eq!(histogram(&far, Some(1000.0), false, &p)[1], 10_000);
         // With exploration on, the negative tier is kept about 1 % of the time.
         let both = [cand("a", 1500.0, 0.0, 1), cand("b", 200.0, 0.0, 1)];
-        let h = histogram(&both, Some(1000.0), false, &LlmDParams { affinity_explore: 0.0, ..LlmDParams::default() });
+        let h = histogram(
+            &both,
+            Some(1000.0),
+            false,
+            &LlmDParams { affinity_explore: 0.0, ..LlmDParams::default() },
+        );
         assert!(h[0] > 50 && h[0] < 170, "{h:?}");
     }
 
@@ -940,7 +976,8 @@ mod tests {
     #[test]
     fn attainment_counts_rejected_as_missed_and_goodput_divides_by_the_span() {
         let t = SloTargets { premium_ms: 1000, standard_ms: 2000, sheddable_ms: 4000 };
-        let tiers = [Tier::Premium, Tier::Premium, Tier::Premium, Tier::Standard, Tier::Sheddable, Tier::Sheddable];
+        let tiers =
+            [Tier::Premium, Tier::Premium, Tier::Premium, Tier::Standard, Tier::Sheddable, Tier::Sheddable];
         // Premium: 0.5 s met, 1.5 s missed, rejected; standard 2.0 s met (≤); sheddable one
         // rejected, one unfinished.
         let ttft = [Some(0.5), Some(1.5), None, Some(2.0), None, None];

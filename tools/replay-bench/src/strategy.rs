@@ -149,7 +149,11 @@ impl Policy {
         self.is_ours()
             || matches!(
                 self,
-                Policy::GieDefault | Policy::GieDefaultLora | Policy::Gie111 | Policy::LoadOnly | Policy::LlmDSlo
+                Policy::GieDefault
+                    | Policy::GieDefaultLora
+                    | Policy::Gie111
+                    | Policy::LoadOnly
+                    | Policy::LlmDSlo
             )
     }
 
@@ -350,7 +354,9 @@ pub fn config_with(
 /// (header name, value).
 pub fn tier_header(policy: Policy, tier: &str) -> (&'static str, String) {
     match policy {
-        Policy::OursTiers | Policy::OursSlo => ("x-llm-tier", if tier == "sheddable" { "free".into() } else { tier.into() }),
+        Policy::OursTiers | Policy::OursSlo => {
+            ("x-llm-tier", if tier == "sheddable" { "free".into() } else { tier.into() })
+        }
         _ => (inference_picker::flow::priority::OBJECTIVE_HEADER, tier.into()),
     }
 }
@@ -395,7 +401,10 @@ mod tests {
             Ok(c) => assert!(c.flow_control.enabled),
             Err(e) => assert!(e.contains("slo"), "{e}"),
         }
-        assert_eq!(crate::slo::core_available().is_ok(), config_with(Policy::OursSlo, 8, 0, 200, None, Some(&t)).is_ok());
+        assert_eq!(
+            crate::slo::core_available().is_ok(),
+            config_with(Policy::OursSlo, 8, 0, 200, None, Some(&t)).is_ok()
+        );
         let l = config(Policy::LlmDSlo, 8, 0, 50, None).unwrap();
         assert!(l.scheduler.debug_scores);
         assert_eq!(l.scheduler.prefix.shared_shards, 0);
