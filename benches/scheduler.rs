@@ -74,6 +74,7 @@ fn bench_decision(c: &mut Criterion) {
                     cache_salt: None,
                     session_id: None,
                     session_token: None,
+                    slo: None,
                 };
                 let pick = pick(&mut sched, &r, &snap, &inflight, &store, &mut rng);
                 sched.request_done(pick.ticket);
@@ -96,6 +97,7 @@ fn bench_decision(c: &mut Criterion) {
                     cache_salt: Some(&salt),
                     session_id: Some(&salt),
                     session_token: None,
+                    slo: None,
                 };
                 let pick = pick(&mut sched, &r, &snap, &inflight, &store, &mut rng);
                 sched.request_done(pick.ticket);
@@ -114,6 +116,7 @@ fn bench_decision(c: &mut Criterion) {
                     cache_salt: None,
                     session_id: None,
                     session_token: None,
+                    slo: None,
                 };
                 let pick = pick(&mut sched, &r, &snap, &inflight, &store, &mut rng);
                 sched.request_done(pick.ticket);
@@ -137,6 +140,7 @@ fn bench_admission(c: &mut Criterion) {
         objective: None,
         tier: None,
         fairness_id: "default-flow".into(),
+        targets: Default::default(),
     };
     for n in [128usize, 1024] {
         let (snap, inflight) = snapshot(n);

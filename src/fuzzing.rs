@@ -292,7 +292,13 @@ pub fn flow(data: &[u8]) {
     let mut gone: Vec<u32> = Vec::new();
     let mut now = 1_000;
     for (id, priority) in [(1u32, 0i32), (2, 5), (3, 0), (4, -1), (5, i32::MAX), (6, i32::MIN)] {
-        let t = Ticket { id, priority, fairness_id: "f" };
+        // Every other request has a deadline, out of arrival order.
+        let t = Ticket {
+            id,
+            priority,
+            fairness_id: "f",
+            deadline_ms: (id % 2 == 0).then_some(now + 100 - u64::from(id)),
+        };
         match q.admit(&store, &t, &full, now) {
             Admission::Held { evicted } => {
                 held.push(id);
@@ -311,7 +317,12 @@ pub fn flow(data: &[u8]) {
     }
     // Another worker's view of the same record.
     let mut other = FlowQueue::new(&cfg, "g", 8);
-    let _ = other.admit(&store, &Ticket { id: 1, priority: 1, fairness_id: "f" }, &full, now + 2);
+    let _ = other.admit(
+        &store,
+        &Ticket { id: 1, priority: 1, fairness_id: "f", deadline_ms: None },
+        &full,
+        now + 2,
+    );
     let _ = other.on_tick(&store, &open, now + 3);
     for action in q.on_tick(&store, &open, now + cfg.max_wait_ms + 10) {
         gone.push(action_id(&action));

@@ -204,6 +204,7 @@ impl Config {
             prefix: &self.scheduler.prefix,
             pd: self.pd.as_ref(),
             catalog: self.catalog(),
+            retry_after_s: self.flow_control.retry_after_s,
         }
     }
 

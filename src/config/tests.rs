@@ -1038,7 +1038,10 @@ fn every_default_in_the_schema_is_what_the_code_applies() {
         ("peers", json!({"kubernetes": kubernetes, "token_env": "PEER_TOKEN"})),
         ("pd", json!({})),
         ("pool", json!({"name": "llama"})),
-        ("priority", json!({"tier": {"header": "x-llm-tier", "values": {"premium": 10}}})),
+        (
+            "priority",
+            json!({"tier": {"header": "x-llm-tier", "values": {"premium": 10}, "slo": {"premium": {"ttft_ms": 500}}}}),
+        ),
         ("scheduler", json!({"rewrites": [{"targets": [{"model_rewrite": "llama", "weight": 1}]}]})),
     ] {
         let mut v = base();

@@ -392,7 +392,12 @@ impl Gate {
                 .entry(group.to_string())
                 .or_insert_with(|| FlowQueue::new(&self.flow, group, self.worker_id)),
         };
-        let ticket = Ticket { id, priority: priority.priority, fairness_id: &priority.fairness_id };
+        let ticket = Ticket {
+            id,
+            priority: priority.priority,
+            fairness_id: &priority.fairness_id,
+            deadline_ms: crate::flow::slo::deadline_ms(now_ms, priority.targets.ttft_ms),
+        };
         match queue.admit(store, &ticket, &cap, now_ms) {
             Admission::Pass => Decision::Go,
             Admission::Reject(r) => Decision::Reject(r),

@@ -99,6 +99,7 @@ pub mod ledger;
 pub mod priority;
 pub mod queue;
 pub mod saturation;
+pub mod slo;
 
 pub use self::capacity::{Capacity, Reserve};
 pub use self::config::{FlowControlConfig, ReserveConfig, MIN_WORKER_TTL_MS};

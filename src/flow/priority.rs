@@ -38,6 +38,7 @@ use std::collections::BTreeMap;
 
 use crate::base::json::ConfigError;
 use crate::base::settings::settings;
+use crate::flow::slo::{self, SloConfig, SloTarget, TargetHeaders, Targets};
 use crate::state::catalog::Criticality;
 
 /// GIE request header naming an InferenceObjective.
@@ -74,6 +75,8 @@ settings! {
         /// many gets many shares of the round-robin. Turn it on to give each session its own share,
         /// or when something in front of this filter sets or removes those headers.
         pub trust_session_headers: bool = false,
+        /// Latency-target headers and the scheduler's margin below a target (`crate::flow::slo`).
+        pub slo: SloConfig = SloConfig::default(),
     }
 }
 
@@ -100,6 +103,12 @@ settings! {
         pub name: String,
         /// Default 0 (InferenceObjective: "an unset value is treated as 0").
         pub priority: i32 = 0,
+        /// Time-to-first-token target of this objective's requests, ms (1 to 3600000). Default
+        /// none. See docs/slo.md.
+        pub ttft_ms: Option<u32> = None,
+        /// Time-per-output-token target, ms (1 to 3600000). Default none (recorded, not routed
+        /// on).
+        pub tpot_ms: Option<u32> = None,
     }
 }
 
@@ -116,6 +125,9 @@ settings! {
         /// trimming spaces.
         #[schema(extend("minProperties" = 1))]
         pub values: BTreeMap<String, i32>,
+        /// Tier value → latency targets (`{"ttft_ms": 500, "tpot_ms": 50}`); each key must be a
+        /// tier of `values`. Default none. See docs/slo.md.
+        pub slo: BTreeMap<String, SloTarget> = BTreeMap::new(),
     }
 }
 
@@ -157,6 +169,8 @@ impl PriorityConfig {
             } else {
                 seen.push(&o.name);
             }
+            slo::check_target(o.ttft_ms, &format!("{path}.objectives[{i}].ttft_ms"), errs);
+            slo::check_target(o.tpot_ms, &format!("{path}.objectives[{i}].tpot_ms"), errs);
         }
         if let Some(t) = &self.tier {
             if !valid_header_name(&t.header) {
@@ -184,7 +198,39 @@ impl PriorityConfig {
                     });
                 }
             }
+            for (name, target) in &t.slo {
+                let p = format!("{path}.tier.slo.{name}");
+                if !t.values.contains_key(name) {
+                    errs.push(ConfigError {
+                        path: p.clone(),
+                        reason: format!("{name:?} is not a tier of values"),
+                    });
+                }
+                target.validate(&p, errs);
+            }
         }
+        self.slo.validate(&format!("{path}.slo"), errs, &valid_header_name);
+        let taken = [OBJECTIVE_HEADER, FAIRNESS_HEADER]
+            .into_iter()
+            .chain(self.tier.as_ref().map(|t| t.header.as_str()));
+        for h in taken {
+            for (key, s) in [("ttft_header", &self.slo.ttft_header), ("tpot_header", &self.slo.tpot_header)] {
+                if s == h {
+                    errs.push(ConfigError {
+                        path: format!("{path}.slo.{key}"),
+                        reason: format!("{h:?} is already a priority header"),
+                    });
+                }
+            }
+        }
+    }
+
+    /// The tightest TTFT target any objective or tier names (ms), for the scheduler's headroom
+    /// rule; `None` when none does.
+    pub fn tightest_ttft_ms(&self) -> Option<u32> {
+        let objectives = self.objectives.iter().filter_map(|o| o.ttft_ms);
+        let tiers = self.tier.iter().flat_map(|t| t.slo.values().map(|x| x.ttft_ms));
+        objectives.chain(tiers).min()
     }
 
     fn objective_priority(&self, name: &str) -> Option<i32> {
@@ -211,6 +257,9 @@ pub struct PriorityDecision {
     pub tier: Option<String>,
     /// The fairness flow (tenant) within the priority level.
     pub fairness_id: String,
+    /// The latency targets (`crate::flow::slo`): none unless configured or sent in a trusted
+    /// header.
+    pub targets: Targets,
 }
 
 impl PriorityDecision {
@@ -229,6 +278,8 @@ pub struct PriorityHeaders {
     pub fairness_id: Option<String>,
     /// `fairness_id` is the session id ([`PriorityHeaders::with_session`]), not a tenant's.
     pub fairness_from_session: bool,
+    /// The trusted latency-target headers, raw (`crate::flow::slo::TargetHeaders`).
+    pub slo: TargetHeaders,
 }
 
 fn non_empty_trimmed(v: Option<String>) -> Option<String> {
@@ -270,7 +321,8 @@ impl PriorityHeaders {
         } else {
             None
         };
-        Self { objective, tier, fairness_id, fairness_from_session: false }
+        let slo = TargetHeaders::read(&cfg.slo, get);
+        Self { objective, tier, fairness_id, fairness_from_session: false, slo }
     }
 
     /// With `priority.trust_session_headers`, the request's session id (already checked by
@@ -307,12 +359,21 @@ impl PriorityHeaders {
             (None, Some((_, p))) => (*p, PrioritySource::Tier),
             (None, None) => (cfg.criticality.of(model), PrioritySource::Model),
         };
+        let objective_targets = objective
+            .as_ref()
+            .and_then(|(n, _)| cfg.objectives.iter().find(|o| &o.name == n))
+            .map_or((None, None), |o| (o.ttft_ms, o.tpot_ms));
+        let tier_target = match (&cfg.tier, &tier) {
+            (Some(t), Some((n, _))) => t.slo.get(n).copied(),
+            _ => None,
+        };
         PriorityDecision {
             priority,
             source,
             objective: objective.map(|(n, _)| n),
             tier: tier.map(|(n, _)| n),
             fairness_id: self.fairness_id.clone().unwrap_or_else(|| DEFAULT_FAIRNESS_ID.to_string()),
+            targets: slo::resolve(&self.slo, &cfg.slo, objective_targets, tier_target),
         }
     }
 }
@@ -329,7 +390,9 @@ pub fn resolve_priority(
 
 /// Every request header the filter must remove before the request goes upstream, trusted or not.
 pub fn headers_to_strip(cfg: &PriorityConfig) -> impl Iterator<Item = &str> {
-    [OBJECTIVE_HEADER, FAIRNESS_HEADER].into_iter().chain(cfg.tier.as_ref().map(|t| t.header.as_str()))
+    [OBJECTIVE_HEADER, FAIRNESS_HEADER, cfg.slo.ttft_header.as_str(), cfg.slo.tpot_header.as_str()]
+        .into_iter()
+        .chain(cfg.tier.as_ref().map(|t| t.header.as_str()))
 }
 
 #[cfg(test)]
@@ -359,15 +422,16 @@ mod tests {
             values: [("premium".to_string(), 10), ("standard".to_string(), 0), ("free".to_string(), -5)]
                 .into_iter()
                 .collect(),
+            slo: BTreeMap::new(),
         }
     }
 
     fn all_trusted() -> PriorityConfig {
         PriorityConfig {
             objectives: vec![
-                ObjectiveConfig { name: "interactive".into(), priority: 20 },
-                ObjectiveConfig { name: "batch".into(), priority: -1 },
-                ObjectiveConfig { name: "unset".into(), priority: 0 },
+                ObjectiveConfig { name: "interactive".into(), priority: 20, ttft_ms: None, tpot_ms: None },
+                ObjectiveConfig { name: "batch".into(), priority: -1, ttft_ms: None, tpot_ms: None },
+                ObjectiveConfig { name: "unset".into(), priority: 0, ttft_ms: None, tpot_ms: None },
             ],
             trust_objective_header: true,
             tier: Some(tiers(true)),
@@ -450,7 +514,12 @@ mod tests {
     fn untrusted_headers_are_never_read_and_cannot_raise_priority() {
         // The default config trusts nothing, even with objectives and a tier configured.
         let cfg = PriorityConfig {
-            objectives: vec![ObjectiveConfig { name: "interactive".into(), priority: 20 }],
+            objectives: vec![ObjectiveConfig {
+                name: "interactive".into(),
+                priority: 20,
+                ttft_ms: None,
+                tpot_ms: None,
+            }],
             tier: Some(tiers(false)),
             ..PriorityConfig::default()
         };
@@ -466,14 +535,22 @@ mod tests {
         assert!(h.asked.borrow().is_empty(), "asked for {:?}", h.asked.borrow());
         // But every one of them is stripped.
         let strip: Vec<&str> = headers_to_strip(&cfg).collect();
-        assert_eq!(strip, vec![OBJECTIVE_HEADER, FAIRNESS_HEADER, "x-llm-tier"]);
+        assert_eq!(
+            strip,
+            vec![OBJECTIVE_HEADER, FAIRNESS_HEADER, slo::TTFT_HEADER, slo::TPOT_HEADER, "x-llm-tier"]
+        );
     }
 
     #[test]
     fn trust_is_per_header() {
         // Tier trusted, objective not: the objective header is ignored, the tier is honoured.
         let cfg = PriorityConfig {
-            objectives: vec![ObjectiveConfig { name: "interactive".into(), priority: 20 }],
+            objectives: vec![ObjectiveConfig {
+                name: "interactive".into(),
+                priority: 20,
+                ttft_ms: None,
+                tpot_ms: None,
+            }],
             tier: Some(tiers(true)),
             ..PriorityConfig::default()
         };
@@ -536,7 +613,7 @@ mod tests {
     fn headers_to_strip_without_tier() {
         let cfg = PriorityConfig::default();
         let strip: Vec<&str> = headers_to_strip(&cfg).collect();
-        assert_eq!(strip, vec![OBJECTIVE_HEADER, FAIRNESS_HEADER]);
+        assert_eq!(strip, vec![OBJECTIVE_HEADER, FAIRNESS_HEADER, slo::TTFT_HEADER, slo::TPOT_HEADER]);
     }
 
     #[test]
@@ -598,9 +675,19 @@ mod tests {
     #[test]
     fn validation_reports_paths() {
         let mut cfg = all_trusted();
-        cfg.objectives.push(ObjectiveConfig { name: "batch".into(), priority: 3 });
-        cfg.objectives.push(ObjectiveConfig { name: " ".into(), priority: 3 });
-        cfg.tier = Some(TierConfig { header: "X-Tier".into(), trusted: true, values: BTreeMap::new() });
+        cfg.objectives.push(ObjectiveConfig {
+            name: "batch".into(),
+            priority: 3,
+            ttft_ms: None,
+            tpot_ms: None,
+        });
+        cfg.objectives.push(ObjectiveConfig { name: " ".into(), priority: 3, ttft_ms: None, tpot_ms: None });
+        cfg.tier = Some(TierConfig {
+            header: "X-Tier".into(),
+            trusted: true,
+            values: BTreeMap::new(),
+            slo: BTreeMap::new(),
+        });
         let mut errs = Vec::new();
         cfg.validate("priority", &mut errs);
         let paths: Vec<&str> = errs.iter().map(|e| e.path.as_str()).collect();

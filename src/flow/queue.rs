@@ -18,6 +18,9 @@ pub struct Ticket<'a> {
     pub id: u32,
     pub priority: i32,
     pub fairness_id: &'a str,
+    /// Arrival + TTFT target (`crate::flow::slo::deadline_ms`): within its priority level, the
+    /// earliest deadline goes first. `None`: after every request with one, in arrival order.
+    pub deadline_ms: Option<u64>,
 }
 
 /// The answer to [`FlowQueue::admit`].
@@ -82,34 +85,43 @@ struct Entry {
     flow: String,
     enqueued_ms: u64,
     seq: u64,
+    /// The request's deadline, `u64::MAX` without one: its place in its tenant's queue.
+    deadline: u64,
 }
 
-/// One priority level: per-tenant FIFOs served round-robin.
+/// A held request's place in its tenant's queue: earliest deadline first, then arrival.
+type Place = (u64, u64, u32);
+
+/// One priority level: per-tenant queues (earliest deadline first; without deadlines, FIFO)
+/// served round-robin, except that a tenant whose front request has an earlier deadline goes
+/// before the round-robin's next ([`plan_take`]).
 #[derive(Debug, Default)]
 struct Level {
     /// Tenants with held requests, in service order.
     rr: VecDeque<String>,
-    flows: BTreeMap<String, VecDeque<u32>>,
+    flows: BTreeMap<String, BTreeSet<Place>>,
     len: u32,
 }
 
 impl Level {
-    fn push(&mut self, flow: &str, id: u32) {
+    fn push(&mut self, flow: &str, place: Place) {
         match self.flows.get_mut(flow) {
-            Some(q) => q.push_back(id),
+            Some(q) => {
+                q.insert(place);
+            }
             None => {
-                self.flows.insert(flow.to_string(), VecDeque::from([id]));
+                self.flows.insert(flow.to_string(), BTreeSet::from([place]));
                 self.rr.push_back(flow.to_string());
             }
         }
         self.len += 1;
     }
 
-    /// The next id in round-robin order: the front of the next tenant's FIFO.
+    /// The next id in round-robin order: the front of the next tenant's queue.
     fn pop(&mut self) -> Option<u32> {
         while let Some(flow) = self.rr.pop_front() {
             let Some(q) = self.flows.get_mut(&flow) else { continue };
-            let Some(id) = q.pop_front() else {
+            let Some((_, _, id)) = q.pop_first() else {
                 self.flows.remove(&flow);
                 continue;
             };
@@ -124,12 +136,12 @@ impl Level {
         None
     }
 
-    /// The front id of `flow`'s FIFO; `flow` then goes to the back of the round-robin (the
+    /// The front id of `flow`'s queue; `flow` then goes to the back of the round-robin (the
     /// same rotation as [`Level::pop`] when it is at the front).
     fn pop_flow(&mut self, flow: &str) -> Option<u32> {
         let pos = self.rr.iter().position(|f| f == flow)?;
         let q = self.flows.get_mut(flow)?;
-        let id = q.pop_front()?;
+        let (_, _, id) = q.pop_first()?;
         let empty = q.is_empty();
         if let Some(f) = self.rr.remove(pos) {
             if empty {
@@ -142,11 +154,9 @@ impl Level {
         Some(id)
     }
 
-    fn remove(&mut self, flow: &str, id: u32) -> bool {
+    fn remove(&mut self, flow: &str, place: Place) -> bool {
         let Some(q) = self.flows.get_mut(flow) else { return false };
-        let before = q.len();
-        q.retain(|x| *x != id);
-        if q.len() == before {
+        if !q.remove(&place) {
             return false;
         }
         if q.is_empty() {
@@ -159,22 +169,33 @@ impl Level {
 }
 
 /// A copy of one level's round-robin (tenants in service order, with their fairness bucket and
-/// held count), for planning releases inside a CAS attempt without touching the real queue.
+/// the deadlines of their held requests, earliest first), for planning releases inside a CAS
+/// attempt without touching the real queue.
 #[derive(Debug, Clone)]
 struct PlanLevel {
     priority: i32,
-    flows: VecDeque<(String, u16, u32)>,
+    flows: VecDeque<(String, u16, VecDeque<u64>)>,
 }
 
-/// Takes one request of the first tenant (in round-robin order) of the highest non-empty level
-/// that `may` accepts, and rotates that tenant to the back. Returns (priority, tenant, bucket).
+/// Takes one request of the highest non-empty level: among the tenants `may` accepts, the one
+/// whose front request has the earliest deadline, the first in round-robin order on a tie (so
+/// without deadlines, plain round robin); that tenant rotates to the back. Returns (priority,
+/// tenant, bucket).
 fn plan_take(view: &mut [PlanLevel], may: &dyn Fn(i32, u16) -> bool) -> Option<(i32, String, u16)> {
     let level = view.iter_mut().find(|l| !l.flows.is_empty())?;
     let p = level.priority;
-    let pos = level.flows.iter().position(|(_, b, _)| may(p, *b))?;
-    let (flow, b, c) = level.flows.remove(pos)?;
-    if c > 1 {
-        level.flows.push_back((flow.clone(), b, c - 1));
+    let mut best: Option<(usize, u64)> = None;
+    for (i, (_, b, ds)) in level.flows.iter().enumerate() {
+        let d = ds.front().copied().unwrap_or(u64::MAX);
+        if may(p, *b) && best.is_none_or(|(_, bd)| d < bd) {
+            best = Some((i, d));
+        }
+    }
+    let (pos, _) = best?;
+    let (flow, b, mut ds) = level.flows.remove(pos)?;
+    ds.pop_front();
+    if !ds.is_empty() {
+        level.flows.push_back((flow.clone(), b, ds));
     }
     Some((p, flow, b))
 }
@@ -182,7 +203,12 @@ fn plan_take(view: &mut [PlanLevel], may: &dyn Fn(i32, u16) -> bool) -> Option<(
 /// Held counts per priority of a plan view, highest first.
 fn plan_summary(view: &[PlanLevel]) -> Vec<(i32, u32)> {
     view.iter()
-        .map(|l| (l.priority, l.flows.iter().map(|(_, _, c)| *c).sum::<u32>()))
+        .map(|l| {
+            (
+                l.priority,
+                l.flows.iter().map(|(_, _, d)| u32::try_from(d.len()).unwrap_or(u32::MAX)).sum::<u32>(),
+            )
+        })
         .filter(|(_, c)| *c > 0)
         .collect()
 }
@@ -193,8 +219,8 @@ fn plan_tenants(view: &[PlanLevel]) -> Vec<(i32, u16)> {
     let mut seen = BTreeSet::new();
     let mut out = Vec::new();
     for l in view {
-        for (_, b, c) in &l.flows {
-            if *c > 0 && out.len() < fairshare::MAX_PUBLISHED && seen.insert((l.priority, *b)) {
+        for (_, b, d) in &l.flows {
+            if !d.is_empty() && out.len() < fairshare::MAX_PUBLISHED && seen.insert((l.priority, *b)) {
                 out.push((l.priority, *b));
             }
         }
@@ -279,9 +305,12 @@ impl FlowQueue {
                     .rr
                     .iter()
                     .filter_map(|f| {
-                        let n = l.flows.get(f).map_or(0, VecDeque::len);
-                        let n = u32::try_from(n).unwrap_or(u32::MAX);
-                        (n > 0).then(|| (f.clone(), fairshare::bucket(f), n))
+                        let ds: VecDeque<u64> = l
+                            .flows
+                            .get(f)
+                            .map(|q| q.iter().map(|(d, _, _)| *d).collect())
+                            .unwrap_or_default();
+                        (!ds.is_empty()).then(|| (f.clone(), fairshare::bucket(f), ds))
                     })
                     .collect(),
             })
@@ -350,15 +379,16 @@ impl FlowQueue {
         let tenants = {
             let mut view = self.plan_view();
             let b = fairshare::bucket(t.fairness_id);
+            let d = VecDeque::from([t.deadline_ms.unwrap_or(u64::MAX)]);
             match view.iter_mut().find(|l| l.priority == t.priority) {
-                Some(l) => l.flows.push_back((t.fairness_id.to_string(), b, 1)),
+                Some(l) => l.flows.push_back((t.fairness_id.to_string(), b, d)),
                 None => {
                     let at = view.iter().position(|l| l.priority < t.priority).unwrap_or(view.len());
                     view.insert(
                         at,
                         PlanLevel {
                             priority: t.priority,
-                            flows: VecDeque::from([(t.fairness_id.to_string(), b, 1)]),
+                            flows: VecDeque::from([(t.fairness_id.to_string(), b, d)]),
                         },
                     );
                 }
@@ -441,8 +471,10 @@ impl FlowQueue {
     fn hold(&mut self, t: &Ticket, now_ms: u64) {
         self.seq += 1;
         let flow = t.fairness_id.to_string();
-        self.levels.entry(Reverse(t.priority)).or_default().push(&flow, t.id);
-        self.entries.insert(t.id, Entry { priority: t.priority, flow, enqueued_ms: now_ms, seq: self.seq });
+        let deadline = t.deadline_ms.unwrap_or(u64::MAX);
+        self.levels.entry(Reverse(t.priority)).or_default().push(&flow, (deadline, self.seq, t.id));
+        let e = Entry { priority: t.priority, flow, enqueued_ms: now_ms, seq: self.seq, deadline };
+        self.entries.insert(t.id, e);
         self.deadlines.push_back((now_ms.saturating_add(self.cfg.max_wait_ms), t.id, self.seq));
         self.stats.at(t.priority).held += 1;
         // Released and cancelled requests leave their deadline behind until it reaches the
@@ -459,7 +491,7 @@ impl FlowQueue {
         let e = self.entries.remove(&id)?;
         let key = Reverse(e.priority);
         if let Some(level) = self.levels.get_mut(&key) {
-            level.remove(&e.flow, id);
+            level.remove(&e.flow, (e.deadline, e.seq, id));
             if level.len == 0 {
                 self.levels.remove(&key);
             }
@@ -619,8 +651,10 @@ impl FlowQueue {
                         low_left = r.slots;
                     }
                 }
-                let eligible: u32 =
-                    sim.iter().flat_map(|l| l.flows.iter()).fold(0u32, |a, (_, _, c)| a.saturating_add(*c));
+                let eligible: u32 = sim
+                    .iter()
+                    .flat_map(|l| l.flows.iter())
+                    .fold(0u32, |a, (_, _, d)| a.saturating_add(u32::try_from(d.len()).unwrap_or(u32::MAX)));
                 let peers = rec.remote(me).filter(|w| w.max_priority() == Some(top)).count();
                 let peers = u32::try_from(peers).unwrap_or(u32::MAX).saturating_add(1);
                 let share = rec.left.div_ceil(peers);

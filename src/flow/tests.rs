@@ -14,7 +14,7 @@ fn room(epoch: u64, slots: u32) -> Capacity {
     Capacity { epoch, slots, saturated: false, reserve: None }
 }
 fn t(id: u32, priority: i32, flow: &str) -> Ticket<'_> {
-    Ticket { id, priority, fairness_id: flow }
+    Ticket { id, priority, fairness_id: flow, deadline_ms: None }
 }
 fn held(a: &Admission) -> bool {
     matches!(a, Admission::Held { evicted: None })
@@ -716,4 +716,58 @@ fn the_ledger_record_and_another_release() {
         assert_eq!(stored, theirs, "another build's ledger is not overwritten");
         assert_eq!(Record::read(&theirs), None);
     }
+}
+
+fn td(id: u32, priority: i32, flow: &str, deadline_ms: Option<u64>) -> Ticket<'_> {
+    Ticket { id, priority, fairness_id: flow, deadline_ms }
+}
+
+#[test]
+fn within_a_level_the_earliest_deadline_goes_first_then_requests_without_one() {
+    let s = MemStore::new();
+    let mut q = FlowQueue::new(&cfg(), "m", 1);
+    // Arrival order 1..=5 at priority 0, one tenant: 1 has no deadline, 2 is due at 900, 3 at
+    // 300, 4 none, 5 at 600.
+    for (id, d) in [(1, None), (2, Some(900)), (3, Some(300)), (4, None), (5, Some(600))] {
+        assert!(held(&q.admit(&s, &td(id, 0, "a", d), &SAT, 0)), "id {id}");
+    }
+    // One token per epoch: deadlines in order, then the rest in arrival order.
+    let mut order = Vec::new();
+    for epoch in 2..=6 {
+        order.extend(released(&q.on_tick(&s, &room(epoch, 1), epoch * 10)));
+    }
+    assert_eq!(order, vec![3, 5, 2, 1, 4]);
+}
+
+#[test]
+fn deadlines_order_tenants_but_never_overrule_priority() {
+    let s = MemStore::new();
+    let mut q = FlowQueue::new(&cfg(), "m", 1);
+    // Tenant a's request is due later than tenant b's, which arrived after it; a priority-5
+    // request without a deadline outranks both.
+    assert!(held(&q.admit(&s, &td(1, 0, "a", Some(5_000)), &SAT, 0)));
+    assert!(held(&q.admit(&s, &td(2, 0, "b", Some(1_000)), &SAT, 0)));
+    assert!(held(&q.admit(&s, &td(3, 5, "c", None), &SAT, 0)));
+    assert!(held(&q.admit(&s, &td(4, 0, "a", Some(800)), &SAT, 0)));
+    let a = q.on_tick(&s, &room(2, 2), 10);
+    // Priority first (3), then the earliest front of the level: a's queue is ordered by deadline
+    // too, so its front is 4 (800), ahead of b's 2 (1,000).
+    assert_eq!(released(&a), vec![3, 4]);
+    let a = q.on_tick(&s, &room(3, 5), 20);
+    assert_eq!(released(&a), vec![2, 1]);
+}
+
+#[test]
+fn a_request_past_its_deadline_is_still_served_first_and_only_max_wait_rejects() {
+    let s = MemStore::new();
+    let mut q = FlowQueue::new(&cfg(), "m", 1);
+    assert!(held(&q.admit(&s, &td(1, 0, "a", None), &SAT, 0)));
+    assert!(held(&q.admit(&s, &td(2, 0, "b", Some(100)), &SAT, 0)));
+    // At 500 ms its deadline has passed: it is not rejected for that (it is not sheddable, and a
+    // sheddable request is never held); it goes first.
+    assert!(q.on_tick(&s, &SAT, 500).is_empty());
+    assert_eq!(released(&q.on_tick(&s, &room(2, 1), 600)), vec![2]);
+    // max_wait_ms (1,000) still applies to whatever is left.
+    let a = q.on_tick(&s, &SAT, 1_000);
+    assert!(matches!(a.as_slice(), [Action::Reject { id: 1, .. }]), "{a:?}");
 }

@@ -149,4 +149,7 @@ pub struct Settings<'a> {
     /// `pd`: disaggregated prefill/decode; `None` when off.
     pub pd: Option<&'a PdConfig>,
     pub catalog: Catalog<'a>,
+    /// `flow_control.retry_after_s`: the Retry-After of a 429 for a latency target no pod can
+    /// meet.
+    pub retry_after_s: u32,
 }

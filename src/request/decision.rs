@@ -179,6 +179,7 @@ mod tests {
             prefix_score: prefix,
             prefix_blocks: 4,
             predicted_ms: Some(123.456),
+            slo: None,
             ticket: 0,
         }
     }
@@ -190,6 +191,7 @@ mod tests {
             objective: objective.map(str::to_string),
             tier: tier.map(str::to_string),
             fairness_id: "t".into(),
+            targets: Default::default(),
         }
     }
 

@@ -299,6 +299,9 @@ mod tests {
                 "x-prefiller-url",
                 "x-gateway-inference-objective",
                 "x-gateway-inference-fairness-id",
+                // The latency-target headers, untrusted by default: removed.
+                "x-slo-ttft-ms",
+                "x-slo-tpot-ms",
                 // Configured but untrusted: still removed.
                 "x-llm-tier",
             ]

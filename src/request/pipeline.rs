@@ -6,11 +6,12 @@
 use crate::base::errors::Rejection;
 use crate::base::ports::Rng;
 use crate::flow::priority::PriorityDecision;
+use crate::flow::slo;
 use crate::request::body::{parse_request, rewrite_model};
 use crate::request::config::Settings;
 use crate::request::head::{restrict_to_selection, too_large, RequestHead};
 use crate::request::pd;
-use crate::scheduler::{ModelRoute, Pick, PickInput, PickRequest, PickScope, PickState, Scheduler};
+use crate::scheduler::{ModelRoute, Pick, PickInput, PickRequest, PickScope, PickState, Scheduler, SloAsk};
 use crate::state::catalog::Criticality;
 use crate::state::snapshot::Snapshot;
 
@@ -108,6 +109,7 @@ pub fn prepare_routed(
 /// to the conformance test's endpoint selection when it sent one (`None`: use the whole
 /// snapshot).
 fn pick_request<'a>(
+    cfg: &Settings<'_>,
     head: &'a RequestHead,
     prepared: &'a Prepared,
     snapshot: &Snapshot,
@@ -118,12 +120,26 @@ fn pick_request<'a>(
         cache_salt: prepared.cache_salt.as_deref(),
         session_id: head.session_id.as_deref(),
         session_token: head.session_token.as_deref(),
+        slo: slo_ask(cfg, &prepared.priority),
     };
     let restricted = match &head.test_selection {
         Some(sel) => Some(restrict_to_selection(snapshot, sel)?),
         None => None,
     };
     Ok((req, restricted))
+}
+
+/// The scheduler's view of a request's TTFT target (`crate::flow::slo`): the budget below the
+/// target by `priority.slo.margin`, the tightest configured budget, whether it may be shed.
+/// `None` without a target.
+pub fn slo_ask(cfg: &Settings<'_>, priority: &PriorityDecision) -> Option<SloAsk> {
+    let margin = cfg.priority.slo.margin;
+    priority.targets.ttft_ms.map(|t| SloAsk {
+        budget_ms: slo::budget_ms(t, margin),
+        tightest_budget_ms: cfg.priority.tightest_ttft_ms().map(|x| slo::budget_ms(x, margin)),
+        sheddable: priority.sheddable(),
+        retry_after_s: cfg.retry_after_s,
+    })
 }
 
 /// Cuts `prompt` to the first `max_bytes` bytes, or just past them to the next character
@@ -151,7 +167,7 @@ pub fn route(
     prepared: &Prepared,
     state: PickState<'_>,
 ) -> Result<pd::PdPick, Rejection> {
-    let (request, restricted) = pick_request(head, prepared, state.snapshot)?;
+    let (request, restricted) = pick_request(cfg, head, prepared, state.snapshot)?;
     let state = PickState { snapshot: restricted.as_ref().unwrap_or(state.snapshot), ..state };
     let input = PickInput { route: &prepared.route, request, state, scope: PickScope::default(), rng };
     pd::pick(cfg, scheduler, input)

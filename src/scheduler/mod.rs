@@ -48,6 +48,7 @@ pub mod predict;
 pub mod prefix;
 pub mod queue;
 pub mod session;
+pub mod slo;
 
 mod pipeline;
 
@@ -67,6 +68,7 @@ use crate::state::prefix_shared::{endpoint_key, SharedPrefix};
 
 pub use self::candidate::{neutral_fill, neutral_score, Candidate};
 pub use self::session::{keys_from_config as session_keys_from_config, parse_session_token, SessionKeys};
+pub use self::slo::{SloAsk, SloVerdict};
 
 /// Most endpoints listed in the debug score header, best first (bounds the header size).
 pub const DEBUG_MAX_ENDPOINTS: usize = 16;
@@ -83,6 +85,8 @@ pub struct PickRequest<'a> {
     pub session_id: Option<&'a str>,
     /// Value of the session-token header (`scheduler.session.token_header`), if sent.
     pub session_token: Option<&'a str>,
+    /// The request's TTFT target, when it has one (`slo`).
+    pub slo: Option<SloAsk>,
 }
 
 /// The model a request is sent as, chosen before any endpoint ([`Scheduler::route_model`]).
@@ -147,6 +151,8 @@ pub struct Pick {
     pub prefix_blocks: usize,
     /// The primary's predicted TTFT in ms (objective `predicted_ttft`; `None` otherwise).
     pub predicted_ms: Option<f64>,
+    /// What the prediction said of the request's TTFT target (`None` without a target).
+    pub slo: Option<SloVerdict>,
     /// Names this request in the worker's prefill ledger: the host reports its first response
     /// byte ([`Scheduler::first_byte`]) and its end ([`Scheduler::request_done`]). 0: not tracked.
     pub ticket: u64,
@@ -472,5 +478,7 @@ pub(crate) mod tests_support {
     }
 }
 
+#[cfg(test)]
+mod slo_tests;
 #[cfg(test)]
 mod tests;

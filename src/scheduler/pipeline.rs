@@ -16,7 +16,8 @@ use crate::state::snapshot::EndpointStatus;
 
 use super::config::{Objective, Weights};
 use super::{
-    filter, guard, inflight, kv, lora, models, neutral_score, picker, predict, prefix, queue, session,
+    filter, guard, inflight, kv, lora, models, neutral_score, picker, predict, prefix, queue, session, slo,
+    SloAsk, SloVerdict,
 };
 use super::{
     Breakdown, Candidate, ModelRoute, Pick, PickInput, PickReason, PickRequest, PickScope, PickState,
@@ -118,10 +119,12 @@ struct Predicted {
     costs: Vec<f64>,
 }
 
-/// Step 9: the candidates in order (primary first) and why the primary.
+/// Step 9: the candidates in order (primary first), why the primary, and what the prediction
+/// said of the request's TTFT target.
 struct Choice {
     order: Vec<usize>,
     reason: PickReason,
+    slo: Option<SloVerdict>,
 }
 
 /// Endpoint `e` serves `base` and the scope allows it.
@@ -147,7 +150,7 @@ impl Scheduler {
         let mut rows = self.score_step(&ask, &pool, &px);
         let pr =
             if ask.predicted { self.predict_step(&ask, &pool, &px, &mut rows) } else { Predicted::default() };
-        let choice = self.choose_step(&ask, &pool, &px, &rows, &pr, rng);
+        let choice = self.choose_step(&ask, &pool, &px, &rows, &pr, rng)?;
         let Some(&p) = choice.order.first() else {
             // Unreachable: the pool is not empty, so the picker returns at least one index.
             return Err(Rejection::new(500, "internal_error", "internal", "scheduler picked nothing"));
@@ -191,6 +194,7 @@ impl Scheduler {
             prefix_score,
             prefix_blocks,
             predicted_ms,
+            slo: choice.slo,
             ticket,
         })
     }
@@ -282,7 +286,11 @@ impl Scheduler {
             let (base, scope) = (ask.resolved.base, &ask.scope);
             f.serving = ask.st.snapshot.endpoints.iter().filter(|e| serves(e, base, scope)).collect();
         }
-        self.fail_open(&f.serving, &load, rng, route.target_model.clone(), route.model_rewritten)
+        let mut pick =
+            self.fail_open(&f.serving, &load, rng, route.target_model.clone(), route.model_rewritten)?;
+        // No prediction for a pod that is not healthy: the target cannot be judged.
+        pick.slo = ask.req.slo.map(|_| SloVerdict::Unknown);
+        Ok(pick)
     }
 
     /// Step 4, Candidates: per healthy endpoint, once, its address hash, this gateway's in-flight
@@ -540,8 +548,10 @@ impl Scheduler {
     }
 
     /// Step 9, Choose: the session token's endpoint when it names a healthy, non-overloaded
-    /// candidate, else the picker's order (predicted TTFT with rendezvous affinity, or the
-    /// weighted totals); then the fallbacks.
+    /// candidate (and, for a request with a TTFT target, one predicted to meet it when some pod
+    /// is), else the picker's order (predicted TTFT with rendezvous affinity, among the pods
+    /// that meet the target (`slo`), or the weighted totals); then the fallbacks. A sheddable
+    /// request no pod can serve in time is refused here (`slo`, rule 2).
     fn choose_step(
         &self,
         ask: &Ask<'_>,
@@ -550,22 +560,52 @@ impl Scheduler {
         rows: &[Breakdown],
         pr: &Predicted,
         rng: &mut dyn Rng,
-    ) -> Choice {
+    ) -> Result<Choice, Rejection> {
         let (cands, eligible) = (&pool.cands, &pool.eligible);
-        let token_pick = ask.req.session_token.and_then(|t| self.session_keys.resolve(t, cands, eligible));
+        let mut token_pick =
+            ask.req.session_token.and_then(|t| self.session_keys.resolve(t, cands, eligible));
+        let (plan, verdict) = match (ask.req.slo, ask.predicted) {
+            (Some(s), true) => {
+                let (plan, v) = self.slo_plan(&s, pool, pr);
+                (plan, Some(v))
+            }
+            (Some(_), false) => (slo::Plan::AsToday, Some(SloVerdict::Unknown)),
+            (None, _) => (slo::Plan::AsToday, None),
+        };
         let mut order = if ask.predicted {
             let p = &self.cfg.predicted;
             let key = predict::rendezvous_key(ask.req.session_id, &px.hashes, p.rendezvous_blocks);
             let key = if p.affinity_slack > 0.0 || ask.req.session_id.is_some() { key } else { None };
-            predict::order(
-                &pr.costs,
-                &pool.addr_hash,
-                eligible,
-                key,
-                p.affinity_slack,
-                self.cfg.fallbacks,
-                rng,
-            )
+            let fb = self.cfg.fallbacks;
+            match plan {
+                slo::Plan::Shed(r) => return Err(r),
+                slo::Plan::Among(set) => {
+                    if token_pick.is_some_and(|t| !set.get(t).copied().unwrap_or(false)) {
+                        // The session's pod is predicted to miss the target while another meets
+                        // it: the target wins.
+                        token_pick = None;
+                    }
+                    let masked: Vec<f64> = pr
+                        .costs
+                        .iter()
+                        .zip(&set)
+                        .map(|(c, &in_set)| if in_set { *c } else { f64::INFINITY })
+                        .collect();
+                    let first =
+                        predict::order(&masked, &pool.addr_hash, &set, key, p.affinity_slack, fb, rng);
+                    let first = first.into_iter().filter(|&i| set.get(i).copied().unwrap_or(false)).collect();
+                    slo::then_the_rest(first, &pr.costs, eligible, fb)
+                }
+                slo::Plan::BestPredicted => {
+                    let ttft: Vec<f64> = pr.pred.iter().map(|x| x.ttft).collect();
+                    let mut o = slo::by_key(&ttft, eligible);
+                    o.truncate(1 + fb);
+                    o
+                }
+                slo::Plan::AsToday => {
+                    predict::order(&pr.costs, &pool.addr_hash, eligible, key, p.affinity_slack, fb, rng)
+                }
+            }
         } else {
             let totals: Vec<f64> = rows.iter().map(|b| b.total).collect();
             picker::order(&totals, self.cfg.tie_epsilon, self.cfg.top_k, self.cfg.fallbacks, rng)
@@ -579,7 +619,17 @@ impl Scheduler {
             }
             None => PickReason::Scored,
         };
-        Choice { order, reason }
+        Ok(Choice { order, reason, slo: verdict })
+    }
+
+    /// `slo::plan` with this pick's predictions and whether each candidate's rate is learnt.
+    fn slo_plan(&self, ask: &SloAsk, pool: &Pool<'_>, pr: &Predicted) -> (slo::Plan, SloVerdict) {
+        let ttft: Vec<f64> = pr.pred.iter().map(|x| x.ttft).collect();
+        let uncached: Vec<f64> = pr.pred.iter().map(|x| x.uncached).collect();
+        let known: Vec<bool> =
+            pool.addr_hash.iter().map(|&h| self.rates.has(endpoint_key_of_hash(h))).collect();
+        let offer = slo::Offer { ttft: &ttft, uncached: &uncached, eligible: &pool.eligible, known: &known };
+        slo::plan(ask, &offer)
     }
 
     /// Step 10, Record: the primary (candidate `p`) now holds this prompt's blocks, in this
@@ -632,6 +682,7 @@ impl Scheduler {
             prefix_score: 0.0,
             prefix_blocks: 0,
             predicted_ms: None,
+            slo: None,
             ticket: 0,
         })
     }

@@ -55,7 +55,7 @@ pub(crate) fn snap(eps: Vec<EndpointStatus>) -> Snapshot {
 impl Scheduler {
     /// The pick of a request naming its model: [`Scheduler::route_model`], then
     /// [`Scheduler::pick`] with no passive-health data and the default scope.
-    fn pick_model(
+    pub(crate) fn pick_model(
         &mut self,
         r: &PickRequest<'_>,
         sn: &Snapshot,

@@ -187,6 +187,8 @@ pub fn observe(
 #[derive(Debug, Clone, Default)]
 pub struct RateCache {
     read_ms: Option<u64>,
+    /// The shards of the last read (bit `s` for shard `s`).
+    shards_read: u32,
     /// endpoint key → rate (ms per token) of the endpoints that have a record.
     known: HashMap<u32, f64>,
 }
@@ -194,9 +196,12 @@ pub struct RateCache {
 impl RateCache {
     /// The rate of each endpoint key (in order), re-reading the shards at most every
     /// [`REFRESH_MS`]. Endpoints without a record get the median of those with one, else
-    /// `prior`. A store error keeps the previous view.
+    /// `prior`. A store error keeps the previous view. A key whose shard the last read did not
+    /// cover (another model's pods, a new pod) makes the read due at once.
     pub fn rates(&mut self, store: &dyn SharedStore, keys: &[u32], prior: f64, now_ms: u64) -> Vec<f64> {
-        let due = self.read_ms.is_none_or(|t| now_ms.saturating_sub(t) >= REFRESH_MS || now_ms < t);
+        let needed = keys.iter().fold(0u32, |m, k| m | (1 << (k % SHARDS)));
+        let due = self.read_ms.is_none_or(|t| now_ms.saturating_sub(t) >= REFRESH_MS || now_ms < t)
+            || needed & !self.shards_read != 0;
         if due {
             let mut shards: Vec<u32> = keys.iter().map(|k| k % SHARDS).collect();
             shards.sort_unstable();
@@ -217,6 +222,7 @@ impl RateCache {
             if ok {
                 self.known = known;
                 self.read_ms = Some(now_ms);
+                self.shards_read = needed;
             }
         }
         if self.known.is_empty() {
@@ -265,6 +271,12 @@ impl RateCache {
     /// Endpoints with a learnt record in the last read (tests, metrics).
     pub fn known(&self) -> usize {
         self.known.len()
+    }
+
+    /// The endpoint (by key) had a learnt record in the last read: its rate comes from its own
+    /// first bytes, not from the pool's median or the prior.
+    pub fn has(&self, endpoint_key: u32) -> bool {
+        self.known.contains_key(&endpoint_key)
     }
 }
 
@@ -369,6 +381,20 @@ mod tests {
         // 2× slower... 0.05 is half the median: beyond the noise band, it predicts 0.75 × 0.1.
         assert_eq!(r[2], r[0]);
         assert!((r[1] - 0.075).abs() < 0.005, "{r:?}");
+    }
+
+    #[test]
+    fn a_key_whose_shard_was_not_read_makes_the_read_due_at_once() {
+        let store = MemStore::new();
+        observe(&store, 1, 1000.0, 30, PRIOR).unwrap();
+        observe(&store, 2, 1000.0, 30, PRIOR).unwrap();
+        let mut cache = RateCache::default();
+        cache.rates(&store, &[1], PRIOR, 1_000);
+        assert!(cache.has(1) && !cache.has(2));
+        // Key 2 (another shard) within the refresh interval: read now, not at the next refresh.
+        cache.rates(&store, &[1, 2], PRIOR, 1_001);
+        assert!(cache.has(1) && cache.has(2));
+        assert!(!cache.has(3));
     }
 
     #[test]

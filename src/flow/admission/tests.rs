@@ -73,6 +73,7 @@ fn prio(p: i32) -> PriorityDecision {
         objective: None,
         tier: None,
         fairness_id: "default-flow".into(),
+        targets: Default::default(),
     }
 }
 

@@ -336,7 +336,12 @@ pub fn convert(docs: &[serde_yaml::Value], opts: &Options) -> Result<Output, Vec
                 "InferenceObjective {name}: priority {priority} does not fit in 32 bits"
             )]);
         };
-        objective_configs.push(ObjectiveConfig { name: name.clone(), priority });
+        objective_configs.push(ObjectiveConfig {
+            name: name.clone(),
+            priority,
+            ttft_ms: None,
+            tpot_ms: None,
+        });
     }
     if !objective_configs.is_empty() {
         warnings.push(format!(

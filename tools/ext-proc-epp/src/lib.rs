@@ -160,6 +160,7 @@ impl SchedPicker {
             cache_salt: p.cache_salt.as_deref(),
             session_id: None,
             session_token: None,
+            slo: None,
         };
         let route = self.sched.route_model(request.model, None, &self.snap, &mut self.rng)?;
         let state = PickState {

@@ -708,8 +708,12 @@ impl Sim<'_> {
         let w = &mut self.workers[wi];
         let store = &self.replicas[w.replica].store;
         let Some(flow) = w.flow.as_mut() else { return Ok(()) };
-        let ticket =
-            Ticket { id: idx as u32, priority: decision.priority, fairness_id: &decision.fairness_id };
+        let ticket = Ticket {
+            id: idx as u32,
+            priority: decision.priority,
+            fairness_id: &decision.fairness_id,
+            deadline_ms: inference_picker::flow::slo::deadline_ms(now_ms, decision.targets.ttft_ms),
+        };
         match flow.admit(store, &ticket, &cap, now_ms) {
             Admission::Pass => self.dispatch(wi, idx, t),
             Admission::Held { evicted } => {

@@ -76,6 +76,7 @@ fn main() {
                 cache_salt: None,
                 session_id: None,
                 session_token: None,
+                slo: None,
             };
             let got = pick(&mut sched, &r, &snap, &inflight, &store, &mut rng);
             sum = sum.wrapping_add(got.primary.len());
