@@ -346,6 +346,8 @@ pub fn llm_d_route(
         cache_salt: prepared.cache_salt.as_deref(),
         session_id: None,
         session_token: None,
+        // llm-d's own rules use the target (`llm_d_decide`); ours' SLO routing stays out.
+        slo: None,
     };
     let mut probe = sched.clone();
     let seen = probe
@@ -572,6 +574,9 @@ pub struct Row {
     pub goodput_rps: [Range; 4],
     pub shed: [Range; 4],
     pub seeds: usize,
+    /// Rejections by reason, summed over seeds (e.g. `router_429_slo_unattainable`,
+    /// `flow_429_…`).
+    pub reasons: std::collections::BTreeMap<String, usize>,
 }
 
 /// The rows of one workload's results.
@@ -590,7 +595,11 @@ pub fn rows(w: &Workload, r: &WorkloadResult, capacity: f64) -> Vec<Row> {
             let mut att: [Vec<f64>; 4] = Default::default();
             let mut gp: [Vec<f64>; 4] = Default::default();
             let mut shed: [Vec<f64>; 4] = Default::default();
+            let mut reasons = std::collections::BTreeMap::new();
             for run in &runs {
+                for (k, n) in &run.rejections {
+                    *reasons.entry(k.clone()).or_insert(0) += n;
+                }
                 let c = count(&tiers, &run.ttft_by_request, &run.rejected_by_request, &targets);
                 let all = c.iter().fold(TierCount::default(), |a, b| TierCount {
                     total: a.total + b.total,
@@ -612,6 +621,7 @@ pub fn rows(w: &Workload, r: &WorkloadResult, capacity: f64) -> Vec<Row> {
                 goodput_rps: gp.map(|v| Range::of(&v)),
                 shed: shed.map(|v| Range::of(&v)),
                 seeds: runs.len(),
+                reasons,
             });
         }
     }
@@ -662,13 +672,13 @@ pub fn tier_lines(rows: &[Row]) -> Vec<String> {
 pub fn table(rows: &[Row]) -> String {
     let mut s = String::from(
         "| workload | strategy | load (× capacity) | attainment % premium / standard / sheddable / all | \
-         goodput (req/s) premium / standard / sheddable / all | shed % premium / standard / sheddable |\n\
-         |---|---|---|---|---|---|\n",
+         goodput (req/s) premium / standard / sheddable / all | shed % premium / standard / sheddable | \
+         rejections (all seeds) |\n|---|---|---|---|---|---|---|\n",
     );
     for r in rows {
         let _ = writeln!(
             s,
-            "| {} | {} | {} ({:.2}) | {} | {} | {} |",
+            "| {} | {} | {} ({:.2}) | {} | {} | {} | {} |",
             r.workload,
             r.strategy,
             suite::fmt_load(r.load),
@@ -676,6 +686,7 @@ pub fn table(rows: &[Row]) -> String {
             r.attainment.iter().map(pct).collect::<Vec<_>>().join(" / "),
             r.goodput_rps.iter().map(rps).collect::<Vec<_>>().join(" / "),
             r.shed[..3].iter().map(pct).collect::<Vec<_>>().join(" / "),
+            r.reasons.iter().map(|(k, n)| format!("{k} {n}")).collect::<Vec<_>>().join(", "),
         );
     }
     s
