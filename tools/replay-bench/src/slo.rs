@@ -984,6 +984,105 @@ mod tests {
         assert!(parse_debug("").is_empty());
     }
 
+    fn result(strategy: &str, seed: u64, load: f64, ttft: Vec<Option<f64>>, rejected: Vec<bool>) -> RunResult {
+        RunResult {
+            trace: "w".into(),
+            strategy: strategy.into(),
+            load,
+            seed,
+            servers: 1,
+            replicas: 1,
+            workers: 1,
+            poll_ms: 200,
+            requests: ttft.len(),
+            finished: ttft.iter().flatten().count(),
+            rejected: rejected.iter().filter(|r| **r).count(),
+            unfinished: 0,
+            rejections: Default::default(),
+            ttft_mean_s: 0.0,
+            ttft_p50_s: 0.0,
+            ttft_p90_s: 0.0,
+            ttft_p99_s: 0.0,
+            ttft_p90_strict_s: 0.0,
+            e2e_p90_s: 0.0,
+            output_tokens_per_s: 0.0,
+            goodput_rps: 0.0,
+            hit_rate: 0.0,
+            hit_rate_vllm_counters: 0.0,
+            tiers: vec![],
+            prediction: None,
+            ttft_by_request: ttft,
+            rejected_by_request: rejected,
+            preemptions: 0,
+            per_server: vec![],
+            scrape_errors: 0,
+            wall_s: 0.0,
+        }
+    }
+
+    #[test]
+    fn verdicts_compare_goodput_and_count_sheds_that_would_have_met() {
+        use crate::trace::{Content, Request, Trace};
+        let tiers = [Tier::Premium, Tier::Standard, Tier::Sheddable, Tier::Sheddable];
+        let trace = Trace {
+            name: "w".into(),
+            // A 10 s span at load 1: at load 2 the arrival span is 5 s.
+            requests: tiers
+                .iter()
+                .enumerate()
+                .map(|(i, &tier)| Request {
+                    arrival_ms: 10_000.0 * i as f64 / 3.0,
+                    prompt_tokens: 10,
+                    output_tokens: 1,
+                    content: Content::Unique,
+                    adapter: None,
+                    tier,
+                })
+                .collect(),
+            tokens_per_hash: 16,
+            shared_shape: None,
+            adapters: 0,
+        };
+        let t = SloTargets { premium_ms: 1000, standard_ms: 2000, sheddable_ms: 4000 };
+        let base = Base { key: "w", trace, servers: 1, capacity: 4.0 };
+        let mut w = workload(&base, t, &STRATEGIES);
+        w.loads = vec![2.0];
+        // ours-slo: all but the last met; the last was shed though ours-tiers served it in 3 s.
+        // ours-tiers: premium late, the rest in time. llm-d: only premium in time.
+        let runs = vec![
+            result("ours-slo", 1, 2.0, vec![Some(0.5), Some(1.0), Some(3.0), None], vec![false, false, false, true]),
+            result("ours-tiers", 1, 2.0, vec![Some(1.5), Some(1.0), Some(3.0), Some(3.0)], vec![false; 4]),
+            result("llm-d-slo", 1, 2.0, vec![Some(0.5), Some(9.0), None, None], vec![false, false, true, true]),
+        ];
+        let r = WorkloadResult {
+            key: "w".into(),
+            about: String::new(),
+            requests: 4,
+            servers: 1,
+            hit_rate_bound: 0.0,
+            hit_rate_bound_pooled: 0.0,
+            hit_rate_bound_pooled_opt: 0.0,
+            runs,
+            points: vec![],
+        };
+        let rows = rows(&w, &r, base.capacity);
+        assert_eq!(rows.len(), 3);
+        let ours = &rows[0];
+        assert_eq!((ours.factor, ours.attainment[0].median, ours.attainment[3].median), (0.5, 1.0, 0.75));
+        // 3 met over a 5 s arrival span; sheddable: one of two shed.
+        assert!((ours.goodput_rps[3].median - 0.6).abs() < 1e-12);
+        assert_eq!(ours.shed[2].median, 0.5);
+        let v = verdicts(&w, &r, &rows, Policy::OursSlo);
+        assert_eq!(v.len(), 1);
+        // 3 met against ours-tiers' 3 and llm-d's 1.
+        assert!((v[0].goodput_vs_priority_only - 1.0).abs() < 1e-12);
+        assert!((v[0].goodput_vs_llm_d - 3.0).abs() < 1e-12);
+        assert_eq!((v[0].shed_meeting_target, v[0].shed_total), (Some(1), Some(1)));
+        let line = verdict_line(&v[0]);
+        assert!(line.contains("shed_below_saturation_meeting_target=1"), "{line}");
+        assert!(!line.contains("targets("), "no done-when verdict below 1.5×: {line}");
+    }
+
     #[test]
     fn attainment_counts_rejected_as_missed_and_goodput_divides_by_the_span() {
         let t = SloTargets { premium_ms: 1000, standard_ms: 2000, sheddable_ms: 4000 };

@@ -489,6 +489,32 @@ mod tests {
     use crate::trace::{Content, Request};
 
     #[test]
+    fn prediction_ratios_skip_the_warm_up_and_unusable_pairs() {
+        // Ten requests: the first (10 %) is skipped however wrong; one has no prediction, one
+        // an actual of 0. Ratios left: 0.5, 1, 1, 1, 2, 2, 4, 8.
+        let pairs = vec![
+            Some((1000.0, 1.0)),
+            Some((50.0, 100.0)),
+            Some((100.0, 100.0)),
+            None,
+            Some((100.0, 100.0)),
+            Some((100.0, 100.0)),
+            Some((200.0, 100.0)),
+            Some((200.0, 0.0)),
+            Some((200.0, 100.0)),
+            Some((400.0, 100.0)),
+        ];
+        let mut p = pairs.clone();
+        p.push(Some((800.0, 100.0)));
+        let s = prediction_stat(&p, 0.1).unwrap();
+        // 11 pairs: ceil(1.1) = 2 skipped, so 50/100 goes too: 1, 1, 1, 2, 2, 4, 8.
+        assert_eq!((s.n, s.p10, s.median, s.p90), (7, 1.0, 2.0, 8.0));
+        let s = prediction_stat(&pairs, 0.1).unwrap();
+        assert_eq!((s.n, s.p10, s.median), (7, 0.5, 1.0));
+        assert_eq!(prediction_stat(&[Some((1.0, 1.0)), None], 0.5), None);
+    }
+
+    #[test]
     fn nearest_rank() {
         let v: Vec<f64> = (1..=10).map(f64::from).collect();
         // p50 of 10: rank ceil(5) = 5 → 5; p90: rank 9 → 9; p99: rank ceil(9.9) = 10 → 10.
