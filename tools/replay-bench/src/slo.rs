@@ -23,14 +23,17 @@
 //!   strategies is the ratio of the requests they served in time.
 //! - Shed rate: the share of the tier's requests rejected (router, flow control or server).
 //! - Shed below saturation meeting target: requests `ours-slo` rejected at a load under the
-//!   pool's capacity that met their target under `ours-tiers` (same seed and load): rejections
-//!   that cost a request which would have been served in time.
+//!   pool's capacity that met their target under `ours` (the shipped default, which sheds
+//!   nothing; same seed and load): rejections that cost a request which would have been served
+//!   in time. (`ours-tiers` sheds too, so it cannot say what a request it shed would have had.)
 //!
 //! # Strategies
 //! - `ours-slo`: the shipped tier example (`ours-tiers`) plus `priority.tier.slo` with the
 //!   targets (premium / standard / free). Needs the SLO core in the crate: without it the
 //!   configuration does not parse, and the study says so and runs the others.
 //! - `ours-tiers`: the tier example alone (priority and flow control; today's behaviour).
+//! - `ours`: the shipped default (no priority, no flow control, sheds nothing): the reference
+//!   for what a shed request would have had.
 //! - `llm-d-slo`: a model of llm-d-inference-scheduler's predicted-latency profile as its chart
 //!   configures it (`config/charts/epplib/templates/_config.yaml` with the latency predictor
 //!   enabled), each request carrying its tier's target as `x-slo-ttft-ms` and its tier's
@@ -99,7 +102,7 @@ pub const GOODPUT_VS_PRIORITY_TARGET: f64 = 1.2;
 pub const GOODPUT_VS_LLM_D_TARGET: f64 = 1.0;
 
 /// The strategies of the study, in table order.
-pub const STRATEGIES: [Policy; 3] = [Policy::OursSlo, Policy::OursTiers, Policy::LlmDSlo];
+pub const STRATEGIES: [Policy; 4] = [Policy::OursSlo, Policy::OursTiers, Policy::LlmDSlo, Policy::Ours];
 
 /// The tiers' TTFT targets, ms.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -703,7 +706,7 @@ pub struct Verdict {
     pub premium_attainment: f64,
     pub goodput_vs_priority_only: f64,
     pub goodput_vs_llm_d: f64,
-    /// Below capacity only: requests shed that met their target under `ours-tiers` (summed over
+    /// Below capacity only: requests shed that met their target under `ours` (summed over
     /// seeds), and all requests shed.
     pub shed_meeting_target: Option<usize>,
     pub shed_total: Option<usize>,
@@ -725,7 +728,7 @@ pub fn verdicts(w: &Workload, r: &WorkloadResult, rows: &[Row], judged: Policy) 
             if let Some(base) = r
                 .runs
                 .iter()
-                .find(|x| x.strategy == Policy::OursTiers.name() && x.load == load && x.seed == run.seed)
+                .find(|x| x.strategy == Policy::Ours.name() && x.load == load && x.seed == run.seed)
             {
                 shed_meet += shed_meeting_target(&tiers, run, base, &targets);
             }
@@ -984,7 +987,13 @@ mod tests {
         assert!(parse_debug("").is_empty());
     }
 
-    fn result(strategy: &str, seed: u64, load: f64, ttft: Vec<Option<f64>>, rejected: Vec<bool>) -> RunResult {
+    fn result(
+        strategy: &str,
+        seed: u64,
+        load: f64,
+        ttft: Vec<Option<f64>>,
+        rejected: Vec<bool>,
+    ) -> RunResult {
         RunResult {
             trace: "w".into(),
             strategy: strategy.into(),
@@ -1047,12 +1056,31 @@ mod tests {
         let base = Base { key: "w", trace, servers: 1, capacity: 4.0 };
         let mut w = workload(&base, t, &STRATEGIES);
         w.loads = vec![2.0];
-        // ours-slo: all but the last met; the last was shed though ours-tiers served it in 3 s.
+        // ours-slo: all but the last met; the last was shed though ours served it in 3 s.
         // ours-tiers: premium late, the rest in time. llm-d: only premium in time.
         let runs = vec![
-            result("ours-slo", 1, 2.0, vec![Some(0.5), Some(1.0), Some(3.0), None], vec![false, false, false, true]),
-            result("ours-tiers", 1, 2.0, vec![Some(1.5), Some(1.0), Some(3.0), Some(3.0)], vec![false; 4]),
-            result("llm-d-slo", 1, 2.0, vec![Some(0.5), Some(9.0), None, None], vec![false, false, true, true]),
+            result(
+                "ours-slo",
+                1,
+                2.0,
+                vec![Some(0.5), Some(1.0), Some(3.0), None],
+                vec![false, false, false, true],
+            ),
+            result(
+                "ours-tiers",
+                1,
+                2.0,
+                vec![Some(1.5), Some(1.0), Some(3.0), None],
+                vec![false, false, false, true],
+            ),
+            result("ours", 1, 2.0, vec![Some(1.5), Some(1.0), Some(3.0), Some(3.0)], vec![false; 4]),
+            result(
+                "llm-d-slo",
+                1,
+                2.0,
+                vec![Some(0.5), Some(9.0), None, None],
+                vec![false, false, true, true],
+            ),
         ];
         let r = WorkloadResult {
             key: "w".into(),
@@ -1066,7 +1094,7 @@ mod tests {
             points: vec![],
         };
         let rows = rows(&w, &r, base.capacity);
-        assert_eq!(rows.len(), 3);
+        assert_eq!(rows.len(), 4);
         let ours = &rows[0];
         assert_eq!((ours.factor, ours.attainment[0].median, ours.attainment[3].median), (0.5, 1.0, 0.75));
         // 3 met over a 5 s arrival span; sheddable: one of two shed.
@@ -1074,8 +1102,8 @@ mod tests {
         assert_eq!(ours.shed[2].median, 0.5);
         let v = verdicts(&w, &r, &rows, Policy::OursSlo);
         assert_eq!(v.len(), 1);
-        // 3 met against ours-tiers' 3 and llm-d's 1.
-        assert!((v[0].goodput_vs_priority_only - 1.0).abs() < 1e-12);
+        // 3 met against ours-tiers' 2 and llm-d's 1.
+        assert!((v[0].goodput_vs_priority_only - 1.5).abs() < 1e-12);
         assert!((v[0].goodput_vs_llm_d - 3.0).abs() < 1e-12);
         assert_eq!((v[0].shed_meeting_target, v[0].shed_total), (Some(1), Some(1)));
         let line = verdict_line(&v[0]);
