@@ -20,7 +20,7 @@ ENVOY_VERSION := 1.40.0
 # E2E_JOBS=1 runs the suite in one process.
 E2E_JOBS ?= 2
 
-.PHONY: all toolchain run test test-rust test-python wasm wasm-crash sim venv fmt-check clippy unit validate deploy-check e2e bench bench-check bench-routing schema config-docs oci fuzz clean passthrough-wasm wrk wasm-opt wasm-small bench-envoy bench-envoy-check ext-proc-epp docs-check wasm-next bench-robust
+.PHONY: all toolchain run test test-rust test-python wasm wasm-crash sim venv fmt-check clippy unit validate deploy-check e2e bench bench-check bench-routing schema config-docs oci fuzz clean passthrough-wasm wrk wasm-opt wasm-small bench-envoy bench-envoy-check ext-proc-epp docs-check wasm-next bench-robust bench-slo
 
 all: wasm
 
@@ -172,6 +172,12 @@ bench-routing: venv
 ## flags (--seed, --jobs). About 17 minutes on 2 cores.
 bench-robust:
 	cargo run --profile tools -p replay-bench -- --robust --out target/robust-report $(BENCH_ARGS)
+
+## bench-slo: the tiered-SLO study (tools/replay-bench/src/slo.rs): per-tier TTFT attainment,
+## goodput and shed rate of ours-slo, ours-tiers and the modelled llm-d SLO profile, then the
+## prediction-error lines; writes target/slo-report/slo.md. BENCH_ARGS adds flags (--scale 0.1).
+bench-slo:
+	cargo run --profile tools -p replay-bench -- --slo --out target/slo-report $(BENCH_ARGS)
 
 ## fuzz: every cargo-fuzz target in fuzz/ for FUZZ_SECONDS each (default 60), one at a time;
 ## FUZZ_TARGETS="body config" picks some. Needs a nightly toolchain (installs cargo-fuzz if

@@ -75,6 +75,7 @@ pub fn workloads(data: &Path, scale: f64, load: f64, strategies: &[Policy]) -> R
                 extras: vec![],
                 llm_d_check: false,
                 pod_mix: vec![],
+                slo: None,
             });
         }
     }
@@ -238,9 +239,27 @@ mod tests {
             strategy: "ours-tiers".into(),
             seed,
             tiers: vec![
-                TierStat { tier: "premium".into(), finished: 10, rejected: 0, ttft_p90_s: premium },
-                TierStat { tier: "standard".into(), finished: 10, rejected: 0, ttft_p90_s: 3.0 },
-                TierStat { tier: "sheddable".into(), finished: 5, rejected: 5, ttft_p90_s: 9.0 },
+                TierStat {
+                    tier: "premium".into(),
+                    finished: 10,
+                    rejected: 0,
+                    ttft_p90_s: premium,
+                    ..Default::default()
+                },
+                TierStat {
+                    tier: "standard".into(),
+                    finished: 10,
+                    rejected: 0,
+                    ttft_p90_s: 3.0,
+                    ..Default::default()
+                },
+                TierStat {
+                    tier: "sheddable".into(),
+                    finished: 5,
+                    rejected: 5,
+                    ttft_p90_s: 9.0,
+                    ..Default::default()
+                },
             ],
             load: 6.75,
             servers: 8,
@@ -262,6 +281,9 @@ mod tests {
             goodput_rps: 0.0,
             hit_rate: 0.0,
             hit_rate_vllm_counters: 0.0,
+            prediction: None,
+            ttft_by_request: vec![],
+            rejected_by_request: vec![],
             preemptions: 0,
             per_server: vec![],
             scrape_errors: 0,

@@ -412,6 +412,7 @@ pub fn run_config(cell: &Cell, policy: Policy, load: f64, common: &suite::Common
         peer_sync_ms: None,
         peer_sync_load: false,
         pod_mix: cell.pod_mix(),
+        slo: None,
     }
 }
 
@@ -464,6 +465,7 @@ pub fn workload(cell: &Cell, scale: f64, common: &suite::Common) -> Result<Workl
         extras: vec![],
         llm_d_check: false,
         pod_mix: mix,
+        slo: None,
     })
 }
 

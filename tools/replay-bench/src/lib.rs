@@ -11,6 +11,7 @@
 //! - [`strategy`]: the strategies and their configurations; [`sglang`]: SGLang's cache-aware
 //!   policy; [`dynamo`]: Dynamo's KV router; [`oracle`]: the perfect-information picker;
 //! - [`arrivals`]: bursty re-timings of a trace; [`bursts`]: the burst study (`--bursts`);
+//! - [`slo`]: the tiered-SLO study (`--slo`) and the modelled llm-d SLO admitter and scorer;
 //! - [`grid`]: the robustness grid of synthetic workloads (`--robust`, `make bench-robust`);
 //! - [`replay`]: the event loop; [`stats`]: measurements; [`suite`]: the default benchmark set
 //!   and the report.
@@ -24,6 +25,7 @@ pub mod pd;
 pub mod replay;
 pub mod report;
 pub mod sglang;
+pub mod slo;
 pub mod stats;
 pub mod strategy;
 pub mod suite;

@@ -114,6 +114,17 @@ struct Args {
     /// robust.json there).
     #[arg(long, conflicts_with = "bursts")]
     robust: bool,
+    /// Run the tiered-SLO study instead (`replay_bench::slo`): per-tier TTFT attainment,
+    /// goodput and shed rate of ours-slo, ours-tiers and the modelled llm-d SLO profile on
+    /// Mooncake and Azure conversation with the tier mix, from 0.5× to 1.5× the pool's
+    /// capacity, then the prediction-error figure of `ours` on the default set. Reads --scale,
+    /// --seed, --seeds, --jobs, --strategies, --loads (as multiples of capacity) and --out
+    /// (writes slo.md there).
+    #[arg(long, conflicts_with_all = ["bursts", "robust"])]
+    slo: bool,
+    /// With --slo: skip the prediction-error runs.
+    #[arg(long)]
+    no_prediction: bool,
     /// JSON object of top-level configuration sections replacing those of ours and its variants,
     /// e.g. '{"saturation":{"kv_threshold":1.5}}'.
     #[arg(long)]
@@ -173,6 +184,9 @@ fn real_main() -> Result<(), String> {
     }
     if args.robust {
         return robust_main(&args, &common, started);
+    }
+    if args.slo {
+        return slo_main(&args, &common, started);
     }
     // The default set (or --trace) is read only here: the two studies build their own workloads.
     let mut workloads: Vec<Workload> = match &args.trace {
@@ -276,6 +290,9 @@ fn real_main() -> Result<(), String> {
         if let Some(line) = suite::gap_line(w) {
             println!("{line}");
         }
+    }
+    for line in replay_bench::slo::prediction_lines(&results) {
+        println!("{line}");
     }
     if !failed.is_empty() {
         return Err(format!("no SUMMARY for: {}", failed.join("; ")));
@@ -393,5 +410,114 @@ fn robust_main(args: &Args, common: &Common, started: std::time::Instant) -> Res
     if !failed.is_empty() {
         return Err(format!("cells without figures: {}", failed.join("; ")));
     }
+    Ok(())
+}
+
+/// `--slo`: the tiered-SLO study (see `replay_bench::slo`).
+fn slo_main(args: &Args, common: &Common, started: std::time::Instant) -> Result<(), String> {
+    use replay_bench::slo;
+    let data = args.data.clone().unwrap_or_else(suite::data_dir);
+    let mut strategies: Vec<Policy> = if args.strategies.is_empty() {
+        slo::STRATEGIES.to_vec()
+    } else {
+        args.strategies.iter().map(|s| Policy::parse(s)).collect::<Result<_, _>>()?
+    };
+    let mut notes = Vec::new();
+    if let Err(e) = slo::core_available() {
+        if strategies.contains(&Policy::OursSlo) {
+            strategies.retain(|p| *p != Policy::OursSlo);
+            let n = format!(
+                "ours-slo needs the SLO core in the crate (priority.tier.slo), which this build lacks: {e}; \
+                 the verdict lines judge ours-tiers instead"
+            );
+            eprintln!("replay-bench --slo: {n}");
+            notes.push(n);
+        }
+    }
+    let mut bases = slo::bases(&data, args.scale)?;
+    if !args.loads.is_empty() {
+        notes.push(format!("loads given on the command line, as multiples of capacity: {:?}", args.loads));
+    }
+    // The probe: unloaded TTFT of each trace, one seed.
+    let probes: Vec<Workload> = bases.iter().map(slo::probe_workload).collect();
+    let probe_common = Common { seeds: vec![args.seed], ..common.clone() };
+    let tasks = suite::main_tasks(&probes, &probe_common);
+    let mut probe_results = suite::empty_results(&probes);
+    let quiet = |_: &RunResult| {};
+    suite::execute(&probes, &mut probe_results, &tasks, &probe_common, args.jobs, &quiet)?;
+    let mut targets = Vec::new();
+    let mut workloads = Vec::new();
+    for (b, r) in bases.iter_mut().zip(&probe_results) {
+        let p99 = r.runs.first().map(|x| x.ttft_p99_s).ok_or_else(|| format!("{}: no probe run", b.key))?;
+        let t = slo::SloTargets::from_unloaded(p99);
+        eprintln!(
+            "  {:<16} unloaded TTFT p99 {p99:.2} s: targets premium {} ms, standard {} ms, free {} ms",
+            b.key, t.premium_ms, t.standard_ms, t.sheddable_ms
+        );
+        targets.push((b.key.to_string(), p99, t));
+        let mut w = slo::workload(b, t, &strategies);
+        if !args.loads.is_empty() {
+            w.loads = args.loads.iter().map(|f| slo::load_of(*f, b.capacity)).collect();
+        }
+        workloads.push(w);
+    }
+    let tasks = suite::main_tasks(&workloads, common);
+    eprintln!("replay-bench --slo: {} runs on {} threads", tasks.len(), args.jobs);
+    let progress = |r: &RunResult| {
+        eprintln!(
+            "  {:<16} {:<11} load {:<6} seed {}  TTFT p90 {:>7.2} s  rejected {:>5}  ({:.1} s)",
+            r.trace,
+            r.strategy,
+            suite::fmt_load(r.load),
+            r.seed,
+            r.ttft_p90_s,
+            r.rejected,
+            r.wall_s
+        );
+    };
+    let mut results = suite::empty_results(&workloads);
+    suite::execute(&workloads, &mut results, &tasks, common, args.jobs, &progress)?;
+    let judged = if strategies.contains(&Policy::OursSlo) { Policy::OursSlo } else { Policy::OursTiers };
+    let mut rows = Vec::new();
+    let mut verdicts = Vec::new();
+    for ((w, r), b) in workloads.iter().zip(&results).zip(&bases) {
+        let rs = slo::rows(w, r, b.capacity);
+        verdicts.extend(slo::verdicts(w, r, &rs, judged));
+        rows.extend(rs);
+    }
+    let mut predictions = Vec::new();
+    if !args.no_prediction {
+        let pw = slo::prediction_workloads(&data, args.scale)?;
+        let tasks = suite::main_tasks(&pw, common);
+        eprintln!("replay-bench --slo: {} prediction runs", tasks.len());
+        let mut pr = suite::empty_results(&pw);
+        suite::execute(&pw, &mut pr, &tasks, common, args.jobs, &quiet)?;
+        predictions = slo::prediction_lines(&pr);
+    }
+    let cmd: Vec<String> = std::env::args().collect();
+    let md = slo::section(
+        &rows,
+        &verdicts,
+        &targets,
+        &predictions,
+        &notes,
+        &cmd.join(" "),
+        args.scale,
+        common.seeds.len(),
+    );
+    std::fs::create_dir_all(&args.out).map_err(|e| format!("{}: {e}", args.out.display()))?;
+    let path = args.out.join("slo.md");
+    std::fs::write(&path, &md).map_err(|e| format!("{}: {e}", path.display()))?;
+    println!("{md}");
+    for l in slo::tier_lines(&rows) {
+        println!("{l}");
+    }
+    for v in &verdicts {
+        println!("{}", slo::verdict_line(v));
+    }
+    for p in &predictions {
+        println!("{p}");
+    }
+    println!("wrote {} ({:.0} s)", path.display(), started.elapsed().as_secs_f64());
     Ok(())
 }

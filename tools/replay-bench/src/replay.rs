@@ -33,7 +33,7 @@ use std::rc::Rc;
 
 use inference_picker::base::ports::{MemStore, Rng, SplitMix64};
 use inference_picker::config::Config;
-use inference_picker::flow::priority::resolve_priority;
+use inference_picker::flow::priority::{resolve_priority, PriorityHeaders};
 use inference_picker::flow::saturation::{saturated, SaturationParams};
 use inference_picker::flow::{Action, Admission, Capacity, FlowQueue, Ticket};
 use inference_picker::poll::poller::{Poller, ScrapeResult};
@@ -85,6 +85,10 @@ pub struct RunConfig {
     /// Heterogeneous pods: server `i` is `server` scaled by `pod_mix[i % len]`. Empty: every
     /// server is `server`.
     pub pod_mix: Vec<PodClass>,
+    /// The tiers' TTFT targets (the SLO study, `crate::slo`): `ours-slo` carries them in its
+    /// configuration (`priority.tier.slo`), `llm-d-slo` as each request's `x-slo-ttft-ms`.
+    /// `None` elsewhere.
+    pub slo: Option<crate::slo::SloTargets>,
 }
 
 /// One kind of pod in a heterogeneous pool, relative to `RunConfig::server`.
@@ -230,6 +234,8 @@ struct Sim<'a> {
     events: Vec<Event>,
     /// `oracle-approx-prefix`: its index of its own routing.
     approx: Option<oracle::ApproxIndex>,
+    /// The trace has tier labels (`Trace::has_tiers`, computed once).
+    tiers: bool,
     /// `RunConfig::peer_sync_ms`: the next exchange, the table's shard keys, and each replica's
     /// shard values as of the last exchange (what it has already passed on).
     peer_sync: Option<PeerSync>,
@@ -257,7 +263,14 @@ pub fn run(trace: &Trace, policy: Policy, rc: &RunConfig) -> Result<RunResult, S
     // The configuration document is the same for every policy's poller (endpoints, interval);
     // Scheduler-based policies also take their scheduler section from it.
     let mut cfg: Config = if policy.uses_scheduler() {
-        strategy::config(policy, n, trace.adapters, rc.poll_ms, rc.ours_overrides.as_ref())?
+        strategy::config_with(
+            policy,
+            n,
+            trace.adapters,
+            rc.poll_ms,
+            rc.ours_overrides.as_ref(),
+            rc.slo.as_ref(),
+        )?
     } else {
         strategy::config(Policy::Ours, n, trace.adapters, rc.poll_ms, None)?
     };
@@ -331,6 +344,7 @@ pub fn run(trace: &Trace, policy: Policy, rc: &RunConfig) -> Result<RunResult, S
             test_selection: None,
         },
         events: Vec::new(),
+        tiers: trace.has_tiers(),
         peer_sync: rc.peer_sync_ms.filter(|_| policy.is_ours() && n_replicas > 1).map(|ms| PeerSync {
             every_ms: ms as f64,
             next: 0.0,
@@ -433,6 +447,7 @@ impl Sim<'_> {
                 // kept so that every strategy sees the same random sequence).
                 let wi = rng.below(rc.replicas * rc.workers) % self.workers.len();
                 self.live[idx].arrival = ta;
+                self.out.arrived(idx, ta);
                 self.live[idx].replica = self.workers[wi].replica;
                 self.live[idx].worker = wi;
                 self.arrive(wi, idx, ta)?;
@@ -769,6 +784,13 @@ impl Sim<'_> {
             self.publish_now(self.workers[wi].replica, t)?;
         }
         let snap = if self.policy.uses_scheduler() { Some(self.snapshot(wi)?) } else { None };
+        // The trusted priority headers, as the host reads them before the body (the tier label
+        // in the header the configuration names; nothing for a configuration that trusts none).
+        if self.tiers && self.policy.uses_scheduler() {
+            let tier = strategy::tier_header(self.policy, req.tier.as_str());
+            self.head.priority =
+                PriorityHeaders::read(&self.cfg.priority, &|h| (h == tier.0).then(|| tier.1.clone()));
+        }
         let w = &mut self.workers[wi];
         let rep = &mut self.replicas[w.replica];
         let counts = rep.inflight.borrow_mut().read(&rep.store, now_ms).unwrap_or_default();
@@ -776,6 +798,7 @@ impl Sim<'_> {
             Policy::Ours
             | Policy::OursFlow
             | Policy::OursTiers
+            | Policy::OursSlo
             | Policy::OursPerfectState
             | Policy::GieDefault
             | Policy::GieDefaultLora
@@ -796,12 +819,58 @@ impl Sim<'_> {
                             Ok(routed) => {
                                 self.live[idx].worker = wi;
                                 self.live[idx].ticket = routed.pick.ticket;
+                                if let Some(ms) = routed.pick.predicted_ms {
+                                    self.out.predicted(idx, ms, t);
+                                }
                                 self.addr_index
                                     .get(routed.pick.primary.as_str())
                                     .copied()
                                     .ok_or_else(|| format!("unknown endpoint {}", routed.pick.primary))
                             }
                             Err(rej) => Err(format!("router_{}_{}", rej.status, rej.code)),
+                        }
+                    }
+                    _ => Err("no scheduler".into()),
+                }
+            }
+            Policy::LlmDSlo => {
+                let body = text::chat_body(&model, &msgs, req.output_tokens);
+                match (w.sched.as_mut(), snap) {
+                    (Some(s), Some(snap)) => {
+                        let health = HealthView::default();
+                        let state = PickState {
+                            snapshot: &snap,
+                            inflight: &counts,
+                            health: &health,
+                            store: &rep.store,
+                            now_ms,
+                        };
+                        let slo_ms = self.rc.slo.map(|t| t.of(req.tier));
+                        let sheddable = req.tier == crate::trace::Tier::Sheddable;
+                        let routed = crate::slo::llm_d_route(
+                            &self.cfg.request(),
+                            s,
+                            &mut w.rng,
+                            &self.head,
+                            &body,
+                            state,
+                            slo_ms,
+                            sheddable,
+                            &|a| counts.get(a),
+                        );
+                        match routed {
+                            Ok(pick) => {
+                                self.live[idx].worker = wi;
+                                self.live[idx].ticket = pick.ticket;
+                                if let Some(ms) = pick.predicted_ms {
+                                    self.out.predicted(idx, ms, t);
+                                }
+                                self.addr_index
+                                    .get(pick.primary.as_str())
+                                    .copied()
+                                    .ok_or_else(|| format!("unknown endpoint {}", pick.primary))
+                            }
+                            Err(reason) => Err(reason),
                         }
                     }
                     _ => Err("no scheduler".into()),

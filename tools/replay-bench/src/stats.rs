@@ -30,12 +30,55 @@ pub fn percentile(sorted: &[f64], p: f64) -> f64 {
     sorted[rank.clamp(1, sorted.len()) - 1]
 }
 
-#[derive(Debug, Clone, Serialize, PartialEq)]
+#[derive(Debug, Clone, Default, Serialize, PartialEq)]
 pub struct TierStat {
     pub tier: String,
     pub finished: usize,
     pub rejected: usize,
     pub ttft_p90_s: f64,
+    /// Every finished request's TTFT, sorted (s): what SLO attainment is counted from
+    /// (`crate::slo`). Not written to results.json.
+    #[serde(skip)]
+    pub ttft_s: Vec<f64>,
+}
+
+/// The distribution of predicted ÷ actual TTFT over a run's requests (`Pick::predicted_ms` of
+/// the primary against the simulated TTFT from the moment it was routed), after a warm-up: the
+/// first [`PREDICTION_WARM_UP`] of the trace's requests are left out (the learnt rates start
+/// from nothing). Only for strategies whose pick reports a prediction.
+#[derive(Debug, Clone, Copy, Serialize, PartialEq)]
+pub struct PredictionStat {
+    /// Requests counted (finished, routed with a prediction, after the warm-up).
+    pub n: usize,
+    pub p10: f64,
+    pub median: f64,
+    pub p90: f64,
+}
+
+/// Share of a trace's requests (by arrival order) left out of [`PredictionStat`].
+pub const PREDICTION_WARM_UP: f64 = 0.1;
+
+/// [`PredictionStat`] of `(predicted_ms, actual_ms)` pairs of requests in arrival order, the
+/// first `warm_up` share skipped; pairs with an actual of 0 or a missing value are left out.
+pub fn prediction_stat(pairs: &[Option<(f64, f64)>], warm_up: f64) -> Option<PredictionStat> {
+    let skip = (pairs.len() as f64 * warm_up).ceil() as usize;
+    let mut r: Vec<f64> = pairs
+        .iter()
+        .skip(skip)
+        .flatten()
+        .filter(|(p, a)| p.is_finite() && a.is_finite() && *a > 0.0)
+        .map(|(p, a)| p / a)
+        .collect();
+    if r.is_empty() {
+        return None;
+    }
+    r.sort_by(f64::total_cmp);
+    Some(PredictionStat {
+        n: r.len(),
+        p10: percentile(&r, 10.0),
+        median: percentile(&r, 50.0),
+        p90: percentile(&r, 90.0),
+    })
 }
 
 /// One (trace, strategy, load, topology) run.
@@ -71,6 +114,16 @@ pub struct RunResult {
     pub hit_rate: f64,
     pub hit_rate_vllm_counters: f64,
     pub tiers: Vec<TierStat>,
+    /// Predicted ÷ actual TTFT (`PredictionStat`), for strategies that predict.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prediction: Option<PredictionStat>,
+    /// Per request (trace order): its TTFT in s when it finished (`crate::slo`'s attainment).
+    /// Not written to results.json.
+    #[serde(skip)]
+    pub ttft_by_request: Vec<Option<f64>>,
+    /// Per request: it was rejected. Not written to results.json.
+    #[serde(skip)]
+    pub rejected_by_request: Vec<bool>,
     pub preemptions: u64,
     /// Requests routed to each server.
     pub per_server: Vec<u64>,
@@ -112,6 +165,10 @@ pub struct Outcome {
     rejected: usize,
     rejected_idx: Vec<bool>,
     rejections: BTreeMap<String, usize>,
+    /// Per request: the primary's predicted TTFT (ms) and the virtual time it was routed at.
+    predicted: Vec<Option<(f64, f64)>>,
+    /// Per request: its arrival time (virtual ms), set when it finishes.
+    arrival: Vec<f64>,
     per_server: Vec<u64>,
     counter_hits: u64,
     counter_queries: u64,
@@ -145,6 +202,8 @@ impl Outcome {
             rejected: 0,
             rejected_idx: vec![false; n],
             rejections: BTreeMap::new(),
+            predicted: vec![None; n],
+            arrival: vec![0.0; n],
             per_server: vec![0; servers],
             counter_hits: 0,
             counter_queries: 0,
@@ -157,6 +216,21 @@ impl Outcome {
     pub fn routed(&mut self, _idx: usize, server: usize) {
         if let Some(c) = self.per_server.get_mut(server) {
             *c += 1;
+        }
+    }
+
+    /// Request `idx` was routed at virtual time `t_ms` with the primary's predicted TTFT
+    /// `predicted_ms` (`Pick::predicted_ms`).
+    pub fn predicted(&mut self, idx: usize, predicted_ms: f64, t_ms: f64) {
+        if let Some(x) = self.predicted.get_mut(idx) {
+            *x = Some((predicted_ms, t_ms));
+        }
+    }
+
+    /// Request `idx` arrived at virtual time `t_ms` (for the prediction's actual TTFT).
+    pub fn arrived(&mut self, idx: usize, t_ms: f64) {
+        if let Some(x) = self.arrival.get_mut(idx) {
+            *x = t_ms;
         }
     }
 
@@ -194,6 +268,19 @@ impl Outcome {
         let finished = ttft.len();
         let mean = if finished == 0 { 0.0 } else { ttft.iter().sum::<f64>() / finished as f64 };
         let span_s = (self.last_finish - self.first_arrival) / 1000.0;
+        // Actual TTFT from the moment the request was routed (a held request's wait in flow
+        // control is not the pod's doing): first token = arrival + TTFT.
+        let pairs: Vec<Option<(f64, f64)>> = self
+            .predicted
+            .iter()
+            .zip(&self.ttft)
+            .zip(&self.arrival)
+            .map(|((p, t), a)| match (p, t) {
+                (Some((ms, routed)), Some(ttft_s)) => Some((*ms, a + ttft_s * 1000.0 - routed)),
+                _ => None,
+            })
+            .collect();
+        let prediction = prediction_stat(&pairs, PREDICTION_WARM_UP);
         let mut tiers = Vec::new();
         if self.tier.iter().any(|t| *t != Tier::Standard) {
             for tier in Tier::ALL {
@@ -212,6 +299,7 @@ impl Outcome {
                     finished: v.len(),
                     rejected,
                     ttft_p90_s: percentile(&v, 90.0),
+                    ttft_s: v,
                 });
             }
         }
@@ -252,6 +340,9 @@ impl Outcome {
                 self.counter_hits as f64 / self.counter_queries as f64
             },
             tiers,
+            prediction,
+            ttft_by_request: self.ttft,
+            rejected_by_request: self.rejected_idx,
             preemptions: self.preemptions,
             per_server: self.per_server,
             scrape_errors: self.scrape_errors.len(),
@@ -396,6 +487,32 @@ pub fn hit_rate_bound_opt(trace: &Trace, capacity_tokens: u64) -> f64 {
 mod tests {
     use super::*;
     use crate::trace::{Content, Request};
+
+    #[test]
+    fn prediction_ratios_skip_the_warm_up_and_unusable_pairs() {
+        // Ten requests: the first (10 %) is skipped however wrong; one has no prediction, one
+        // an actual of 0. Ratios left: 0.5, 1, 1, 1, 2, 2, 4, 8.
+        let pairs = vec![
+            Some((1000.0, 1.0)),
+            Some((50.0, 100.0)),
+            Some((100.0, 100.0)),
+            None,
+            Some((100.0, 100.0)),
+            Some((100.0, 100.0)),
+            Some((200.0, 100.0)),
+            Some((200.0, 0.0)),
+            Some((200.0, 100.0)),
+            Some((400.0, 100.0)),
+        ];
+        let mut p = pairs.clone();
+        p.push(Some((800.0, 100.0)));
+        let s = prediction_stat(&p, 0.1).unwrap();
+        // 11 pairs: ceil(1.1) = 2 skipped, so 50/100 goes too: 1, 1, 1, 2, 2, 4, 8.
+        assert_eq!((s.n, s.p10, s.median, s.p90), (7, 1.0, 2.0, 8.0));
+        let s = prediction_stat(&pairs, 0.1).unwrap();
+        assert_eq!((s.n, s.p10, s.median), (7, 0.5, 1.0));
+        assert_eq!(prediction_stat(&[Some((1.0, 1.0)), None], 0.5), None);
+    }
 
     #[test]
     fn nearest_rank() {

@@ -5,6 +5,8 @@
 //! | `ours` | `inference_picker::scheduler::Scheduler` behind the request core with the **shipped default configuration**: the document holds only the endpoints and the model (exactly what `Config::from_json` gives for it; flow control off) | per worker (+ the replica's shared prefix table and in-flight counts) | 200 ms (`poller.interval_ms` default) |
 //! | `ours+flow` | `ours` with `flow_control.enabled: true` and the trace's tier labels trusted as InferenceObjectives premium 10 / standard 0 / sheddable −10 | same | 200 ms |
 //! | `ours-tiers` | `ours` with the `priority`, `saturation` and `flow_control` sections of `filter-config/examples/priority-tiers.json` (tier header `x-llm-tier`: premium / standard / free) | same | 200 ms |
+//! | `ours-slo` | `ours-tiers` plus the tiers' TTFT targets (`priority.tier.slo`: premium / standard / free), the SLO study's (`crate::slo`); needs the SLO core | same | 200 ms |
+//! | `llm-d-slo` | llm-d's predicted-latency profile with its latency-SLO admitter (`crate::slo`, module doc), on ours' predicted TTFT; each request's tier target as `x-slo-ttft-ms` | central | 50 ms |
 //! | `gie-default` | GIE's default profile through our Scheduler (below) | **one central EPP** for every replica and worker | 50 ms (GIE's default) |
 //! | `gie-default+lora` | `gie-default` plus GIE's `lora-affinity-scorer` (weight 2), LoRA workload only | central | 50 ms |
 //! | `gie-1-1-1` | `gie-default` with the earlier weights prefix 1, queue 1, KV 1 (llm-d's published "estimated-scheduling" run) | central | 50 ms |
@@ -53,6 +55,10 @@ pub enum Policy {
     Ours,
     OursFlow,
     OursTiers,
+    /// The SLO study (`crate::slo`): ours-tiers with the tiers' targets, and the modelled llm-d
+    /// SLO admitter and scorer.
+    OursSlo,
+    LlmDSlo,
     GieDefault,
     GieDefaultLora,
     Gie111,
@@ -72,10 +78,12 @@ pub enum Policy {
 }
 
 impl Policy {
-    pub const ALL: [Policy; 17] = [
+    pub const ALL: [Policy; 19] = [
         Policy::Ours,
         Policy::OursFlow,
         Policy::OursTiers,
+        Policy::OursSlo,
+        Policy::LlmDSlo,
         Policy::GieDefault,
         Policy::GieDefaultLora,
         Policy::Gie111,
@@ -97,6 +105,8 @@ impl Policy {
             Policy::Ours => "ours",
             Policy::OursFlow => "ours+flow",
             Policy::OursTiers => "ours-tiers",
+            Policy::OursSlo => "ours-slo",
+            Policy::LlmDSlo => "llm-d-slo",
             Policy::GieDefault => "gie-default",
             Policy::GieDefaultLora => "gie-default+lora",
             Policy::Gie111 => "gie-1-1-1",
@@ -123,7 +133,10 @@ impl Policy {
 
     /// Our filter, in one of its configurations.
     pub fn is_ours(self) -> bool {
-        matches!(self, Policy::Ours | Policy::OursFlow | Policy::OursTiers | Policy::OursPerfectState)
+        matches!(
+            self,
+            Policy::Ours | Policy::OursFlow | Policy::OursTiers | Policy::OursSlo | Policy::OursPerfectState
+        )
     }
 
     /// The perfect-information picker or one of its gap variants (`crate::oracle`).
@@ -134,7 +147,14 @@ impl Policy {
     /// Runs the real Scheduler (and so parses bodies with the real parser).
     pub fn uses_scheduler(self) -> bool {
         self.is_ours()
-            || matches!(self, Policy::GieDefault | Policy::GieDefaultLora | Policy::Gie111 | Policy::LoadOnly)
+            || matches!(
+                self,
+                Policy::GieDefault
+                    | Policy::GieDefaultLora
+                    | Policy::Gie111
+                    | Policy::LoadOnly
+                    | Policy::LlmDSlo
+            )
     }
 
     /// Needs the prompt text (parses the body).
@@ -153,8 +173,10 @@ impl Policy {
     /// One central picker for the whole topology (GIE's EPP is one process per pool): every
     /// request goes through the same state whatever the replicas and workers.
     pub fn central(self) -> bool {
-        matches!(self, Policy::GieDefault | Policy::GieDefaultLora | Policy::Gie111 | Policy::LoadOnly)
-            || self.is_oracle()
+        matches!(
+            self,
+            Policy::GieDefault | Policy::GieDefaultLora | Policy::Gie111 | Policy::LoadOnly | Policy::LlmDSlo
+        ) || self.is_oracle()
     }
 
     /// A shipped baseline of another project or of Envoy (what `best baseline` ranges over). Not
@@ -175,7 +197,11 @@ impl Policy {
     /// Metrics refresh interval as the project ships it, ms (see the table above).
     pub fn default_refresh_ms(self) -> u64 {
         match self {
-            Policy::GieDefault | Policy::GieDefaultLora | Policy::Gie111 | Policy::LoadOnly => 50,
+            Policy::GieDefault
+            | Policy::GieDefaultLora
+            | Policy::Gie111
+            | Policy::LoadOnly
+            | Policy::LlmDSlo => 50,
             _ => 200,
         }
     }
@@ -206,6 +232,19 @@ pub fn config(
     adapters: u16,
     poll_ms: u64,
     ours_overrides: Option<&serde_json::Value>,
+) -> Result<Config, String> {
+    config_with(policy, servers, adapters, poll_ms, ours_overrides, None)
+}
+
+/// [`config`] with the SLO study's tier targets (`ours-slo` needs them: its
+/// `priority.tier.slo`).
+pub fn config_with(
+    policy: Policy,
+    servers: usize,
+    adapters: u16,
+    poll_ms: u64,
+    ours_overrides: Option<&serde_json::Value>,
+    slo: Option<&crate::slo::SloTargets>,
 ) -> Result<Config, String> {
     let endpoints: Vec<serde_json::Value> =
         (0..servers).map(|i| json!({"address": address(i), "models": [MODEL]})).collect();
@@ -252,7 +291,7 @@ pub fn config(
             );
             d.insert("flow_control".into(), json!({"enabled": true}));
         }
-        Policy::OursTiers => {
+        Policy::OursTiers | Policy::OursSlo => {
             let ex: serde_json::Value =
                 serde_json::from_str(TIER_EXAMPLE).map_err(|e| format!("tier example: {e}"))?;
             for k in ["priority", "saturation", "flow_control"] {
@@ -260,6 +299,21 @@ pub fn config(
                     d.insert(k.into(), v.clone());
                 }
             }
+            if policy == Policy::OursSlo {
+                let t = slo.ok_or("ours-slo needs the tiers' targets (the SLO study, --slo)")?;
+                let tier = d
+                    .get_mut("priority")
+                    .and_then(|p| p.get_mut("tier"))
+                    .and_then(|t| t.as_object_mut())
+                    .ok_or("tier example: no priority.tier")?;
+                tier.insert("slo".into(), t.tier_slo_json());
+            }
+        }
+        Policy::LlmDSlo => {
+            // Ours' predictor as the latency predictor: the default scheduler with every
+            // candidate's prediction in the debug scores (`crate::slo::parse_debug`). One central
+            // EPP: no cross-worker table.
+            d.insert("scheduler".into(), json!({"debug_scores": true, "prefix": {"shared_shards": 0}}));
         }
         Policy::GieDefault | Policy::GieDefaultLora => {
             let lora = if policy == Policy::GieDefaultLora { 2.0 } else { 0.0 };
@@ -300,7 +354,9 @@ pub fn config(
 /// (header name, value).
 pub fn tier_header(policy: Policy, tier: &str) -> (&'static str, String) {
     match policy {
-        Policy::OursTiers => ("x-llm-tier", if tier == "sheddable" { "free".into() } else { tier.into() }),
+        Policy::OursTiers | Policy::OursSlo => {
+            ("x-llm-tier", if tier == "sheddable" { "free".into() } else { tier.into() })
+        }
         _ => (inference_picker::flow::priority::OBJECTIVE_HEADER, tier.into()),
     }
 }
@@ -311,7 +367,8 @@ mod tests {
 
     #[test]
     fn configs_validate_and_gie_matches_its_profile() {
-        for p in Policy::ALL.into_iter().filter(|p| p.uses_scheduler()) {
+        // ours-slo needs the SLO core and the study's targets (`ours_slo_carries_the_targets`).
+        for p in Policy::ALL.into_iter().filter(|p| p.uses_scheduler() && *p != Policy::OursSlo) {
             config(p, 8, 3, 200, None).unwrap_or_else(|e| panic!("{}: {e}", p.name()));
         }
         let g = config(Policy::GieDefault, 8, 0, 50, None).unwrap();
@@ -332,6 +389,28 @@ mod tests {
         assert!(config(Policy::Random, 8, 0, 200, None).is_err());
         assert_eq!(Policy::parse("least-request"), Ok(Policy::LeastRequest));
         assert!(Policy::parse("nope").unwrap_err().contains("round-robin"));
+    }
+
+    #[test]
+    fn ours_slo_carries_the_targets_and_llm_d_reads_every_prediction() {
+        let err = config(Policy::OursSlo, 8, 0, 200, None).unwrap_err();
+        assert!(err.contains("targets"), "{err}");
+        let t = crate::slo::SloTargets { premium_ms: 500, standard_ms: 2000, sheddable_ms: 4000 };
+        // With the SLO core the document parses; without it, the error names the new field.
+        match config_with(Policy::OursSlo, 8, 0, 200, None, Some(&t)) {
+            Ok(c) => assert!(c.flow_control.enabled),
+            Err(e) => assert!(e.contains("slo"), "{e}"),
+        }
+        assert_eq!(
+            crate::slo::core_available().is_ok(),
+            config_with(Policy::OursSlo, 8, 0, 200, None, Some(&t)).is_ok()
+        );
+        let l = config(Policy::LlmDSlo, 8, 0, 50, None).unwrap();
+        assert!(l.scheduler.debug_scores);
+        assert_eq!(l.scheduler.prefix.shared_shards, 0);
+        assert!(!l.flow_control.enabled);
+        assert!(Policy::LlmDSlo.central() && !Policy::LlmDSlo.uses_flow_control());
+        assert_eq!(tier_header(Policy::OursSlo, "sheddable"), ("x-llm-tier", "free".to_string()));
     }
 
     #[test]

@@ -15,6 +15,7 @@ use model_server_sim::{ServerConfig, StepCost};
 use serde::Serialize;
 
 use crate::replay::{run, server_config, PodClass, RunConfig};
+use crate::slo::SloTargets;
 use crate::stats::{hit_rate_bound, hit_rate_bound_lru, hit_rate_bound_opt, RunResult};
 use crate::strategy::Policy;
 use crate::trace::{self, SharedPrefixShape, Trace};
@@ -107,6 +108,8 @@ pub struct Workload {
     pub llm_d_check: bool,
     /// Heterogeneous pods (`RunConfig::pod_mix`); empty for a uniform pool.
     pub pod_mix: Vec<PodClass>,
+    /// The tiers' latency targets (`RunConfig::slo`); `None` outside the SLO study.
+    pub slo: Option<SloTargets>,
 }
 
 impl Workload {
@@ -167,6 +170,7 @@ pub fn default_suite(data: &Path, scale: f64) -> Result<Vec<Workload>, String> {
         extras: vec![],
         llm_d_check: false,
         pod_mix: vec![],
+        slo: None,
     });
 
     let mut azure = trace::load(&data.join("azure_llm_inference_2023_conv.csv.gz"))?;
@@ -186,6 +190,7 @@ pub fn default_suite(data: &Path, scale: f64) -> Result<Vec<Workload>, String> {
         extras: vec![],
         llm_d_check: false,
         pod_mix: vec![],
+        slo: None,
     });
 
     let shape = SharedPrefixShape::llm_d();
@@ -222,6 +227,7 @@ pub fn default_suite(data: &Path, scale: f64) -> Result<Vec<Workload>, String> {
         extras: vec![],
         llm_d_check: true,
         pod_mix: vec![],
+        slo: None,
     });
     out.push(Workload {
         key: "shared-prefix-slow".into(),
@@ -238,6 +244,7 @@ pub fn default_suite(data: &Path, scale: f64) -> Result<Vec<Workload>, String> {
         extras: vec![],
         llm_d_check: true,
         pod_mix: vec![],
+        slo: None,
     });
 
     let mut lora = azure;
@@ -261,6 +268,7 @@ pub fn default_suite(data: &Path, scale: f64) -> Result<Vec<Workload>, String> {
         extras: vec![],
         llm_d_check: false,
         pod_mix: vec![],
+        slo: None,
     });
     Ok(out)
 }
@@ -382,6 +390,7 @@ pub fn file_workload(path: &Path, servers: usize, loads: Vec<f64>) -> Result<Wor
         extras: vec![],
         llm_d_check: false,
         pod_mix: vec![],
+        slo: None,
     })
 }
 
@@ -686,6 +695,7 @@ pub fn execute(
                     peer_sync_ms: common.peer_sync_ms,
                     peer_sync_load: common.peer_sync_load,
                     pod_mix: w.pod_mix.clone(),
+                    slo: w.slo,
                 };
                 let r = run(&w.trace, t.policy, &rc);
                 if let Ok(r) = &r {

@@ -23,6 +23,7 @@ fn rc(servers: usize, kv_blocks: u64, load: f64) -> RunConfig {
         peer_sync_ms: None,
         peer_sync_load: false,
         pod_mix: vec![],
+        slo: None,
     }
 }
 
