@@ -197,11 +197,12 @@ NOT_METRICS = {
     "inference_picker_completion_tokens": "filter state: a response's completion tokens",
     **{f"inference_picker_{k}": "filter state: the decision record (request/decision.rs)" for k in (
         "endpoint", "fallbacks", "prefill_endpoint", "reason", "model", "priority", "objective", "tier",
-        "predicted_ttft_ms", "queue_ms", "error")},
+        "predicted_ttft_ms", "ttft_target_ms", "slo", "queue_ms", "error")},
     "inference_picker_reject": "local reply details (Envoy's response_code_details)",
     "inference_picker_local": "local reply details",
 }
-HISTOGRAMS = {"inference_picker_flow_queue_time_ms"}
+HISTOGRAMS = {"inference_picker_flow_queue_time_ms", "inference_picker_ttft_ms",
+              "inference_picker_ttft_prediction_ratio_pct"}
 
 
 def emitted_metrics(src: Path) -> set[str]:

@@ -17,9 +17,11 @@
 //!
 //! # Admission ([`FlowQueue::admit`], at request time)
 //! With the model's [`Capacity`] (from `crate::flow::saturation`) and the shared record:
-//! 1. Sheddable (priority < 0) and saturated for its priority ([`Capacity::saturated_for`]: at
-//!    the reduced thresholds when it is below `flow_control.reserve.min_priority`): 429 at once
-//!    (`request_shed`).
+//! 1. Sheddable (priority < 0) without a latency target and saturated for its priority
+//!    ([`Capacity::saturated_for`]: at the reduced thresholds when it is below
+//!    `flow_control.reserve.min_priority`): 429 at once (`request_shed`). A sheddable request
+//!    with a target is held instead, and shed (429 `slo_unattainable`) when its deadline passes
+//!    while held (`crate::flow::slo`).
 //! 2. Not saturated (for this priority: below `flow_control.reserve.min_priority`, at the
 //!    reduced thresholds, [`Capacity::saturated_for`]) and no request of equal or higher priority
 //!    waits anywhere: pass. When lower-priority requests wait somewhere, the release ledger is in

@@ -383,9 +383,9 @@ impl FlowQueue {
 
     /// Decides whether the request goes on now, waits, or is refused. See the module doc.
     pub fn admit(&mut self, store: &dyn SharedStore, t: &Ticket, cap: &Capacity, now_ms: u64) -> Admission {
-        // A sheddable request with a latency target is not shed for saturation: the scheduler
-        // sheds it when no pod is predicted to meet its target (`crate::scheduler::slo`), unless
-        // requests of its priority or higher wait (below).
+        // A sheddable request with a latency target is not shed for saturation: it is held, and
+        // shed when its deadline passes while held (`expire_deadlines`) or when, at its release,
+        // no pod is predicted to meet its target (`crate::scheduler::slo`).
         if t.priority < 0 && cap.saturated_for(t.priority) && t.deadline_ms.is_none() {
             self.stats.at(t.priority).shed += 1;
             return Admission::Reject(self.rejection_shed());
@@ -452,12 +452,9 @@ impl FlowQueue {
             // priority or higher (the room it sees is promised to them) or for the next
             // capacity epoch, i.e. the pool is saturated for it. Holding it would serve it
             // later, ahead of nothing it should yield to.
-            if t.priority < 0 {
-                // With a target and nothing of its priority or higher waiting, the prediction
-                // decides (the scheduler sheds it if no pod can serve it in time).
-                if t.deadline_ms.is_some() && ahead == 0 {
-                    return (Plan::Pass, false);
-                }
+            // (With a target it is held: until its release, where the scheduler judges its
+            // target, or its deadline, `expire_deadlines`.)
+            if t.priority < 0 && t.deadline_ms.is_none() {
                 return (Plan::Shed, false);
             }
             let evict = if total < max_queue {
@@ -567,6 +564,33 @@ impl FlowQueue {
         }
     }
 
+    /// Sheds (429 `slo_unattainable`) the sheddable requests whose deadline passed while held:
+    /// their target can no longer be met, and they yield to everything else. One pass over the
+    /// held requests, only while some sheddable one is held (the lowest level is below 0).
+    fn expire_deadlines(&mut self, now_ms: u64, out: &mut Vec<Action>) {
+        // Levels are highest priority first: the last is the lowest.
+        if !self.levels.keys().next_back().is_some_and(|Reverse(p)| *p < 0) {
+            return;
+        }
+        let late: Vec<u32> = self
+            .entries
+            .iter()
+            .filter(|(_, e)| e.priority < 0 && e.deadline <= now_ms)
+            .map(|(id, _)| *id)
+            .collect();
+        for id in late {
+            if let Some(e) = self.detach(id) {
+                let waited_ms = now_ms.saturating_sub(e.enqueued_ms);
+                let s = self.stats.at(e.priority);
+                s.shed += 1;
+                s.queued_ms += waited_ms;
+                self.dirty = true;
+                let rejection = crate::scheduler::slo::unattainable(self.cfg.retry_after_s);
+                out.push(Action::Reject { id, priority: e.priority, waited_ms, rejection });
+            }
+        }
+    }
+
     /// Rejects requests held for `max_wait_ms` or longer.
     fn expire(&mut self, now_ms: u64, out: &mut Vec<Action>) {
         while let Some(&(deadline, id, seq)) = self.deadlines.front() {
@@ -657,6 +681,7 @@ impl FlowQueue {
     pub fn on_tick(&mut self, store: &dyn SharedStore, cap: &Capacity, now_ms: u64) -> Vec<Action> {
         let mut out = Vec::new();
         self.expire(now_ms, &mut out);
+        self.expire_deadlines(now_ms, &mut out);
         if !self.needs_tick() {
             return out;
         }

@@ -780,15 +780,27 @@ fn a_request_past_its_deadline_goes_after_those_still_on_time_and_only_max_wait_
 }
 
 #[test]
-fn a_sheddable_request_with_a_target_is_left_to_the_prediction_unless_others_wait() {
+fn a_sheddable_request_with_a_target_waits_until_its_deadline_instead_of_being_shed() {
     let s = MemStore::new();
     let mut q = FlowQueue::new(&cfg(), "m", 1);
-    // Saturated, nobody waiting: without a target it is shed, with one it goes on (the
-    // scheduler sheds it if no pod is predicted to meet the target).
+    // Saturated: without a target it is shed at once; with one it is held, behind everything
+    // of higher priority.
     assert!(matches!(q.admit(&s, &td(1, -5, "a", None), &SAT, 0), Admission::Reject(_)));
-    assert_eq!(q.admit(&s, &td(2, -5, "a", Some(5_000)), &SAT, 0), Admission::Pass);
-    // A request of its priority or higher waits: shed, so it never overtakes it.
+    assert!(held(&q.admit(&s, &td(2, -5, "a", Some(300)), &SAT, 0)));
     assert!(held(&q.admit(&s, &td(3, 0, "a", None), &SAT, 0)));
-    let Admission::Reject(r) = q.admit(&s, &td(4, -5, "a", Some(5_000)), &SAT, 0) else { panic!("not shed") };
-    assert_eq!(r.code, "request_shed");
+    assert!(held(&q.admit(&s, &td(4, -5, "a", Some(900)), &SAT, 0)));
+    // One token: priority 0 first.
+    assert_eq!(released(&q.on_tick(&s, &room(2, 1), 100)), vec![3]);
+    // At 300 ms request 2's deadline passed while held: shed with 429 slo_unattainable.
+    let a = q.on_tick(&s, &SAT, 300);
+    match a.as_slice() {
+        [Action::Reject { id: 2, rejection, .. }] => {
+            assert_eq!((rejection.status, rejection.code), (429, "slo_unattainable"));
+        }
+        other => panic!("{other:?}"),
+    }
+    // Capacity before its deadline: request 4 goes on (the scheduler then judges its target).
+    assert_eq!(released(&q.on_tick(&s, &room(3, 1), 400)), vec![4]);
+    assert!(q.is_empty());
+    assert_eq!(q.take_stats().by_priority[&-5].shed, 2);
 }

@@ -471,7 +471,10 @@ pub(crate) fn answer_held(
     };
     let mut ex = shared.borrow_mut();
     ex.answered = true;
-    ex.prepared = None;
+    // A sheddable request whose deadline passed while held counts as shed in its class.
+    if let Some(p) = ex.prepared.take() {
+        slo::on_refused(worker, &p.priority, rej);
+    }
     let waited = waited_ms.unwrap_or_else(|| ex.held_at_ms.map_or(0, |t| io::now_ms().saturating_sub(t)));
     let shape = ex.head.error_shape();
     drop(ex);

@@ -139,8 +139,8 @@ settings! {
         /// slower, preemption-prone steps before its queue shows it. Every pod at and past
         /// `kv_full_at` counts as full (factor `1 / (1 − kv_full_at)`), so past saturation the
         /// cost decides; except that when no pod holds more of the prompt than another (no cache
-        /// hit to trade), a pod with nothing waiting is not capped (the factor runs to 0.99), so
-        /// the pod with room wins over one whose cache is full. 0 turns it off. Default 0.8: in
+        /// hit to trade) and `poller.replicas` is 1, a pod with nothing waiting is not capped (the
+        /// factor runs to 0.99), so the pod with room wins over one whose cache is full. 0 turns it off. Default 0.8: in
         /// the replay benchmark (3 seeds, whole traces) it took the
         /// shared-prefix trace at half speed from 3.01 s to 0.35 s TTFT p90 (GIE 0.35 s) and
         /// Mooncake at load 4.5 from 1.46 s to 1.18 s; see docs/scheduler.md.

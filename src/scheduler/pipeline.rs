@@ -514,8 +514,11 @@ impl Scheduler {
     /// Step 8's ranking: predicted TTFT plus the miss penalty (`predict`, "Cost"), times the KV
     /// congestion factor (`predict`, "KV congestion"; a missing usage takes the KV scorer's
     /// neutral fill, so a pod without the metric never looks emptier than the others). The
-    /// factor stops at `kv_full_at` only when `hits_at_stake` (some eligible pod holds more of
-    /// the prompt than another).
+    /// factor stops at `kv_full_at` except for a pod with nothing waiting when no hit is at
+    /// stake (`hits_at_stake`: some eligible pod holds more of the prompt than another) and this
+    /// is the only gateway replica (`poller.replicas` 1): several replicas agree on a new
+    /// prompt's pod through the rendezvous among pods that rank alike, and an uncapped factor
+    /// would split them.
     fn costs(&self, pred: &[Prediction], eligible: &[bool], hits_at_stake: bool) -> Vec<f64> {
         let pr = &self.cfg.predicted;
         // Sum and count of the eligible candidates' queues: the miss penalty's `busy`.
@@ -539,7 +542,7 @@ impl Scheduler {
         pred.iter()
             .map(|p| {
                 let cost = p.ttft + penalty.of_usable_rate(p.usable_rate, p.uncached);
-                let full_at = if !hits_at_stake && p.waiting < 1.0 {
+                let full_at = if !hits_at_stake && p.waiting < 1.0 && self.gateways == 1 {
                     predict::kv_full_at(pr.kv_full_at, false)
                 } else {
                     capped

@@ -63,15 +63,19 @@
 //! at `1 / (1 − kv_full_at)` = 5): among full pods the cost decides, so past saturation the
 //! factor does not trade cache hits for a few points of usage. When nothing distinguishes the
 //! pods (no eligible pod holds more of the prompt than another: a unique prompt, or one whose
-//! only shared part is a system prompt every pod holds), there is no hit to trade, and for a
-//! pod with nothing waiting (`waiting < 1`) the factor runs to [`KV_FULL_AT_MAX`] (0.99): an
+//! only shared part is a system prompt every pod holds), there is no hit to trade, and, with a
+//! single gateway replica (`poller.replicas` 1), for a pod with nothing waiting (`waiting < 1`)
+//! the factor runs to [`KV_FULL_AT_MAX`] (0.99): an
 //! idle pod at 97 % ranks far behind one at 85 %. Long generations fill every pod's KV past
 //! 80 % near saturation; with the cap, those pods looked equal and the choice among them went to
 //! the rendezvous, not to the pod with room, and the full pods preempted (in the replay's
 //! robustness grid, unique prompts with 1,200-token outputs: 135–177 preemptions per pod against
 //! 18–134 for GIE's default with its LoRA scorer). A pod with a queue keeps the cap: its queue
 //! already carries a full cache's delay, and lifting the cap there too outweighed the queue in
-//! long-context cells at saturation (12 cells of the grid lost). 0 turns the factor off in
+//! long-context cells at saturation (12 cells of the grid lost). Several replicas keep the cap
+//! everywhere: they agree on a new prompt's pod through the rendezvous among pods that rank
+//! alike, which an uncapped factor splits (in the replay, 4 replicas exchanging prefix tables
+//! lost most of what the exchange gains in hit rate). 0 turns the factor off in
 //! every case (`scheduler.predicted.kv_full_at`; [`kv_full_at`], [`kv_congestion`]).
 //!
 //! # Choice: lowest rank, replicas agree on ties (bounded-load rendezvous)

@@ -117,7 +117,7 @@ fn every_strategy_conserves_requests_on_real_mooncake_rows() {
 #[test]
 fn replicas_that_exchange_prefix_tables_find_their_peers_placements() {
     let mut t = trace::load(&suite::data_dir().join("mooncake_conversation_trace.jsonl.gz")).unwrap();
-    t.truncate(3000);
+    t.truncate(1500);
     let mut cfg = rc(8, 12_000, 4.0);
     cfg.replicas = 4;
     let plain = cfg.clone();
