@@ -569,7 +569,7 @@ impl FlowQueue {
     /// held requests, only while some sheddable one is held (the lowest level is below 0).
     fn expire_deadlines(&mut self, now_ms: u64, out: &mut Vec<Action>) {
         // Levels are highest priority first: the last is the lowest.
-        if !self.levels.keys().next_back().is_some_and(|Reverse(p)| *p < 0) {
+        if self.levels.keys().next_back().is_none_or(|Reverse(p)| *p >= 0) {
             return;
         }
         let late: Vec<u32> = self
