@@ -13,6 +13,7 @@ that decide (deadline order is kept within a worker; docs/slo.md). Every wait is
 waits on something the test can observe.
 """
 import concurrent.futures as cf
+import math
 
 import requests
 
@@ -85,24 +86,42 @@ def test_a_tight_target_avoids_the_pod_predicted_to_miss_it_where_the_cache_woul
     try:
         envoy.wait_routable()
         learn_rates(envoy, [a, b])
-        # A long conversation whose first turn went to a: a holds its prefix.
-        turn1 = "conversation about caches " + "the quick brown fox jumps over the lazy dog " * 500
-        assert chat(envoy, turn1, {SELECT: a.address}).status_code == 200
-        # Raise a's queue until the ranking still prefers a (the cached pod) while its predicted
-        # TTFT is above b's: the window in which a target between the two decides.
-        found = None
-        for q in range(1, 16):
-            a.fake_load(queue=q)
-            before = counts([a, b])
-            probe = chat(envoy, turn1 + f" question {q}?")
-            assert probe.status_code == 200, probe.text
-            t, on = scores(probe), served([a, b], before)
-            if on is b:
-                break  # past the window: the ranking itself moved it
-            if t[a.address] > 1.1 * t[b.address]:
-                found = (q, t)
+        # A long conversation whose first turn went to a: a holds its prefix. Raise a's queue
+        # until the ranking still prefers a (the cached pod) while its predicted TTFT is above
+        # b's: the window in which a target between the two decides. The window's width is the
+        # miss penalty, which grows with the prompt; the queue moves in whole requests, so on a
+        # busy machine (learnt rates differ run to run) one prompt length may step over it: then
+        # a longer conversation is tried.
+        found, seen = None, []
+        for n, repeat in enumerate((500, 1000, 2000)):
+            a.fake_load(queue=0)
+            turn1 = f"conversation {n} about caches " + "the quick brown fox jumps over the lazy dog " * repeat
+            assert chat(envoy, turn1, {SELECT: a.address}).status_code == 200
+            # Each queued request adds about the same to a's prediction: after two probes, jump
+            # to the queue that should put a 20 % above b, then step one at a time.
+            q, tries = 1, 0
+            while q <= 200 and tries < 12:
+                tries += 1
+                a.fake_load(queue=q)
+                before = counts([a, b])
+                probe = chat(envoy, turn1 + f" question {q}?")
+                assert probe.status_code == 200, probe.text
+                t, on = scores(probe), served([a, b], before)
+                seen.append((repeat, q, t, on.name))
+                if on is b:
+                    break  # past the window: the ranking itself moved it
+                if t[a.address] > 1.1 * t[b.address]:
+                    found = (q, t)
+                    break
+                if len(seen) >= 2 and seen[-2][0] == repeat and q == seen[-2][1] + 1:
+                    slope = t[a.address] - seen[-2][2][a.address]
+                    if slope > 0:
+                        q += max(1, math.ceil((1.2 * t[b.address] - t[a.address]) / slope))
+                        continue
+                q += 1
+            if found:
                 break
-        assert found, "no queue on a where the cache keeps the request there but b is predicted faster"
+        assert found, f"no queue on a where the cache keeps the request there but b is predicted faster: {seen}"
         q, t = found
         # A target between the two predictions, through the margin (0.2): only b meets it.
         target = (t[a.address] + t[b.address]) / 2 / 0.8

@@ -26,6 +26,7 @@ pub mod replay;
 pub mod report;
 pub mod sglang;
 pub mod slo;
+pub mod slo_policy;
 pub mod stats;
 pub mod strategy;
 pub mod suite;

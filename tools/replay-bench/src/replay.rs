@@ -88,7 +88,7 @@ pub struct RunConfig {
     /// The tiers' TTFT targets (the SLO study, `crate::slo`): `ours-slo` carries them in its
     /// configuration (`priority.tier.slo`), `llm-d-slo` as each request's `x-slo-ttft-ms`.
     /// `None` elsewhere.
-    pub slo: Option<crate::slo::SloTargets>,
+    pub slo: Option<crate::slo_policy::SloTargets>,
 }
 
 /// One kind of pod in a heterogeneous pool, relative to `RunConfig::server`.
@@ -847,7 +847,7 @@ impl Sim<'_> {
                         };
                         let slo_ms = self.rc.slo.map(|t| t.of(req.tier));
                         let sheddable = req.tier == crate::trace::Tier::Sheddable;
-                        let routed = crate::slo::llm_d_route(
+                        let routed = crate::slo_policy::llm_d_route(
                             &self.cfg.request(),
                             s,
                             &mut w.rng,

@@ -244,7 +244,7 @@ pub fn config_with(
     adapters: u16,
     poll_ms: u64,
     ours_overrides: Option<&serde_json::Value>,
-    slo: Option<&crate::slo::SloTargets>,
+    slo: Option<&crate::slo_policy::SloTargets>,
 ) -> Result<Config, String> {
     let endpoints: Vec<serde_json::Value> =
         (0..servers).map(|i| json!({"address": address(i), "models": [MODEL]})).collect();
@@ -311,7 +311,7 @@ pub fn config_with(
         }
         Policy::LlmDSlo => {
             // Ours' predictor as the latency predictor: the default scheduler with every
-            // candidate's prediction in the debug scores (`crate::slo::parse_debug`). One central
+            // candidate's prediction in the debug scores (`crate::slo_policy::parse_debug`). One central
             // EPP: no cross-worker table.
             d.insert("scheduler".into(), json!({"debug_scores": true, "prefix": {"shared_shards": 0}}));
         }
@@ -395,7 +395,7 @@ mod tests {
     fn ours_slo_carries_the_targets_and_llm_d_reads_every_prediction() {
         let err = config(Policy::OursSlo, 8, 0, 200, None).unwrap_err();
         assert!(err.contains("targets"), "{err}");
-        let t = crate::slo::SloTargets { premium_ms: 500, standard_ms: 2000, sheddable_ms: 4000 };
+        let t = crate::slo_policy::SloTargets { premium_ms: 500, standard_ms: 2000, sheddable_ms: 4000 };
         // With the SLO core the document parses; without it, the error names the new field.
         match config_with(Policy::OursSlo, 8, 0, 200, None, Some(&t)) {
             Ok(c) => assert!(c.flow_control.enabled),

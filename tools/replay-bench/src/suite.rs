@@ -15,7 +15,7 @@ use model_server_sim::{ServerConfig, StepCost};
 use serde::Serialize;
 
 use crate::replay::{run, server_config, PodClass, RunConfig};
-use crate::slo::SloTargets;
+use crate::slo_policy::SloTargets;
 use crate::stats::{hit_rate_bound, hit_rate_bound_lru, hit_rate_bound_opt, RunResult};
 use crate::strategy::Policy;
 use crate::trace::{self, SharedPrefixShape, Trace};
