@@ -900,6 +900,13 @@ impl Metrics {
         }
     }
 
+    /// Records one histogram sample of `base` with `tags`, without building a `String` per call.
+    pub fn sample_tagged(&mut self, base: &str, tags: &[(&str, &str)], value: u64) {
+        if let Some(id) = self.tagged_id(MetricType::Histogram, base, tags) {
+            let _ = abi::record_metric(id, value);
+        }
+    }
+
     /// Records one histogram sample.
     pub fn sample(&mut self, name: String, value: u64) {
         if let Some(id) = self.id(MetricType::Histogram, &name) {

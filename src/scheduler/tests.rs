@@ -718,7 +718,7 @@ fn live_queue_switch_makes_the_queue_scorer_see_what_was_sent_since_the_scrape()
 // ---- Objective `predicted_ttft` (the default) ----
 
 /// A long prompt of `kib` KiB, unique to `id` from its first byte.
-fn fresh_prompt(id: u32, kib: usize) -> String {
+pub(crate) fn fresh_prompt(id: u32, kib: usize) -> String {
     let mut s = format!("user\nrequest {id}: ");
     while s.len() < kib * 1024 {
         s.push_str(&format!("{id} lorem ipsum dolor sit amet "));
@@ -1063,12 +1063,18 @@ fn predicted_adapter_request_prefers_the_pod_running_it_unless_it_is_far_busier(
     assert_eq!(p.primary, "c:1");
 }
 
-/// Turn 1 of a 16 KiB prompt goes to `a:1` (the only pod then); turn 2, 1 KiB longer, is picked
-/// with `queue_on_a` requests queued on `a:1` and none on `b:1`. Returns turn 2's pick.
-fn turn_two_with_a_busier_cached_pod(queue_on_a: f64, extra: &str) -> Pick {
-    let cfg = config_ttft(&format!(r#","scheduler":{{"predicted":{{"affinity_slack":0{extra}}}}}"#));
-    let mut s = Scheduler::new(&cfg);
-    let store = MemStore::new();
+/// The second pick of a conversation: turn 1 of a 16 KiB prompt goes to `a:1` (the only pod
+/// then), then turn 2 (1 KiB longer; with `fresh`, a prompt nobody holds) is picked with `a:1`
+/// and `b:1` at the `(queue, kv)` given, under `cfg`, with the rates already in `store`.
+pub(crate) struct TurnTwo {
+    pub a: (f64, f64),
+    pub b: (f64, f64),
+    pub fresh: bool,
+    pub slo: Option<SloAsk>,
+}
+
+pub(crate) fn turn_two(cfg: &Config, store: &MemStore, t: TurnTwo) -> Result<Pick, Rejection> {
+    let mut s = Scheduler::new(cfg);
     let inf = InflightCounts::default();
     let t1 = fresh_prompt(7, 16);
     let mut t2 = t1.clone();
@@ -1076,16 +1082,25 @@ fn turn_two_with_a_busier_cached_pod(queue_on_a: f64, extra: &str) -> Pick {
     let only_a =
         Snapshot { version: 1, published_ms: NOW - 50, endpoints: vec![ep("a:1", &["llama"], 0.0, 0.3)] };
     let r1 = PickRequest { model: "llama", prompt: &t1, ..Default::default() };
-    let p1 = s.pick_model(&r1, &only_a, &inf, &store, &mut SplitMix64::new(1), NOW).unwrap();
+    let p1 = s.pick_model(&r1, &only_a, &inf, store, &mut SplitMix64::new(1), NOW).unwrap();
     assert_eq!(p1.primary, "a:1");
     s.request_done(p1.ticket);
     let both = Snapshot {
         version: 2,
         published_ms: NOW - 50,
-        endpoints: vec![ep("a:1", &["llama"], queue_on_a, 0.3), ep("b:1", &["llama"], 0.0, 0.3)],
+        endpoints: vec![ep("a:1", &["llama"], t.a.0, t.a.1), ep("b:1", &["llama"], t.b.0, t.b.1)],
     };
-    let r2 = PickRequest { model: "llama", prompt: &t2, ..Default::default() };
-    s.pick_model(&r2, &both, &inf, &store, &mut SplitMix64::new(2), NOW).unwrap()
+    let other = fresh_prompt(8, 17);
+    let prompt = if t.fresh { &other } else { &t2 };
+    let r2 = PickRequest { model: "llama", prompt, slo: t.slo, ..Default::default() };
+    s.pick_model(&r2, &both, &inf, store, &mut SplitMix64::new(2), NOW)
+}
+
+/// [`turn_two`] with `queue_on_a` requests queued on `a:1` and none on `b:1`, both at KV 0.3.
+fn turn_two_with_a_busier_cached_pod(queue_on_a: f64, extra: &str) -> Pick {
+    let cfg = config_ttft(&format!(r#","scheduler":{{"predicted":{{"affinity_slack":0{extra}}}}}"#));
+    let t = TurnTwo { a: (queue_on_a, 0.3), b: (0.0, 0.3), fresh: false, slo: None };
+    turn_two(&cfg, &MemStore::new(), t).unwrap()
 }
 
 #[test]
@@ -1103,29 +1118,12 @@ fn the_miss_penalty_keeps_a_prefix_on_its_pod_when_the_saving_is_only_a_short_qu
     assert!(ms_a > ms_b, "{ms_a} {ms_b}");
 }
 
-/// Turn 2 of [`turn_two_with_a_busier_cached_pod`]'s conversation (or, with `fresh`, a prompt
-/// nobody holds) with both pods idle, `a:1` (which holds turn 1) at KV usage `kv_a` and `b:1` at
-/// `kv_b`.
+/// [`turn_two`] (or, with `fresh`, a prompt nobody holds) with both pods idle, `a:1` (which
+/// holds turn 1) at KV usage `kv_a` and `b:1` at `kv_b`.
 fn turn_two_on_full_caches(kv_a: f64, kv_b: f64, fresh: bool) -> String {
-    let mut s = Scheduler::new(&config_ttft(r#","scheduler":{"predicted":{"affinity_slack":0}}"#));
-    let (store, inf) = (MemStore::new(), InflightCounts::default());
-    let t1 = fresh_prompt(7, 16);
-    let mut t2 = t1.clone();
-    t2.push_str(&"and one more question ".repeat(48));
-    let only_a =
-        Snapshot { version: 1, published_ms: NOW - 50, endpoints: vec![ep("a:1", &["llama"], 0.0, 0.3)] };
-    let r1 = PickRequest { model: "llama", prompt: &t1, ..Default::default() };
-    let p1 = s.pick_model(&r1, &only_a, &inf, &store, &mut SplitMix64::new(1), NOW).unwrap();
-    assert_eq!(p1.primary, "a:1");
-    s.request_done(p1.ticket);
-    let both = Snapshot {
-        version: 2,
-        published_ms: NOW - 50,
-        endpoints: vec![ep("a:1", &["llama"], 0.0, kv_a), ep("b:1", &["llama"], 0.0, kv_b)],
-    };
-    let other = fresh_prompt(8, 17);
-    let r2 = PickRequest { model: "llama", prompt: if fresh { &other } else { &t2 }, ..Default::default() };
-    s.pick_model(&r2, &both, &inf, &store, &mut SplitMix64::new(2), NOW).unwrap().primary
+    let cfg = config_ttft(r#","scheduler":{"predicted":{"affinity_slack":0}}"#);
+    let t = TurnTwo { a: (0.0, kv_a), b: (0.0, kv_b), fresh, slo: None };
+    turn_two(&cfg, &MemStore::new(), t).unwrap().primary
 }
 
 #[test]

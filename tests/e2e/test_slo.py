@@ -231,6 +231,55 @@ def test_held_requests_of_one_priority_go_earliest_deadline_first():
         sim.stop()
 
 
+def test_a_held_sheddable_request_is_shed_when_its_deadline_passes():
+    # The one slot is taken by a parked blocker, so everything after it is held. A sheddable
+    # request with a target is held too (without a target it would get 429 request_shed at once),
+    # and answered 429 slo_unattainable once its deadline passes while it waits; a request of
+    # priority 0 held beside it is served when the slot frees.
+    sim = Sim("slo-deadline", extra=["--max-batch", "1", "--delay-per-token-ms", str(STEP_MS)])
+    objectives = [{"name": "batch", "priority": -1}]
+    cfg = picker_config(
+        [endpoint(sim)],
+        priority={"slo": {"trust_headers": True}, "objectives": objectives, "trust_objective_header": True},
+        saturation={"max_inflight_per_endpoint": 1},
+        flow_control={"enabled": True, "max_wait_ms": 60000, "max_queue": 64},
+        filter={"endpoint_metrics": True},
+    )
+    envoy = Envoy(cfg, concurrency=1)
+    try:
+        envoy.wait_routable()
+        inflight = lambda: envoy.metric("inference_picker_endpoint_inflight", endpoint=sim.address)
+        wait_until(lambda: inflight() == 0, 30, "warm-up request finished")
+        with cf.ThreadPoolExecutor(4) as pool:
+            sim.reset_stats()
+            sim.hold(count=1)
+            blocker = pool.submit(chat, envoy, "blocker", None, False, 4)
+            sim.wait_held(1)
+            wait_until(lambda: inflight() == 1, 30, "the blocker in flight")
+            # Without a target: shed at once, as before.
+            r = chat(envoy, "sheddable, no target", {"x-gateway-inference-objective": "batch"})
+            assert r.status_code == 429 and r.json()["error"]["code"] == "request_shed", r.text
+            # With a 300 ms target: held, then shed when the deadline passes (the blocker stays
+            # parked until the answer is in, so the deadline, not a release, decides).
+            late = pool.submit(chat, envoy, "sheddable, 300 ms",
+                               {"x-gateway-inference-objective": "batch", "x-slo-ttft-ms": "300"})
+            r = late.result(timeout=60)
+            assert r.status_code == 429, r.text
+            assert r.json()["error"]["code"] == "slo_unattainable"
+            assert r.headers["retry-after"] == "1"
+            assert int(r.headers["x-inference-picker-queue-ms"]) >= 300
+            wait_until(lambda: envoy.metric("inference_picker_flow_requests_total", priority="-1",
+                                            outcome="held") == 1, 10, "the sheddable request counted as held")
+            sim.release()
+            assert blocker.result().status_code == 200
+        assert sim.arrivals() == ["blocker"], sim.arrivals()
+        wait_until(lambda: envoy.metric("inference_picker_slo_requests_total",
+                                        **{"class": "batch", "outcome": "shed"}) == 1, 10, "the shed counted")
+    finally:
+        envoy.stop()
+        sim.stop()
+
+
 def test_an_untrusted_target_header_is_ignored_and_never_reaches_the_pod():
     objectives = [{"name": "batch", "priority": -1}]
     envoy, a, b = two_pods(priority={"objectives": objectives, "trust_objective_header": True})

@@ -14,33 +14,33 @@ use crate::flow::priority::PriorityDecision;
 use crate::flow::slo;
 use crate::scheduler::Pick;
 
-/// What the first byte is compared with.
+/// What the first byte is compared with (the model label is the exchange's own `model`).
 #[derive(Debug, Clone)]
 pub(crate) struct Watch {
     sent_ms: u64,
     predicted_ms: Option<f64>,
-    target_ms: Option<u32>,
+    /// The TTFT target and the class it is counted in, when the request has one.
+    target: Option<(u32, String)>,
     /// The time flow control held it: the target counts from arrival.
     queued_ms: u64,
-    class: String,
-    model: String,
 }
 
 /// At the pick: note what the first byte will be compared with (nothing when there is neither
 /// a prediction nor a target).
 pub(super) fn on_pick(ex: &mut Exchange, priority: &PriorityDecision, pick: &Pick, now_ms: u64) {
-    let target_ms = priority.targets.ttft_ms;
-    if pick.predicted_ms.is_none() && target_ms.is_none() {
+    let target = priority
+        .targets
+        .ttft_ms
+        .map(|t| (t, slo::class(priority.objective.as_deref(), priority.tier.as_deref()).to_string()));
+    if pick.predicted_ms.is_none() && target.is_none() {
         ex.slo = None;
         return;
     }
     ex.slo = Some(Watch {
         sent_ms: now_ms,
         predicted_ms: pick.predicted_ms,
-        target_ms,
+        target,
         queued_ms: ex.queue_ms.unwrap_or(0),
-        class: slo::class(priority.objective.as_deref(), priority.tier.as_deref()).to_string(),
-        model: pick.target_model.clone(),
     });
 }
 
@@ -61,24 +61,22 @@ pub(super) fn on_first_byte(worker: &Worker, ex: &mut Exchange, measured: bool) 
     let Some(w) = ex.slo.take() else { return };
     let mut metrics = worker.metrics.borrow_mut();
     if !measured {
-        if w.target_ms.is_some() {
-            metrics.count_tagged(telemetry::SLO_REQUESTS, &[("class", &w.class), ("outcome", "unmeasured")]);
+        if let Some((_, class)) = &w.target {
+            metrics.count_tagged(telemetry::SLO_REQUESTS, &[("class", class), ("outcome", "unmeasured")]);
         }
         return;
     }
     let actual = io::now_ms().saturating_sub(w.sent_ms);
-    let model = ("model", w.model.as_str());
-    metrics.sample(telemetry::name(telemetry::TTFT_MS, &[model]), actual);
+    let model = ("model", ex.model.as_deref().unwrap_or_default());
+    metrics.sample_tagged(telemetry::TTFT_MS, &[model], actual);
     if let Some(pct) = w.predicted_ms.and_then(|p| slo::prediction_ratio_pct(p, actual)) {
-        metrics.sample(telemetry::name(telemetry::TTFT_PREDICTION_RATIO, &[model]), pct);
+        metrics.sample_tagged(telemetry::TTFT_PREDICTION_RATIO, &[model], pct);
     }
-    if let Some(t) = w.target_ms {
+    if let Some((t, class)) = &w.target {
         // From arrival: the time held counts against the target (the deadline flow control
         // orders by is arrival + target too).
         let seen = actual.saturating_add(w.queued_ms);
-        metrics.count_tagged(
-            telemetry::SLO_REQUESTS,
-            &[("class", &w.class), ("outcome", slo::outcome(t, seen))],
-        );
+        metrics
+            .count_tagged(telemetry::SLO_REQUESTS, &[("class", class), ("outcome", slo::outcome(*t, seen))]);
     }
 }
