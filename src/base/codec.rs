@@ -94,10 +94,11 @@ pub enum Tag {
     LoadSender = 0x0E,
     PeerCount = 0x0F,
     ConfigVersion = 0x10,
+    Placement = 0x11,
 }
 
 /// Every tag, in wire order.
-pub const ALL_TAGS: [Tag; 16] = [
+pub const ALL_TAGS: [Tag; 17] = [
     Tag::Snapshot,
     Tag::SnapshotVersion,
     Tag::InflightVm,
@@ -114,6 +115,7 @@ pub const ALL_TAGS: [Tag; 16] = [
     Tag::LoadSender,
     Tag::PeerCount,
     Tag::ConfigVersion,
+    Tag::Placement,
 ];
 
 impl Tag {
@@ -155,6 +157,7 @@ impl Tag {
             Tag::LoadSender => "load_sender",
             Tag::PeerCount => "peer_count",
             Tag::ConfigVersion => "config_version",
+            Tag::Placement => "placement",
         }
     }
 

@@ -74,6 +74,7 @@ pub(crate) struct Exchange {
     slo: Option<slo::Watch>,
 }
 
+mod feed;
 mod peer;
 mod slo;
 mod usage;
@@ -315,6 +316,7 @@ fn go(worker: &Worker, ex: &mut Exchange, inputs: PickState<'_>) -> Result<(), R
     let Some(prepared) = ex.prepared.take() else {
         return Err(Rejection::new(500, "internal_error", "internal", "request state lost before routing"));
     };
+    timed!("go.feed_read", feed::before_pick(worker, inputs.now_ms));
     let pick = {
         let mut scheduler = worker.scheduler.borrow_mut();
         let mut rng = worker.rng.borrow_mut();
@@ -324,6 +326,7 @@ fn go(worker: &Worker, ex: &mut Exchange, inputs: PickState<'_>) -> Result<(), R
         );
         routed.inspect_err(|r| slo::on_refused(worker, &prepared.priority, r))?
     };
+    timed!("go.feed_write", feed::after_pick(worker));
     slo::on_pick(ex, &prepared.priority, &pick.pick, inputs.now_ms);
     if let Some(prefiller) = &pick.prefiller {
         io::set_request_header(crate::request::protocol::PREFILLER_HEADER, Some(prefiller));

@@ -72,6 +72,8 @@ pub(crate) struct Worker {
     pub health: RefCell<Recorder>,
     /// This VM's in-flight counts and its slot in shared data (`crate::state::inflight`).
     pub inflight: RefCell<inflight::InflightTable>,
+    /// The placement feed between this Envoy's workers (`crate::state::feed`).
+    pub feed: RefCell<crate::state::feed::Feed>,
     /// `peers`: the shared token peers must send (resolved once; `None` when unset: the
     /// exchange path then takes nothing).
     pub peer_token: Option<String>,
@@ -450,6 +452,7 @@ impl RootContext for Root {
                     ))
                     .with_peers(cfg.peers.is_some()),
                 ),
+                feed: RefCell::new(crate::state::feed::Feed::default()),
                 peer_token: cfg.peers.as_ref().and_then(|p| p.resolve_token(|name| std::env::var(name).ok())),
                 inflight_gauges_ms: Cell::new(0),
                 tenants: RefCell::new(crate::base::telemetry::BoundedLabels::new(

@@ -57,6 +57,7 @@ use hashbrown::HashMap;
 use crate::base::errors::Rejection;
 use crate::base::ports::{Rng, SharedStore};
 use crate::scheduler::config::FailureMode;
+use crate::state::feed::Placement;
 use crate::state::health::{HealthConfig, HealthView};
 use crate::state::inflight::InflightCounts;
 use crate::state::snapshot::{EndpointStatus, Snapshot};
@@ -273,6 +274,10 @@ pub struct Scheduler {
     rates: crate::state::rates::RateCache,
     /// The TTFT prediction's online calibration (`slo::Calibration`).
     calibration: slo::Calibration,
+    /// [`Scheduler::set_feed`]: keep each pick's placement for the other workers.
+    feed: bool,
+    /// The last pick's placement, until [`Scheduler::take_placement`].
+    placement: Option<Placement>,
 }
 
 impl Scheduler {
@@ -295,8 +300,31 @@ impl Scheduler {
             ledger: predict::Ledger::default(),
             rates: crate::state::rates::RateCache::default(),
             calibration: slo::Calibration::default(),
+            feed: false,
+            placement: None,
             cfg: sc,
         }
+    }
+
+    /// Whether the next picks keep their placement (the prompt's block hashes and the pod) for
+    /// [`Scheduler::take_placement`]: set by the host when other workers of this Envoy are live
+    /// (`crate::state::feed`); off, a pick allocates nothing for it.
+    pub fn set_feed(&mut self, on: bool) {
+        self.feed = on;
+        self.placement = None;
+    }
+
+    /// The last pick's placement, once (`None` without [`Scheduler::set_feed`], or when the pick
+    /// recorded no prefix: a short prompt, fail-open).
+    pub fn take_placement(&mut self) -> Option<Placement> {
+        self.placement.take()
+    }
+
+    /// Another worker's pick (`crate::state::feed`): its pod now holds its prompt's blocks, in
+    /// this worker's index as if this worker had sent it, with the writer's capacity for it.
+    pub fn observe(&mut self, p: &Placement) {
+        let cap = usize::try_from(p.cap).unwrap_or(usize::MAX).max(1);
+        self.local.record(&p.address, &p.hashes, cap);
     }
 
     /// Sets the session-token keys (resolved by the host from `scheduler.session`, whose secret
@@ -484,6 +512,8 @@ pub(crate) mod tests_support {
     }
 }
 
+#[cfg(test)]
+mod feed_tests;
 #[cfg(test)]
 mod slo_tests;
 #[cfg(test)]

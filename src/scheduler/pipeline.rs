@@ -10,6 +10,7 @@ use crate::base::num;
 use crate::base::ports::Rng;
 use crate::scheduler::config::FailureMode;
 use crate::state::by_address::address_hash;
+use crate::state::feed::Placement;
 use crate::state::inflight::EndpointLoad;
 use crate::state::prefix_shared::{endpoint_key, endpoint_key_of_hash, Lookup};
 use crate::state::snapshot::EndpointStatus;
@@ -647,6 +648,13 @@ impl Scheduler {
         let Some(c) = pool.cands.get(p) else { return };
         let cap = prefix::capacity(&self.cfg.prefix, c.metrics, ask.st.snapshot.endpoints.len());
         self.local.record(c.address, &px.hashes, cap);
+        if self.feed && !px.hashes.is_empty() {
+            self.placement = Some(Placement {
+                address: c.address.to_string(),
+                cap: u32::try_from(cap).unwrap_or(u32::MAX),
+                hashes: px.hashes.clone(),
+            });
+        }
         if !ask.scope.skip_shared_record {
             let key = match pool.addr_hash.get(p) {
                 Some(&h) => endpoint_key_of_hash(h),

@@ -33,7 +33,10 @@
 //!
 //! **Across workers.** See `prefix_shared`: a bounded table in shared data maps checkpoint block
 //! hashes to the endpoint that last received them. The matched length of an endpoint is the
-//! larger of the local index's exact count and the shared table's checkpoint bound.
+//! larger of the local index's exact count and the shared table's checkpoint bound. With other
+//! live workers, each pick's blocks also reach their local indexes (`crate::state::feed`,
+//! `Scheduler::observe`), so every worker's index holds every pod a prefix was sent to, not
+//! only the ones it sent it to itself.
 //!
 //! **Score.** `score(e) = matched(e) / n`, with `n` the request's hashed blocks and
 //! `matched(e)` the number of consecutive leading blocks `e` holds. A prompt shorter than one

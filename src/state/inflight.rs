@@ -498,6 +498,24 @@ impl InflightTable {
         self.slot
     }
 
+    /// The other live VMs of this Envoy as of the last [`InflightTable::read`]: (slot, owner
+    /// nonce) of each record that is not ours, not a peer gateway's and not older than
+    /// [`TTL_MS`] at `now_ms` (`crate::state::feed` reads their placements).
+    pub fn live_others(&self, now_ms: u64, out: &mut Vec<(usize, u64)>) {
+        out.clear();
+        for (k, entry) in self.cache.iter().enumerate() {
+            if let Some((_, Some(rec))) = entry {
+                if Some(k) != self.slot
+                    && rec.owner != self.owner
+                    && !rec.foreign
+                    && now_ms.saturating_sub(rec.heartbeat_ms) <= TTL_MS
+                {
+                    out.push((k, rec.owner));
+                }
+            }
+        }
+    }
+
     /// This VM's own counts.
     pub fn local(&self) -> &InflightCounts {
         &self.local

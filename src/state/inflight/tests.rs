@@ -442,3 +442,21 @@ fn records_an_older_release_wrote_as_foreign_in_the_vm_slots_are_read_but_not_re
     assert_eq!(a.read(&s, T0).unwrap().get("p"), 4);
     assert_eq!(gateway_counts(&s, T0).unwrap().get("p"), 1);
 }
+
+#[test]
+fn live_others_names_the_other_live_vms_by_slot_and_owner() {
+    let s = MemStore::new();
+    let (mut a, mut b, mut c) = (InflightTable::new(0xA), InflightTable::new(0xB), InflightTable::new(0xC));
+    a.adjust(&s, "10.0.0.1:8000", 1, T0).unwrap();
+    b.adjust(&s, "10.0.0.1:8000", 1, T0).unwrap();
+    c.adjust(&s, "10.0.0.1:8000", 1, T0).unwrap();
+    let mut out = Vec::new();
+    b.read(&s, T0).unwrap();
+    b.live_others(T0, &mut out);
+    out.sort_unstable();
+    let slot = |t: &InflightTable| t.slot().unwrap();
+    assert_eq!(out, vec![(slot(&a), 0xA), (slot(&c), 0xC)], "not itself");
+    // A VM silent past the TTL is not live.
+    b.live_others(T0 + TTL_MS + 1, &mut out);
+    assert!(out.is_empty());
+}

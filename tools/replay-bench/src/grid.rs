@@ -411,6 +411,7 @@ pub fn run_config(cell: &Cell, policy: Policy, load: f64, common: &suite::Common
         ours_overrides: None,
         peer_sync_ms: None,
         peer_sync_load: false,
+        no_feed: common.no_feed,
         pod_mix: cell.pod_mix(),
         slo: None,
     }
@@ -469,13 +470,18 @@ pub fn workload(cell: &Cell, scale: f64, common: &suite::Common) -> Result<Workl
     })
 }
 
-/// Every run of the grid: each strategy at each load, one seed per cell (its own).
-pub fn tasks(cells: &[Cell], workloads: &[Workload]) -> Vec<Task> {
+/// Every run of the grid: each strategy at each load, one seed per cell (its own); with
+/// `topology` (replicas, workers) other than 1 × 1, ours again at each load on that topology.
+pub fn tasks(cells: &[Cell], workloads: &[Workload], topology: (usize, usize)) -> Vec<Task> {
     let mut v = Vec::new();
     for (wi, (c, w)) in cells.iter().zip(workloads).enumerate() {
         for &load in &w.loads {
             for &policy in &w.strategies {
                 v.push(Task { workload: wi, policy, load, replicas: 1, workers: 1, seed: c.seed });
+            }
+            if topology != (1, 1) {
+                let (replicas, workers) = topology;
+                v.push(Task { workload: wi, policy: Policy::Ours, load, replicas, workers, seed: c.seed });
             }
         }
     }
@@ -499,10 +505,44 @@ pub struct CellResult {
     pub worst_load: f64,
     pub ours_hit_rate: f64,
     pub best_hit_rate: f64,
+    /// With a topology other than 1 × 1 (`tasks`): ours 1 × 1's TTFT p90 ÷ ours on that
+    /// topology at the reference load, and the smallest such ratio over the loads up to it.
+    pub topo: Option<Topo>,
+}
+
+/// Ours on several workers or replicas against ours on one (`CellResult::topo`).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct Topo {
+    pub replicas: usize,
+    pub workers: usize,
+    pub p90_s: f64,
+    pub vs_1x1: f64,
+    pub worst: f64,
+    pub worst_load: f64,
+}
+
+/// Ours on `rw` against ours on 1 × 1 in `w` up to `load` (`None` when `rw` was not run).
+fn topo(w: &WorkloadResult, load: f64, rw: (usize, usize)) -> Option<Topo> {
+    let at = |l: f64| -> Option<(f64, f64)> {
+        Some((
+            w.point("ours", l, (1, 1))?.ttft_p90_strict_s.median,
+            w.point("ours", l, rw)?.ttft_p90_strict_s.median,
+        ))
+    };
+    let (one, many) = at(load)?;
+    let (mut worst, mut worst_load) = (f64::INFINITY, load);
+    for l in w.loads().into_iter().filter(|&l| l <= load) {
+        if let Some((a, b)) = at(l) {
+            if a / b < worst {
+                (worst, worst_load) = (a / b, l);
+            }
+        }
+    }
+    Some(Topo { replicas: rw.0, workers: rw.1, p90_s: many, vs_1x1: one / many, worst, worst_load })
 }
 
 /// The cell's figures, or why there are none.
-pub fn cell_result(cell: &Cell, w: &WorkloadResult) -> Result<CellResult, String> {
+pub fn cell_result(cell: &Cell, w: &WorkloadResult, topology: (usize, usize)) -> Result<CellResult, String> {
     let load = reference_load(w)?;
     let p90 = |s: &str, l: f64| w.point(s, l, (1, 1)).map(|p| p.ttft_p90_strict_s.median);
     let ours = w.point("ours", load, (1, 1)).ok_or_else(|| format!("{}: no ours run", w.key))?;
@@ -541,6 +581,7 @@ pub fn cell_result(cell: &Cell, w: &WorkloadResult) -> Result<CellResult, String
         worst_load,
         ours_hit_rate: ours.hit_rate.median,
         best_hit_rate: best.hit_rate.median,
+        topo: if topology == (1, 1) { None } else { topo(w, load, topology) },
     })
 }
 
@@ -578,7 +619,7 @@ pub fn summary(cells: &[CellResult]) -> Summary {
 
 /// `CELL <key> pods=… ref_load=… ours_p90=… best=<name> best_p90=… vs_best=… vs_gie=… worst=…@load hit=…`.
 pub fn cell_line(c: &CellResult) -> String {
-    format!(
+    let mut line = format!(
         "CELL {} requests={} ref_load={} ours_p90={:.3} best={} best_p90={:.3} vs_best={:.2} vs_gie={:.2} worst={:.2}@{} hit={:.3} best_hit={:.3}",
         c.key,
         c.requests,
@@ -592,7 +633,41 @@ pub fn cell_line(c: &CellResult) -> String {
         suite::fmt_load(c.worst_load),
         c.ours_hit_rate,
         c.best_hit_rate,
-    )
+    );
+    if let Some(t) = c.topo {
+        let _ = write!(
+            line,
+            " {}x{}_p90={:.3} {}x{}_vs_1x1={:.2} {}x{}_worst={:.2}@{}",
+            t.replicas,
+            t.workers,
+            t.p90_s,
+            t.replicas,
+            t.workers,
+            t.vs_1x1,
+            t.replicas,
+            t.workers,
+            t.worst,
+            suite::fmt_load(t.worst_load)
+        );
+    }
+    line
+}
+
+/// `ROBUST_TOPO <r>x<w> cells=… median_vs_1x1=… p10_vs_1x1=… worst_vs_1x1=…` over the cells that
+/// ran the topology (`None` when none did).
+pub fn topo_line(cells: &[CellResult]) -> Option<String> {
+    let t: Vec<Topo> = cells.iter().filter_map(|c| c.topo).collect();
+    let first = t.first()?;
+    let v: Vec<f64> = t.iter().map(|x| x.vs_1x1).collect();
+    Some(format!(
+        "ROBUST_TOPO {}x{} cells={} median_vs_1x1={:.2} p10_vs_1x1={:.2} worst_vs_1x1={:.2}",
+        first.replicas,
+        first.workers,
+        t.len(),
+        quantile(&v, 0.5),
+        quantile(&v, 0.1),
+        t.iter().map(|x| x.worst).fold(f64::INFINITY, f64::min)
+    ))
 }
 
 pub fn summary_line(s: &Summary) -> String {
@@ -608,6 +683,9 @@ pub fn markdown(cells: &[CellResult], failed: &[String], s: &Summary, cmd: &str,
     let _ = writeln!(md, "# Robustness grid\n");
     let _ = writeln!(md, "`{cmd}`, {} cells, {wall_s:.0} s of wall time.\n", cells.len() + failed.len());
     let _ = writeln!(md, "```\n{}\n```\n", summary_line(s));
+    if let Some(t) = topo_line(cells) {
+        let _ = writeln!(md, "Ours on several workers or replicas against ours on one:\n\n```\n{t}\n```\n");
+    }
     let goal = |x: f64, g: f64| if x >= g { "met" } else { "**not met**" };
     let _ = writeln!(md, "| figure | goal | measured | verdict |\n|---|---:|---:|---|");
     let _ =
@@ -816,6 +894,7 @@ mod tests {
             worst_load: 0.3,
             ours_hit_rate: 0.0,
             best_hit_rate: 0.0,
+            topo: None,
         };
         let cells: Vec<CellResult> =
             (0..11).map(|i| mk(1.0 + i as f64 / 10.0, 2.0 - i as f64 / 10.0, 1.0)).collect();
@@ -830,6 +909,31 @@ mod tests {
         assert_eq!(
             summary_line(&s),
             "ROBUST cells=11 median_vs_best=1.50 p10_vs_best=1.10 worst_vs_best=0.90 median_vs_gie=1.50"
+        );
+        assert_eq!(topo_line(&cells), None, "no topology run");
+        // With 1 × 4 runs: quantiles of ours 1 × 1 ÷ ours 1 × 4, and the worst at any load.
+        for (i, c) in cells.iter_mut().enumerate() {
+            let vs = 0.5 + i as f64 / 10.0;
+            c.topo = Some(Topo {
+                replicas: 1,
+                workers: 4,
+                p90_s: 1.0 / vs,
+                vs_1x1: vs,
+                worst: vs,
+                worst_load: 1.0,
+            });
+        }
+        if let Some(t) = cells[3].topo.as_mut() {
+            t.worst = 0.2;
+        }
+        assert_eq!(
+            topo_line(&cells).as_deref(),
+            Some("ROBUST_TOPO 1x4 cells=11 median_vs_1x1=1.00 p10_vs_1x1=0.60 worst_vs_1x1=0.20")
+        );
+        assert!(
+            cell_line(&cells[0]).ends_with("1x4_p90=2.000 1x4_vs_1x1=0.50 1x4_worst=0.50@1"),
+            "{}",
+            cell_line(&cells[0])
         );
     }
 }

@@ -71,6 +71,10 @@ struct Args {
     /// arrivals spread, the LoRA mix slower).
     #[arg(long, conflicts_with = "no_peer_sync")]
     peer_sync_load: bool,
+    /// A study, not what ships: ours' workers share no placement feed (each knows exactly only
+    /// the prefixes it placed, the others' from the cross-worker table alone), as before it.
+    #[arg(long)]
+    no_feed: bool,
     /// A study, off by default: each request arrives up to this many ms after its recorded
     /// time (uniform, then re-sorted; `trace::spread_arrivals`). Mooncake's timestamps are on a
     /// ~3 s grid, so `3000` turns its same-millisecond bursts of ~10 requests into arrivals
@@ -110,8 +114,9 @@ struct Args {
     /// cells (prefix reuse × burstiness × lengths × pool size × heterogeneous pods × LoRA), ours
     /// and every baseline from light load to just past saturation, one line per cell and a
     /// `ROBUST` summary line. Reads --seed (the cells' seeds derive from it), --jobs, --scale,
-    /// --only (cell keys), --ours-config/--ours-scheduler and --out (writes robust.md and
-    /// robust.json there).
+    /// --only (cell keys), --ours-config/--ours-scheduler, --replicas/--workers (ours again on
+    /// that topology at every load, against ours on 1 × 1: a `ROBUST_TOPO` line) and --out
+    /// (writes robust.md and robust.json there).
     #[arg(long, conflicts_with = "bursts")]
     robust: bool,
     /// Run the tiered-SLO study instead (`replay_bench::slo`): per-tier TTFT attainment,
@@ -178,6 +183,7 @@ fn real_main() -> Result<(), String> {
             Some(args.peer_sync_ms.unwrap_or(inference_picker::poll::peers::DEFAULT_INTERVAL_MS))
         },
         peer_sync_load: args.peer_sync_load,
+        no_feed: args.no_feed,
     };
     if args.bursts {
         return bursts_main(&args, &common, started);
@@ -368,7 +374,8 @@ fn robust_main(args: &Args, common: &Common, started: std::time::Instant) -> Res
     let mut built = built.into_inner().map_err(|_| "a cell's probe panicked".to_string())?;
     built.sort_by_key(|(i, _)| *i);
     let workloads: Vec<Workload> = built.into_iter().map(|(_, w)| w).collect::<Result<_, _>>()?;
-    let tasks = grid::tasks(&cells, &workloads);
+    let topology = (args.replicas, args.workers);
+    let tasks = grid::tasks(&cells, &workloads, topology);
     eprintln!("replay-bench --robust: {} cells, {} runs on {} threads", cells.len(), tasks.len(), args.jobs);
     let progress = |r: &RunResult| {
         eprintln!(
@@ -386,7 +393,7 @@ fn robust_main(args: &Args, common: &Common, started: std::time::Instant) -> Res
     let mut rows = Vec::new();
     let mut failed = Vec::new();
     for (c, w) in cells.iter().zip(&results) {
-        match grid::cell_result(c, w) {
+        match grid::cell_result(c, w, topology) {
             Ok(r) => rows.push(r),
             Err(e) => failed.push(e),
         }
@@ -407,6 +414,9 @@ fn robust_main(args: &Args, common: &Common, started: std::time::Instant) -> Res
     }
     println!("wrote {} and {} ({wall:.0} s)", md.display(), json.display());
     println!("{}", grid::summary_line(&s));
+    if let Some(t) = grid::topo_line(&rows) {
+        println!("{t}");
+    }
     if !failed.is_empty() {
         return Err(format!("cells without figures: {}", failed.join("; ")));
     }

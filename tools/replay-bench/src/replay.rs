@@ -40,6 +40,7 @@ use inference_picker::poll::poller::{Poller, ScrapeResult};
 use inference_picker::request::{on_body, RequestHead};
 use inference_picker::scheduler::{PickState, Scheduler};
 use inference_picker::state::catalog::Criticality;
+use inference_picker::state::feed::{self, FeedReader, FeedWriter};
 use inference_picker::state::health::HealthView;
 use inference_picker::state::inflight;
 use inference_picker::state::snapshot::{publish, EndpointStatus, Snapshot, SnapshotCache};
@@ -82,6 +83,9 @@ pub struct RunConfig {
     /// (counts and queued prefill, `inference_picker::state::inflight`) into this replica's store, where
     /// its readers add it to their own as they add another worker's.
     pub peer_sync_load: bool,
+    /// A study: ours' workers share no placement feed (`inference_picker::state::feed`), as before
+    /// it: each knows exactly only the prefixes it placed, and the others' through the table.
+    pub no_feed: bool,
     /// Heterogeneous pods: server `i` is `server` scaled by `pod_mix[i % len]`. Empty: every
     /// server is `server`.
     pub pod_mix: Vec<PodClass>,
@@ -199,6 +203,18 @@ struct Worker {
     flow: Option<FlowQueue>,
     held: hashbrown::HashMap<u32, usize>,
     next_tick: f64,
+    /// Ours with several workers: the placement feed (`inference_picker::state::feed`), as the
+    /// host runs it: this worker's ring (its slot, its owner nonce) and its cursors in the
+    /// others' rings, and those others.
+    feed: Option<Feed>,
+}
+
+struct Feed {
+    slot: usize,
+    owner: u64,
+    writer: FeedWriter,
+    reader: FeedReader,
+    others: Vec<(usize, u64)>,
 }
 
 /// Per-request bookkeeping.
@@ -319,6 +335,19 @@ pub fn run(trace: &Trace, policy: Policy, rc: &RunConfig) -> Result<RunResult, S
                     .uses_flow_control()
                     .then(|| FlowQueue::new(&cfg.flow_control, MODEL, i as u64 + 1)),
                 held: hashbrown::HashMap::new(),
+                feed: (policy.is_ours() && n_workers > 1 && !rc.no_feed).then(|| {
+                    let (base, slot) = (i - i % n_workers, i % n_workers);
+                    Feed {
+                        slot,
+                        owner: i as u64 + 1,
+                        writer: FeedWriter::default(),
+                        reader: FeedReader::default(),
+                        others: (0..n_workers)
+                            .filter(|&j| j != slot)
+                            .map(|j| (j, (base + j) as u64 + 1))
+                            .collect(),
+                    }
+                }),
             }
         })
         .collect();
@@ -815,7 +844,21 @@ impl Sim<'_> {
                             store: &rep.store,
                             now_ms,
                         };
-                        match on_body(&self.cfg.request(), s, &mut w.rng, &self.head, &body, state) {
+                        // The other workers' placements first, then this pick's for them, as
+                        // the host's `go` does.
+                        if let Some(f) = w.feed.as_mut() {
+                            let mut seen = Vec::new();
+                            f.reader.poll(&rep.store, &f.others, feed::MAX_PER_PICK, &mut seen);
+                            for p in &seen {
+                                s.observe(p);
+                            }
+                            s.set_feed(true);
+                        }
+                        let routed = on_body(&self.cfg.request(), s, &mut w.rng, &self.head, &body, state);
+                        if let (Some(f), Some(p)) = (w.feed.as_mut(), s.take_placement()) {
+                            let _ = f.writer.publish(&rep.store, f.slot, f.owner, &p);
+                        }
+                        match routed {
                             Ok(routed) => {
                                 self.live[idx].worker = wi;
                                 self.live[idx].ticket = routed.pick.ticket;

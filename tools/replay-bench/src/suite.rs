@@ -57,6 +57,8 @@ pub struct Common {
     pub peer_sync_ms: Option<u64>,
     /// `RunConfig::peer_sync_load` of every run.
     pub peer_sync_load: bool,
+    /// `RunConfig::no_feed` of every run.
+    pub no_feed: bool,
 }
 
 impl Default for Common {
@@ -70,6 +72,7 @@ impl Default for Common {
             ours_overrides: None,
             peer_sync_ms: Some(inference_picker::poll::peers::DEFAULT_INTERVAL_MS),
             peer_sync_load: false,
+            no_feed: false,
         }
     }
 }
@@ -694,6 +697,7 @@ pub fn execute(
                     ours_overrides: common.ours_overrides.clone(),
                     peer_sync_ms: common.peer_sync_ms,
                     peer_sync_load: common.peer_sync_load,
+                    no_feed: common.no_feed,
                     pod_mix: w.pod_mix.clone(),
                     slo: w.slo,
                 };

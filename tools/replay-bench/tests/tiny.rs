@@ -22,6 +22,7 @@ fn rc(servers: usize, kv_blocks: u64, load: f64) -> RunConfig {
         ours_overrides: None,
         peer_sync_ms: None,
         peer_sync_load: false,
+        no_feed: false,
         pod_mix: vec![],
         slo: None,
     }
@@ -286,4 +287,36 @@ fn flow_control_protects_premium_under_overload() {
     let rr = run(&t, Policy::RoundRobin, &cfg).unwrap();
     conserved(&rr);
     assert_eq!(rr.rejected, 0);
+}
+
+/// Three hot groups on four pods at 0.3 × speed: each group needs more than one pod.
+const GROUP_RATE: f64 = 20.0;
+const GROUP_SPEED: f64 = 0.3;
+
+/// The placement feed between one Envoy's workers: with it, eight workers hit the cache as one
+/// worker does; without it (the study switch), each knows exactly only its own placements, and
+/// the other holders of a group only through the table, and misses more.
+#[test]
+fn workers_that_share_their_placements_hit_the_cache_as_one_worker_does() {
+    let shape = SharedPrefixShape {
+        groups: 3,
+        users: 16,
+        system_tokens: 3000,
+        question_tokens: 100,
+        output_tokens: 8,
+        stages: vec![(GROUP_RATE, 30.0)],
+    };
+    let t = trace::shared_prefix("tiny-hot-groups", &shape, 5);
+    let mut cfg = rc(4, 3000, 1.0);
+    cfg.server.speed = GROUP_SPEED;
+    let one = run(&t, Policy::Ours, &cfg).unwrap();
+    cfg.workers = 8;
+    let fed = run(&t, Policy::Ours, &cfg).unwrap();
+    cfg.no_feed = true;
+    let blind = run(&t, Policy::Ours, &cfg).unwrap();
+    for r in [&one, &fed, &blind] {
+        conserved(r);
+    }
+    assert!(fed.hit_rate > blind.hit_rate, "fed {} blind {}", fed.hit_rate, blind.hit_rate);
+    assert!(fed.hit_rate >= one.hit_rate * 0.99, "fed {} one {}", fed.hit_rate, one.hit_rate);
 }
