@@ -95,10 +95,11 @@ pub enum Tag {
     PeerCount = 0x0F,
     ConfigVersion = 0x10,
     Placement = 0x11,
+    PeerPlacementBatch = 0x12,
 }
 
 /// Every tag, in wire order.
-pub const ALL_TAGS: [Tag; 17] = [
+pub const ALL_TAGS: [Tag; 18] = [
     Tag::Snapshot,
     Tag::SnapshotVersion,
     Tag::InflightVm,
@@ -116,6 +117,7 @@ pub const ALL_TAGS: [Tag; 17] = [
     Tag::PeerCount,
     Tag::ConfigVersion,
     Tag::Placement,
+    Tag::PeerPlacementBatch,
 ];
 
 impl Tag {
@@ -158,6 +160,7 @@ impl Tag {
             Tag::PeerCount => "peer_count",
             Tag::ConfigVersion => "config_version",
             Tag::Placement => "placement",
+            Tag::PeerPlacementBatch => "peer_placements",
         }
     }
 

@@ -93,6 +93,9 @@ pub const PEER_RECORDS: &str = "inference_picker_peer_records_total";
 /// Peer in-flight reports received (`peers.load_interval_ms`), by `outcome` (`applied`,
 /// `refused`, `own`: this gateway's own report, ignored).
 pub const PEER_LOAD_REPORTS: &str = "inference_picker_peer_load_reports_total";
+/// Peer placements received (`crate::poll::peers::decode_placements`), by `outcome` (`applied`,
+/// `own`, `skipped`: another build's batch, `refused`: malformed, one per batch).
+pub const PEER_PLACEMENTS: &str = "inference_picker_peer_placements_total";
 /// Gauge set by the poller at each publish: endpoints whose last scrape succeeded (GIE's
 /// `inference_pool_ready_pods` to its EPP). Below the pool's size, some pods are unreachable or lying.
 /// Shared-data records and peer messages of a version this build does not read (another build's,

@@ -51,6 +51,8 @@ pub(crate) struct PollerRole {
 struct PeerSender {
     table: SharedPrefix,
     exporter: Exporter,
+    /// This gateway's workers' picks since the last send (`peers::PlacementExporter`).
+    placements: peers::PlacementExporter,
     /// `None` when `token_env` names an unset (or too short) variable: nothing is sent.
     token: Option<String>,
     next_ms: u64,
@@ -102,6 +104,7 @@ impl PollerRole {
             PeerSender {
                 table: SharedPrefix::new(prefix.shared_shards, prefix.shared_entries_per_shard),
                 exporter: Exporter::new(),
+                placements: peers::PlacementExporter::default(),
                 token,
                 next_ms: 0,
                 calls: HashMap::new(),
@@ -323,6 +326,19 @@ impl PollerRole {
                 }
             }
         }
+        // Every tick, so that a busy worker's ring does not lap the exporter between sends.
+        if ps.token.is_some() {
+            match crate::state::inflight::live_vms(&io::HostStore, now) {
+                Ok(vms) => ps.placements.collect(&io::HostStore, &vms),
+                Err(e) => {
+                    if self.errors.allow("peer_placements", now).is_some() {
+                        warn!(
+                            "inference-picker-poller: peers: reading the workers' placements failed: {e:?}"
+                        );
+                    }
+                }
+            }
+        }
         let load_due = pc.load_interval_ms > 0 && now >= ps.next_load_ms;
         let prefix_due = now >= ps.next_ms;
         let Some(token) = ps.token.as_deref().filter(|_| load_due || prefix_due) else { return };
@@ -379,6 +395,29 @@ impl PollerRole {
             if !batch.is_empty() {
                 let body = peers::encode(&batch);
                 post_to_peers(pc, cluster, token, &targets, &body, pc.timeout_ms, &mut ps.calls, &mut failed);
+            }
+            let placements = ps.placements.take();
+            if !placements.is_empty() {
+                match peers::gateway_sender(&io::HostStore, ps.load_sender) {
+                    Ok(sender) => {
+                        let body = peers::encode_placements(sender, &placements);
+                        post_to_peers(
+                            pc,
+                            cluster,
+                            token,
+                            &targets,
+                            &body,
+                            pc.timeout_ms,
+                            &mut ps.calls,
+                            &mut failed,
+                        );
+                    }
+                    Err(e) => {
+                        if self.errors.allow("peer_sender", now).is_some() {
+                            warn!("inference-picker-poller: peers: this gateway's sender nonce cannot be read: {e:?}");
+                        }
+                    }
+                }
             }
         }
         for (address, e) in failed {

@@ -48,6 +48,7 @@ use crate::base::codec::{self, Refusal, Tag, Writer};
 use crate::base::json::ConfigError;
 use crate::base::ports::SharedStore;
 use crate::base::settings::settings;
+use crate::state::feed::{FeedReader, Placement};
 use crate::state::prefix_shared::{decode_raw, delta, put_raw, Record, SharedPrefix, RECORD_BYTES};
 
 /// The header that carries the shared token.
@@ -391,6 +392,102 @@ impl Exporter {
             *last = value;
         }
         out
+    }
+}
+
+/// Most placements in one batch ([`encode_placements`]): at most this many of a gateway's
+/// picks reach its peers' indexes per `interval_ms` (the newest; the others only through the
+/// prefix records).
+pub const MAX_PLACEMENTS: usize = 64;
+/// Most block hashes of one placement in a batch (`prefix.max_blocks`' default): a longer
+/// prompt's first ones.
+pub const MAX_PLACEMENT_HASHES: usize = 256;
+/// Longest address in a batch.
+const MAX_PLACEMENT_ADDRESS: usize = 256;
+/// The largest valid placement batch.
+pub const MAX_PLACEMENT_BODY_BYTES: usize =
+    2 + 8 + 4 + MAX_PLACEMENTS * (4 + MAX_PLACEMENT_ADDRESS + 4 + 4 + 8 * MAX_PLACEMENT_HASHES);
+
+/// Whether a body is a placement batch (tag `PeerPlacementBatch`).
+pub fn is_placement_batch(body: &[u8]) -> bool {
+    codec::tag_byte(body) == Some(Tag::PeerPlacementBatch as u8)
+}
+
+/// A placement batch (tag `PeerPlacementBatch`): `u64 sender nonce ([`gateway_sender`]) · u32
+/// count · count × (str address · u32 cap · u32 n · n × u64 block hash)`: picks of the sending
+/// gateway, which the receiver replays into its workers' prefix indexes
+/// (`crate::state::feed`). At most [`MAX_PLACEMENTS`], each cut to [`MAX_PLACEMENT_HASHES`];
+/// a placement with a longer address is left out.
+pub fn encode_placements(sender: u64, placements: &[Placement]) -> Vec<u8> {
+    let kept: Vec<&Placement> =
+        placements.iter().filter(|p| p.address.len() <= MAX_PLACEMENT_ADDRESS).take(MAX_PLACEMENTS).collect();
+    let mut w = Writer::new(Tag::PeerPlacementBatch, 16 + kept.len() * 64);
+    w.u64(sender.max(1)).len(kept.len());
+    for p in kept {
+        let n = p.hashes.len().min(MAX_PLACEMENT_HASHES);
+        w.str(&p.address).u32(p.cap).len(n);
+        for &h in p.hashes.iter().take(n) {
+            w.u64(h);
+        }
+    }
+    w.finish()
+}
+
+/// The sender and placements of a batch (each marked `foreign`), or why it is refused (whole).
+pub fn decode_placements(body: &[u8]) -> Result<(u64, Vec<Placement>), WireError> {
+    let bad = WireError::Truncated { len: body.len() };
+    if body.len() > MAX_PLACEMENT_BODY_BYTES {
+        return Err(bad);
+    }
+    let mut r = codec::open(body, Tag::PeerPlacementBatch)?;
+    let sender = r.u64().filter(|&n| n != 0).ok_or(WireError::BadSender)?;
+    let count = usize::try_from(r.u32().ok_or(bad.clone())?).unwrap_or(usize::MAX);
+    if count > MAX_PLACEMENTS {
+        return Err(WireError::TooMany { records: count });
+    }
+    let mut out = Vec::with_capacity(count);
+    for _ in 0..count {
+        let address = r.string(MAX_PLACEMENT_ADDRESS).ok_or(bad.clone())?;
+        let cap = r.u32().ok_or(bad.clone())?;
+        let n = r.count(8, MAX_PLACEMENT_HASHES).ok_or(bad.clone())?;
+        let mut hashes = Vec::with_capacity(n);
+        for _ in 0..n {
+            hashes.push(r.u64().ok_or(bad.clone())?);
+        }
+        out.push(Placement { address, cap, hashes, foreign: true });
+    }
+    r.finish().ok_or(bad)?;
+    Ok((sender, out))
+}
+
+/// The poller's side of the placements exchange: what this gateway's workers picked since the
+/// last send, read from their rings (`crate::state::feed`) at every poller tick so that a busy
+/// worker's ring does not lap it between sends; the placements received from peers
+/// (`foreign`) are not sent on.
+#[derive(Debug, Default)]
+pub struct PlacementExporter {
+    reader: FeedReader,
+    pending: std::collections::VecDeque<Placement>,
+    buf: Vec<Placement>,
+}
+
+impl PlacementExporter {
+    /// Reads the new entries of the VMs `vms` (`crate::state::inflight::live_vms`), keeping at
+    /// most [`MAX_PLACEMENTS`], the newest.
+    pub fn collect(&mut self, store: &dyn SharedStore, vms: &[(usize, u64)]) {
+        self.buf.clear();
+        self.reader.poll(store, vms, crate::state::feed::RING as usize, &mut self.buf);
+        for p in self.buf.drain(..).filter(|p| !p.foreign) {
+            if self.pending.len() == MAX_PLACEMENTS {
+                self.pending.pop_front();
+            }
+            self.pending.push_back(p);
+        }
+    }
+
+    /// The placements to send now (then forgotten).
+    pub fn take(&mut self) -> Vec<Placement> {
+        self.pending.drain(..).collect()
     }
 }
 

@@ -653,6 +653,7 @@ impl Scheduler {
                 address: c.address.to_string(),
                 cap: u32::try_from(cap).unwrap_or(u32::MAX),
                 hashes: px.hashes.clone(),
+                foreign: false,
             });
         }
         if !ask.scope.skip_shared_record {

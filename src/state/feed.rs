@@ -15,8 +15,8 @@
 //! **Layout (bounded).** Each VM writes its placements, in order, into a ring of [`RING`] keys
 //! under its in-flight slot number `s` (`crate::state::inflight`: unique among the live VMs):
 //! `inference-picker/feed/<s>/<k>`, `k = seq mod RING`. A value is a `crate::base::codec`
-//! record (tag `Placement`): `u64 owner nonce ‖ u64 seq ‖ str address ‖ u32 cap ‖ u32 count ‖
-//! count × le64 block hash`, at most [`MAX_HASHES`] hashes (`prefix.max_blocks`' limit). `cap`
+//! record (tag `Placement`): `u64 owner nonce ‖ u64 seq ‖ str address ‖ u32 cap ‖ bool foreign ‖
+//! u32 count ‖ count × le64 block hash`, at most [`MAX_HASHES`] hashes (`prefix.max_blocks`' limit). `cap`
 //! is the writer's index capacity for that pod, so the reader models the same LRU. One VM has
 //! one writer: plain writes, no CAS.
 //!
@@ -50,6 +50,9 @@ pub struct Placement {
     /// The writer's index capacity for `address`, in blocks.
     pub cap: u32,
     pub hashes: Vec<u64>,
+    /// Received from a peer gateway (`crate::poll::peers`), not picked here: the poller does not
+    /// send it on, so placements never echo between gateways.
+    pub foreign: bool,
 }
 
 /// The key of ring entry `k` of slot `slot`.
@@ -61,7 +64,7 @@ pub fn entry_key(slot: usize, k: u64) -> String {
 pub fn encode(owner: u64, seq: u64, p: &Placement) -> Vec<u8> {
     let n = p.hashes.len().min(MAX_HASHES);
     let mut w = Writer::new(Tag::Placement, 32 + p.address.len() + 8 * n);
-    w.u64(owner).u64(seq).str(&p.address).u32(p.cap).len(n);
+    w.u64(owner).u64(seq).str(&p.address).u32(p.cap).bool(p.foreign).len(n);
     for &h in p.hashes.iter().take(n) {
         w.u64(h);
     }
@@ -76,13 +79,14 @@ pub fn decode(bytes: &[u8]) -> Option<(u64, u64, Placement)> {
     let seq = r.u64()?;
     let address = r.string(MAX_NAME_BYTES)?;
     let cap = r.u32()?;
+    let foreign = r.bool()?;
     let n = r.count(8, MAX_HASHES)?;
     let mut hashes = Vec::with_capacity(n);
     for _ in 0..n {
         hashes.push(r.u64()?);
     }
     r.finish()?;
-    Some((owner, seq, Placement { address, cap, hashes }))
+    Some((owner, seq, Placement { address, cap, hashes, foreign }))
 }
 
 /// This VM's side of the feed: the next sequence number.
@@ -172,7 +176,7 @@ mod tests {
     use crate::base::ports::MemStore;
 
     fn placement(address: &str, hashes: &[u64]) -> Placement {
-        Placement { address: address.into(), cap: 1000, hashes: hashes.to_vec() }
+        Placement { address: address.into(), cap: 1000, hashes: hashes.to_vec(), foreign: false }
     }
 
     #[test]

@@ -314,6 +314,22 @@ fn encode_record(owner: u64, heartbeat_ms: u64, counts: &InflightCounts, foreign
     w.finish()
 }
 
+/// The live VMs of this Envoy: (slot, owner nonce) of every VM record (not a peer gateway's)
+/// not older than [`TTL_MS`] at `now_ms` (the poller reads their placement rings,
+/// `crate::state::feed`). One host read per written slot.
+pub fn live_vms(store: &dyn SharedStore, now_ms: u64) -> Result<Vec<(usize, u64)>, StoreError> {
+    let mut out = Vec::new();
+    for k in 0..MAX_SLOTS {
+        let Some((bytes, _)) = store.get(&slot_key(k))? else { break };
+        if let Some(rec) = decode(&bytes) {
+            if !rec.foreign && now_ms.saturating_sub(rec.heartbeat_ms) <= TTL_MS {
+                out.push((k, rec.owner));
+            }
+        }
+    }
+    Ok(out)
+}
+
 /// This gateway's own in-flight counts: every live VM record of this Envoy, summed, without the
 /// records other gateways sent ([`put_peer`], in their own slots; or in the VM slots by an older
 /// release). What the poller sends to its peers

@@ -50,12 +50,13 @@ impl Filter {
 
     /// `peers`: a peer's body, applied to this gateway's prefix table once complete.
     pub(super) fn peer_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
-        if body_size > peers::MAX_BODY_BYTES {
+        let limit = peers::MAX_BODY_BYTES.max(peers::MAX_PLACEMENT_BODY_BYTES);
+        if body_size > limit {
             return self.reject(&Rejection::new(
                 413,
                 "invalid_request_error",
                 "request_too_large",
-                format!("A batch of prefix records is at most {} bytes.", peers::MAX_BODY_BYTES),
+                format!("A peer message is at most {limit} bytes."),
             ));
         }
         if !end_of_stream {
@@ -64,6 +65,17 @@ impl Filter {
         let body = if body_size == 0 { Vec::new() } else { io::request_body(body_size).unwrap_or_default() };
         if peers::is_load_report(&body) {
             return self.peer_load(&body);
+        }
+        if peers::is_placement_batch(&body) {
+            return self.peer_placements(&body);
+        }
+        if body.len() > peers::MAX_BODY_BYTES {
+            return self.reject(&Rejection::new(
+                413,
+                "invalid_request_error",
+                "request_too_large",
+                format!("A batch of prefix records is at most {} bytes.", peers::MAX_BODY_BYTES),
+            ));
         }
         let received = peers::receive(&io::HostStore, self.worker.scheduler.borrow().shared_prefix(), &body);
         let mut m = self.worker.metrics.borrow_mut();
@@ -158,6 +170,52 @@ impl Filter {
                 format!("The in-flight report was not applied: {why}."),
             )),
         }
+    }
+}
+
+impl Filter {
+    /// A peer's picks (`peers::decode_placements`): into this worker's prefix index, and into
+    /// its placement ring (marked foreign, so the poller does not send them on) for the other
+    /// workers here. This gateway's own batch (it lists itself among its peers) is ignored.
+    fn peer_placements(&mut self, body: &[u8]) -> Action {
+        let decoded = peers::decode_placements(body);
+        let outcome = match &decoded {
+            Err(peers::WireError::UnknownVersion(_)) => "skipped",
+            Err(_) => "refused",
+            Ok((sender, _)) => match io::HostStore.get(peers::LOAD_SENDER_KEY) {
+                Ok(own) if peers::is_own_report(own.as_ref().map(|(v, _)| v.as_slice()), *sender) => "own",
+                // Unreadable: applying our own placements again costs nothing wrong (they name
+                // the pods we sent them to), so they are applied.
+                _ => "applied",
+            },
+        };
+        if let (Ok((_, placements)), "applied") = (&decoded, outcome) {
+            let mut scheduler = self.worker.scheduler.borrow_mut();
+            for p in placements {
+                scheduler.observe(p);
+            }
+            drop(scheduler);
+            for p in placements {
+                super::feed::publish(&self.worker, p);
+            }
+        }
+        let n = decoded.as_ref().map_or(1, |(_, p)| p.len().max(1)) as u64;
+        self.worker
+            .metrics
+            .borrow_mut()
+            .add(telemetry::name(telemetry::PEER_PLACEMENTS, &[("outcome", outcome)]), n);
+        if outcome == "refused" {
+            let why = decoded.err().map(|e| format!("{e:?}")).unwrap_or_default();
+            return self.reject(&Rejection::new(
+                400,
+                "invalid_request_error",
+                "bad_peer_placements",
+                format!("The placements were refused whole: {why}."),
+            ));
+        }
+        self.ex.borrow_mut().answered = true;
+        io::send_local_reply(204, &[], &[]);
+        Action::Pause
     }
 }
 

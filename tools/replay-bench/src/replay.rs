@@ -36,6 +36,7 @@ use inference_picker::config::Config;
 use inference_picker::flow::priority::{resolve_priority, PriorityHeaders};
 use inference_picker::flow::saturation::{saturated, SaturationParams};
 use inference_picker::flow::{Action, Admission, Capacity, FlowQueue, Ticket};
+use inference_picker::poll::peers;
 use inference_picker::poll::poller::{Poller, ScrapeResult};
 use inference_picker::request::{on_body, RequestHead};
 use inference_picker::scheduler::{PickState, Scheduler};
@@ -321,6 +322,8 @@ pub fn run(trace: &Trace, policy: Policy, rc: &RunConfig) -> Result<RunResult, S
             stale: None,
         })
         .collect();
+    // Replicas of ours that exchange (`peers`): their picks also go to the other replicas.
+    let exchanging = rc.peer_sync_ms.is_some() && policy.is_ours() && n_replicas > 1;
     let workers: Vec<Worker> = (0..n_replicas * n_workers)
         .map(|i| {
             let mut wrng = SplitMix64::new(rc.seed.wrapping_mul(1_000_003).wrapping_add(i as u64));
@@ -335,7 +338,7 @@ pub fn run(trace: &Trace, policy: Policy, rc: &RunConfig) -> Result<RunResult, S
                     .uses_flow_control()
                     .then(|| FlowQueue::new(&cfg.flow_control, MODEL, i as u64 + 1)),
                 held: hashbrown::HashMap::new(),
-                feed: (policy.is_ours() && n_workers > 1 && !rc.no_feed).then(|| {
+                feed: (policy.is_ours() && !rc.no_feed && (n_workers > 1 || exchanging)).then(|| {
                     let (base, slot) = (i - i % n_workers, i % n_workers);
                     Feed {
                         slot,
@@ -386,6 +389,8 @@ pub fn run(trace: &Trace, policy: Policy, rc: &RunConfig) -> Result<RunResult, S
             entries: cfg.scheduler.prefix.shared_entries_per_shard.max(1),
             load: rc.peer_sync_load,
             sent: vec![Vec::new(); n_replicas],
+            placements: (0..n_replicas).map(|_| peers::PlacementExporter::default()).collect(),
+            workers_per_replica: n_workers,
         }),
         approx: (policy == Policy::OracleApproxPrefix).then(|| {
             // As many units per server as its KV holds.
@@ -542,6 +547,37 @@ impl Sim<'_> {
             }
         }
         ps.sent = read_now;
+        // Each replica's picks since the last exchange (read from its workers' rings now; the
+        // module's poller reads them every tick), to every other replica, where one worker
+        // takes them (as one worker's filter takes a peer's POST) and republishes them for its
+        // own workers, marked foreign.
+        let n = ps.workers_per_replica;
+        let batches: Vec<Vec<_>> = ps
+            .placements
+            .iter_mut()
+            .zip(&self.replicas)
+            .enumerate()
+            .map(|(ri, (ex, rep))| {
+                let vms: Vec<(usize, u64)> = (0..n).map(|j| (j, (ri * n + j) as u64 + 1)).collect();
+                ex.collect(&rep.store, &vms);
+                let taken = ex.take();
+                let body = peers::encode_placements(ri as u64 + 1, &taken);
+                peers::decode_placements(&body).map(|(_, p)| p).unwrap_or_default()
+            })
+            .collect();
+        for (ri, rep) in self.replicas.iter().enumerate() {
+            let Some(w) = self.workers.get_mut(ri * n) else { continue };
+            let (Some(s), Some(f)) = (w.sched.as_mut(), w.feed.as_mut()) else { continue };
+            for (from, batch) in batches.iter().enumerate() {
+                if from == ri {
+                    continue;
+                }
+                for p in batch {
+                    s.observe(p);
+                    let _ = f.writer.publish(&rep.store, f.slot, f.owner, p);
+                }
+            }
+        }
     }
 
     fn advance_server(&mut self, si: usize, t: f64) {
@@ -848,7 +884,9 @@ impl Sim<'_> {
                         // the host's `go` does.
                         if let Some(f) = w.feed.as_mut() {
                             let mut seen = Vec::new();
-                            f.reader.poll(&rep.store, &f.others, feed::MAX_PER_PICK, &mut seen);
+                            if !f.others.is_empty() {
+                                f.reader.poll(&rep.store, &f.others, feed::MAX_PER_PICK, &mut seen);
+                            }
                             for p in &seen {
                                 s.observe(p);
                             }
@@ -1153,4 +1191,7 @@ struct PeerSync {
     load: bool,
     /// Per replica, per shard: its value at the last exchange.
     sent: Vec<Vec<Vec<u8>>>,
+    /// Per replica, its poller's side of the placements exchange (`peers::PlacementExporter`).
+    placements: Vec<peers::PlacementExporter>,
+    workers_per_replica: usize,
 }
