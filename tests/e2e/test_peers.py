@@ -10,6 +10,7 @@ import concurrent.futures as cf
 import json
 import os
 import socket
+import struct
 import sys
 import threading
 import time
@@ -384,3 +385,39 @@ def test_replicas_find_each_other_through_the_kubernetes_api(tmp_path):
                        "replica B to apply A's records after A's pod list failed")
         finally:
             stop_each(a, b, sims)
+
+
+PLACEMENTS = bytes([0x12, 1])  # placement batch: u64 sender, u32 count, placements
+
+
+def _placement_batch(sender: int, address: str, hashes: list[int]) -> bytes:
+    a = address.encode()
+    body = PLACEMENTS + struct.pack("<QI", sender, 1) + struct.pack("<I", len(a)) + a
+    body += struct.pack("<II", 1000, len(hashes)) + b"".join(struct.pack("<Q", h) for h in hashes)
+    return body
+
+
+def test_a_peers_placements_are_applied_and_a_malformed_batch_is_refused_whole():
+    sims = [Sim("peer-p")]
+    envoy = None
+    try:
+        envoy = Envoy(_config(sims, free_port()))
+        envoy.wait_routable()
+        before = sims[0].requests_total()
+        url = envoy.url + PATH
+        good = {"x-inference-picker-peer-token": TOKEN}
+        ok = requests.post(url, data=_placement_batch(7, sims[0].address, [1, 2, 3]), headers=good, timeout=5)
+        assert ok.status_code == 204, ok.text
+        wait_until(lambda: envoy.metric("inference_picker_peer_placements_total", outcome="applied") >= 1, 10,
+                   "the placement counted as applied")
+        # A count that promises more than the body holds: refused whole, nothing applied.
+        bad = requests.post(url, data=PLACEMENTS + struct.pack("<QI", 7, 3), headers=good, timeout=5)
+        assert bad.status_code == 400 and bad.json()["error"]["code"] == "bad_peer_placements", bad.text
+        wait_until(lambda: envoy.metric("inference_picker_peer_placements_total", outcome="refused") >= 1, 10,
+                   "the malformed batch counted as refused")
+        assert sims[0].requests_total() == before, "nothing of the exchange reached a pod"
+    finally:
+        if envoy:
+            envoy.stop()
+        for s in sims:
+            s.stop()
