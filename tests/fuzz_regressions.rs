@@ -87,8 +87,11 @@ fn binary_seeds_are_well_formed_records() {
     use inference_picker::state::{health::HealthView, inflight, prefix_shared};
     let seed = |p: &str| fs::read(root().join("fuzz/corpus").join(p)).unwrap();
     let rec = inflight::decode(&seed("inflight/slot-record.bin")).unwrap();
-    assert_eq!((rec.owner, rec.counts.get("10.0.0.1:8000"), rec.foreign), (0xdead_beef, 3, false));
-    assert!(inflight::decode(&seed("inflight/peer-record.bin")).unwrap().foreign);
+    assert_eq!((rec.owner, rec.counts.get("10.0.0.1:8000")), (0xdead_beef, 3));
+    // A peer gateway's record of older builds (the removed load exchange): a free slot.
+    let peer_record = seed("inflight/peer-record.bin");
+    assert_eq!(peer_record[0], 0x04);
+    assert!(inflight::decode(&peer_record).is_none());
     assert!(inflight::decode(&seed("inflight/garbled.bin")).is_none());
     assert!(HealthView::decode(&seed("health/two-entries.bin")).entry("10.0.0.2:8000").is_some());
     assert_eq!(prefix_shared::decode(&seed("prefix_shard/four_records.bin")).len(), 4);
@@ -96,6 +99,8 @@ fn binary_seeds_are_well_formed_records() {
     assert_eq!(peers::decode(&seed("peer_batch/one")).unwrap().len(), 1);
     assert_eq!(peers::decode(&seed("peer_batch/overflow_one_shard")).unwrap().len(), 12);
     assert!(peers::decode(&seed("peer_batch/truncated")).is_err());
-    let (sender, counts) = peers::decode_load(&seed("peer_batch/load-report")).unwrap();
-    assert_eq!((sender, counts.total()), (0xf00, 4));
+    // A load report of older builds (the removed load exchange): recognised, and nothing else.
+    let load = seed("peer_batch/load-report");
+    assert!(peers::is_retired_load_report(&load));
+    assert!(peers::decode(&load).is_err() && peers::decode_placements(&load).is_err());
 }

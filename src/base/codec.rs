@@ -22,9 +22,9 @@
 //! | 0x01 | snapshot (`state::snapshot`)                   | `inference-picker/snapshot`           | 1       |
 //! | 0x02 | snapshot version number                        | `inference-picker/snapshot-version`   | 1       |
 //! | 0x03 | in-flight record of a VM (`state::inflight`)   | `inference-picker/inflight/<k>`       | 1       |
-//! | 0x04 | in-flight record of a peer gateway             | `inference-picker/inflight-peer/<k>`  | 1       |
+//! | 0x04 | reserved: peer in-flight record (removed)      | was `inference-picker/inflight-peer/<k>` | 1    |
 //! | 0x05 | peer prefix-record batch (`poll::peers`)       | POST body on the peers path           | 1       |
-//! | 0x06 | peer load report (`poll::peers`)               | POST body on the peers path           | 1       |
+//! | 0x06 | reserved: peer load report (removed)           | POST body on the peers path (answered 204) | 1  |
 //! | 0x07 | prefix shard (`state::prefix_shared`)          | `inference-picker/prefix2/<nnnn>`     | 1       |
 //! | 0x08 | TTFT rate shard (`state::rates`)               | `inference-picker/rate/<nn>`          | 1       |
 //! | 0x09 | poller lease (`poll::lease`)                   | `inference-picker/poller-lease`       | 1       |
@@ -32,9 +32,15 @@
 //! | 0x0B | flow-control ledger (`flow::ledger`)           | `inference-picker/flow/<group>`       | 1       |
 //! | 0x0C | parsed request (`request::pools`)              | filter state passed between pools     | 1       |
 //! | 0x0D | worker-id sequence (`flow::admission`)         | `inference-picker/flow-worker-seq`    | 1       |
-//! | 0x0E | this gateway's peer sender nonce               | `inference-picker/peers/load-sender`  | 1       |
-//! | 0x0F | peer count (`poll::peers`)                     | `inference-picker/peers/count`        | 1       |
+//! | 0x0E | this gateway's peer sender nonce (`poll::peers`) | `inference-picker/peers/load-sender` | 1      |
+//! | 0x0F | reserved: peer count (removed)                 | was `inference-picker/peers/count`    | 1       |
 //! | 0x10 | configuration digest (`config::live`)          | `inference-picker/config-version`     | 1       |
+//!
+//! The reserved tags belonged to the load exchange between replicas, which was removed: nothing
+//! writes them, and they are never given to another record. Older builds still write them
+//! during a rolling upgrade: an in-flight peer record or a peer count is read by nothing here,
+//! and a load report POSTed by an older replica is answered 204 and counted
+//! (`inference_picker_records_skipped_total{reason="peer_load"}`, `poll::peers`).
 //!
 //! The configuration document itself (`inference-picker/config`) stays the JSON document it is
 //! (it is parsed as configuration, with the configuration's own error reporting).
@@ -48,11 +54,11 @@
 //! writer's data. Per record:
 //! - snapshot: the reader keeps its last snapshot (and re-reads at the next refresh) until the
 //!   poller publishes one it reads; an unknown version-number record is "no news";
-//! - in-flight VM and peer records: not added to the counts, and the slot stays occupied (never
-//!   claimed or rewritten by the older build: it belongs to a live VM of the other build; the
-//!   older VM takes another slot);
-//! - peer prefix batch and load report: answered 204 and ignored (counted), so that a replica
-//!   of the other build sees no error and logs no send failure; a malformed body is still 400;
+//! - in-flight VM record: not added to the counts, and the slot stays occupied (never claimed or
+//!   rewritten by the older build: it belongs to a live VM of the other build; the older VM takes
+//!   another slot);
+//! - peer prefix and placement batches: answered 204 and ignored (counted), so that a replica of
+//!   the other build sees no error and logs no send failure; a malformed body is still 400;
 //! - prefix shard and rate shard: a miss (no records, the prior rate) for the reader, and the
 //!   writer leaves the shard alone (no clobbering of the newer build's table);
 //! - lease: an unreadable holder, handled as a garbled record already was: observed, and taken
@@ -63,9 +69,8 @@
 //! - flow ledger: the update is not written; the queue handles it like a store error;
 //! - parsed request: not reused; the filter parses the body itself;
 //! - worker-id sequence: no id from shared data; the VM takes a random one (as on a store error);
-//! - sender nonce: the poller does not send load reports (it would overwrite the other build's
-//!   nonce), and the filter treats a report as possibly its own, so it is not applied;
-//! - peer count: the configured `addresses` count, as for a missing value;
+//! - sender nonce: the poller does not send placement batches (it would overwrite the other
+//!   build's nonce), and the filter treats a batch as possibly its own, so it is not applied;
 //! - configuration digest: no hint; the filter reads the document and compares its digest.
 //!
 //! A build of the *next* release reads both versions. The cargo feature `codec-next` (tests
@@ -81,8 +86,11 @@ pub enum Tag {
     Snapshot = 0x01,
     SnapshotVersion = 0x02,
     InflightVm = 0x03,
+    /// Reserved (the removed load exchange): nothing writes or reads it.
     InflightPeer = 0x04,
     PeerPrefixBatch = 0x05,
+    /// Reserved (the removed load exchange): nothing writes it; an older replica's report is
+    /// answered 204 and counted (`crate::poll::peers::is_retired_load_report`).
     PeerLoadReport = 0x06,
     PrefixShard = 0x07,
     RateShard = 0x08,
@@ -91,7 +99,9 @@ pub enum Tag {
     FlowLedger = 0x0B,
     ParsedRequest = 0x0C,
     WorkerSeq = 0x0D,
+    /// This gateway's sender nonce (`crate::poll::peers::SENDER_KEY`).
     LoadSender = 0x0E,
+    /// Reserved (the removed load exchange): nothing writes or reads it.
     PeerCount = 0x0F,
     ConfigVersion = 0x10,
     Placement = 0x11,

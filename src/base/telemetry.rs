@@ -90,16 +90,14 @@ pub const PEER_SEND_FAILURES: &str = "inference_picker_peer_send_failures_total"
 /// `peers`: prefix records received from other replicas and applied, by `outcome`: `applied`
 /// (records in accepted batches), `refused` (batches refused whole: bad body or over the cap).
 pub const PEER_RECORDS: &str = "inference_picker_peer_records_total";
-/// Peer in-flight reports received (`peers.load_interval_ms`), by `outcome` (`applied`,
-/// `refused`, `own`: this gateway's own report, ignored).
-pub const PEER_LOAD_REPORTS: &str = "inference_picker_peer_load_reports_total";
 /// Peer placements received (`crate::poll::peers::decode_placements`), by `outcome` (`applied`,
 /// `own`, `skipped`: another build's batch, `refused`: malformed, one per batch).
 pub const PEER_PLACEMENTS: &str = "inference_picker_peer_placements_total";
 /// Gauge set by the poller at each publish: endpoints whose last scrape succeeded (GIE's
 /// `inference_pool_ready_pods` to its EPP). Below the pool's size, some pods are unreachable or lying.
 /// Shared-data records and peer messages of a version this build does not read (another build's,
-/// during a rolling upgrade), skipped by reason = the record (`crate::base::codec`).
+/// during a rolling upgrade), skipped by reason = the record (`crate::base::codec`); also the
+/// load reports of older replicas (`peer_load`: a message this build no longer reads).
 pub const RECORDS_SKIPPED: &str = "inference_picker_records_skipped_total";
 pub const READY_ENDPOINTS: &str = "inference_picker_ready_endpoints";
 /// Kubernetes pod-list calls that failed, by `reason`: `dispatch`, `status`, `bad_body`,

@@ -143,6 +143,23 @@ fn read_document<T: json::FromJson>(bytes: &[u8], doc: &serde_json::Value) -> Re
     json::read_value(doc).map_err(|e| locate::with_position(bytes, e))
 }
 
+/// Settings that were removed: (section, field, why). A document that still sets one gets this
+/// error rather than serde's unknown-field one, so its operator learns the setting is gone.
+const REMOVED_SETTINGS: &[(&str, &str, &str)] = &[(
+    "peers",
+    "load_interval_ms",
+    "was removed: replicas no longer exchange in-flight counts (they exchange placements, \
+     docs/peers.md); delete this setting",
+)];
+
+/// The error for the first removed setting `doc` sets, if any ([`REMOVED_SETTINGS`]).
+fn removed_setting(doc: &serde_json::Value) -> Option<ConfigError> {
+    REMOVED_SETTINGS.iter().find_map(|(section, field, why)| {
+        doc.get(section)?.get(field)?;
+        Some(ConfigError::new(format!("{section}.{field}"), *why))
+    })
+}
+
 /// Reads one configuration value (a whole [`Config`], or a section of it) from JSON, with the
 /// checks of [`Config::from_json`] short of [`Config::validate`]: for tools and tests.
 pub fn read_json<T: json::FromJson>(bytes: impl AsRef<[u8]>) -> Result<T, ConfigError> {
@@ -254,6 +271,9 @@ impl Config {
                 )])
             }
             Some(_) => {}
+        }
+        if let Some(e) = removed_setting(&doc) {
+            return Err(vec![locate::with_position(bytes, e)]);
         }
         let cfg: Config = read_document(bytes, &doc).map_err(|e| vec![e])?;
         cfg.validate()?;

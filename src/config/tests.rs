@@ -760,7 +760,6 @@ fn peers_defaults_and_token_resolution() {
     let p = cfg.peers.unwrap();
     assert_eq!(p.path, "/.inference-picker/v1/prefixes");
     assert_eq!((p.interval_ms, p.timeout_ms), (1000, 1000));
-    assert_eq!(p.load_interval_ms, 0, "the load exchange is off by default");
     assert_eq!(p.resolve_token(|n| (n == "PEER_TOKEN").then(|| "x".repeat(16))), Some("x".repeat(16)));
     // Unset or too short: no token, so nothing is sent or accepted.
     assert_eq!(p.resolve_token(|_| None), None);
@@ -826,20 +825,6 @@ fn peers_rules() {
         "peers.interval_ms",
         "100 to 60000",
     );
-    for bad in [1, 49, 60_001] {
-        assert_only(
-            &errors(&with_peers(
-                json!({"addresses": ["10.1.0.2:8080"], "token": ok_token, "load_interval_ms": bad}),
-            )),
-            "peers.load_interval_ms",
-            "0 (off) or 50 to 60000",
-        );
-    }
-    for good in [0, 50, 100, 60_000] {
-        let v =
-            with_peers(json!({"addresses": ["10.1.0.2:8080"], "token": ok_token, "load_interval_ms": good}));
-        assert_eq!(parse(&v).unwrap().peers.unwrap().load_interval_ms, good);
-    }
     assert_only(
         &errors(&with_peers(json!({"addresses": ["10.1.0.2:8080"], "token": ok_token, "timeout_ms": 2000}))),
         "peers.timeout_ms",
@@ -888,22 +873,20 @@ fn peers_authority() {
     }
 }
 
+/// `peers.load_interval_ms` was removed (replicas exchange placements, not load): a document
+/// that still sets it, to any value, is refused with an error that says so.
 #[test]
-fn the_peer_load_senders_are_capped_at_the_peer_count() {
-    let ok_token = "0123456789abcdef0123";
-    let v = with_peers(json!({"addresses": ["10.1.0.2:8080", "10.1.0.3:8080"], "token": ok_token}));
-    let pc = parse(&v).unwrap().peers.unwrap();
-    // Before the poller published its count: the configured addresses.
-    assert_eq!(crate::poll::peers::load_sender_limit(&pc, None), 2);
-    assert_eq!(crate::poll::peers::load_sender_limit(&pc, Some(b"garbled")), 2);
-    // The poller's count (addresses and pods found), never more than the peer slots.
-    let count = crate::poll::peers::encode_peer_count;
-    assert_eq!(crate::poll::peers::load_sender_limit(&pc, Some(&count(5))), 5);
-    assert_eq!(crate::poll::peers::load_sender_limit(&pc, Some(&count(0))), 0);
-    assert_eq!(
-        crate::poll::peers::load_sender_limit(&pc, Some(&count(100_000))),
-        crate::state::inflight::MAX_PEER_SLOTS
-    );
+fn the_removed_load_interval_is_refused_as_removed() {
+    for value in [json!(0), json!(100), json!("x")] {
+        let v = with_peers(
+            json!({"addresses": ["10.1.0.2:8080"], "token": "0123456789abcdef", "load_interval_ms": value}),
+        );
+        assert_only(&errors(&v), "peers.load_interval_ms", "was removed");
+    }
+    // The same name elsewhere is an ordinary unknown field.
+    let mut v = base();
+    v["poller"] = json!({"load_interval_ms": 100});
+    assert_has(&errors(&v), "poller.load_interval_ms", "unknown field `load_interval_ms`");
 }
 
 /// What [`check_defaults`] found: the defaults it compared (`definition.property`) and those

@@ -445,13 +445,10 @@ impl RootContext for Root {
                 gate: RefCell::new(Gate::new(&*cfg, worker_id)),
                 pending: RefCell::new(HashMap::new()),
                 health: RefCell::new(Recorder::new()),
-                inflight: RefCell::new(
-                    inflight::InflightTable::new(crate::poll::lease::holder_id(
-                        io::entropy(),
-                        self.context_id,
-                    ))
-                    .with_peers(cfg.peers.is_some()),
-                ),
+                inflight: RefCell::new(inflight::InflightTable::new(crate::poll::lease::holder_id(
+                    io::entropy(),
+                    self.context_id,
+                ))),
                 feed: RefCell::new(crate::state::feed::Feed::default()),
                 peer_token: cfg.peers.as_ref().and_then(|p| p.resolve_token(|name| std::env::var(name).ok())),
                 inflight_gauges_ms: Cell::new(0),

@@ -63,20 +63,14 @@ struct PeerSender {
     found: Vec<String>,
     list_call: Option<u32>,
     next_list_ms: u64,
-    /// `peers.load_interval_ms`: this poller's candidate for the gateway's sender nonce
-    /// (`peers::gateway_sender`: the first poller's wins), the next report, and the outstanding
-    /// report sends (token → peer address).
-    load_sender: u64,
-    next_load_ms: u64,
-    /// The peer count last published in `peers::PEER_COUNT_KEY`.
-    published_count: Option<usize>,
-    load_calls: HashMap<u32, String>,
+    /// This poller's candidate for the gateway's sender nonce of its placement batches
+    /// (`peers::gateway_sender`: the first poller's wins).
+    sender: u64,
 }
 
 impl PollerRole {
     pub fn new(cfg: Rc<Config>) -> Self {
         let core = Poller::with_seed(&*cfg, io::entropy());
-        let read_peers = cfg.peers.is_some();
         let metrics = io::Metrics::with_suffix(crate::request::pools::metric_suffix(cfg.pool.as_ref()));
         let mut p = PollerRole {
             cfg,
@@ -85,7 +79,7 @@ impl PollerRole {
             discovery_call: None,
             metrics,
             errors: LogLimiter::new(telemetry::ERROR_LOG_EVERY_MS),
-            inflight: InflightTable::new(io::entropy()).with_peers(read_peers),
+            inflight: InflightTable::new(io::entropy()),
             models: None,
             model_calls: HashMap::new(),
             peers: None,
@@ -111,10 +105,7 @@ impl PollerRole {
                 found: Vec::new(),
                 list_call: None,
                 next_list_ms: 0,
-                load_sender: io::entropy().max(1),
-                next_load_ms: 0,
-                published_count: None,
-                load_calls: HashMap::new(),
+                sender: io::entropy().max(1),
             }
         });
         p.models = ModelsLearner::from_config(p.cfg.pod_models.as_ref());
@@ -222,9 +213,7 @@ impl PollerRole {
             }
             return;
         }
-        if let Some(address) =
-            self.peers.as_mut().and_then(|p| p.calls.remove(&token).or_else(|| p.load_calls.remove(&token)))
-        {
+        if let Some(address) = self.peers.as_mut().and_then(|p| p.calls.remove(&token)) {
             let status = if num_headers == 0 { None } else { io::call_response_status() };
             if status != Some(204) {
                 self.metrics.count(telemetry::name(telemetry::PEER_SEND_FAILURES, &[]));
@@ -339,83 +328,41 @@ impl PollerRole {
                 }
             }
         }
-        let load_due = pc.load_interval_ms > 0 && now >= ps.next_load_ms;
-        let prefix_due = now >= ps.next_ms;
-        let Some(token) = ps.token.as_deref().filter(|_| load_due || prefix_due) else { return };
+        if now < ps.next_ms {
+            return;
+        }
+        let Some(token) = ps.token.as_deref() else { return };
         let cluster = &self.cfg.poller.cluster;
         let mut targets: Vec<&String> = pc.addresses.iter().collect();
         targets.extend(ps.found.iter().filter(|f| !pc.addresses.contains(f)));
-        // The filter caps the peers' load records at this count (`peers::load_sender_limit`).
-        if ps.published_count != Some(targets.len()) {
-            match io::HostStore.set(peers::PEER_COUNT_KEY, &peers::encode_peer_count(targets.len()), 0) {
-                Ok(()) => ps.published_count = Some(targets.len()),
-                Err(e) => {
-                    if self.errors.allow("peer_count", now).is_some() {
-                        warn!("inference-picker-poller: peers: publishing the peer count failed: {e:?}");
-                    }
-                }
-            }
-        }
         let mut failed = Vec::new();
-        if load_due {
-            // This gateway's own in-flight counts (never what peers sent it), to every peer,
-            // even when empty: an empty report clears what the peer counted for us.
-            ps.next_load_ms = now.saturating_add(pc.load_interval_ms);
-            ps.load_calls.clear();
-            let read = peers::gateway_sender(&io::HostStore, ps.load_sender).and_then(|sender| {
-                Ok((sender, crate::state::inflight::gateway_counts(&io::HostStore, now)?))
-            });
-            match read {
-                Ok((sender, counts)) => {
-                    let body = peers::encode_load(sender, &counts);
-                    let timeout = pc.timeout_ms.min(pc.load_interval_ms);
+        ps.next_ms = now.saturating_add(pc.interval_ms);
+        // A send still unanswered after a whole interval is lost (Envoy's timeout is shorter).
+        ps.calls.clear();
+        let batch = ps.exporter.collect(&io::HostStore, &ps.table);
+        if !batch.is_empty() {
+            let body = peers::encode(&batch);
+            post_to_peers(pc, cluster, token, &targets, &body, pc.timeout_ms, &mut ps.calls, &mut failed);
+        }
+        let placements = ps.placements.take();
+        if !placements.is_empty() {
+            match peers::gateway_sender(&io::HostStore, ps.sender) {
+                Ok(sender) => {
+                    let body = peers::encode_placements(sender, &placements);
                     post_to_peers(
                         pc,
                         cluster,
                         token,
                         &targets,
                         &body,
-                        timeout,
-                        &mut ps.load_calls,
+                        pc.timeout_ms,
+                        &mut ps.calls,
                         &mut failed,
                     );
                 }
                 Err(e) => {
-                    if self.errors.allow("peer_load", now).is_some() {
-                        warn!("inference-picker-poller: peers: reading this gateway's in-flight counts or sender nonce failed: {e:?}");
-                    }
-                }
-            }
-        }
-        if prefix_due {
-            ps.next_ms = now.saturating_add(pc.interval_ms);
-            // A send still unanswered after a whole interval is lost (Envoy's timeout is shorter).
-            ps.calls.clear();
-            let batch = ps.exporter.collect(&io::HostStore, &ps.table);
-            if !batch.is_empty() {
-                let body = peers::encode(&batch);
-                post_to_peers(pc, cluster, token, &targets, &body, pc.timeout_ms, &mut ps.calls, &mut failed);
-            }
-            let placements = ps.placements.take();
-            if !placements.is_empty() {
-                match peers::gateway_sender(&io::HostStore, ps.load_sender) {
-                    Ok(sender) => {
-                        let body = peers::encode_placements(sender, &placements);
-                        post_to_peers(
-                            pc,
-                            cluster,
-                            token,
-                            &targets,
-                            &body,
-                            pc.timeout_ms,
-                            &mut ps.calls,
-                            &mut failed,
-                        );
-                    }
-                    Err(e) => {
-                        if self.errors.allow("peer_sender", now).is_some() {
-                            warn!("inference-picker-poller: peers: this gateway's sender nonce cannot be read: {e:?}");
-                        }
+                    if self.errors.allow("peer_sender", now).is_some() {
+                        warn!("inference-picker-poller: peers: this gateway's sender nonce cannot be read: {e:?}");
                     }
                 }
             }

@@ -34,18 +34,10 @@
 //! host read per written slot other than our own (our counts are local); records are decoded
 //! again only when their CAS token changed.
 //!
-//! # Other gateways' records (`peers.load_interval_ms`)
-//! A peer gateway's report is written as a *peer* record (tag `InflightPeer`, owner = the
-//! sending gateway's nonce, heartbeat = when this gateway received it; [`put_peer`]) in a key
-//! space of its own, `inference-picker/inflight-peer/<k>` ([`peer_slot_key`]), never in a VM's
-//! slot: however many sender ids a peer invents, the workers' own records keep their slots.
-//! At most one live record per sender, and no more live senders than this gateway has peers
-//! (the `limit` of [`put_peer`]); a report beyond that is refused ([`PeerPut::Full`]). Readers
-//! of a gateway with `peers` add them like any record ([`InflightTable::with_peers`]), so every
-//! count there then includes the other replicas' requests; [`gateway_counts`], what this
-//! gateway reports to its peers, reads only the VM slots, so nothing is passed on. A peer that
-//! stops reporting ages out after [`TTL_MS`], like a dead VM. (A peer record found in a VM slot
-//! is still added by readers and still left out by [`gateway_counts`].)
+//! # Only this Envoy's VMs
+//! The counts are this gateway's own: other replicas' requests are seen at the next scrape
+//! only (replicas exchange placements, not load: `crate::poll::peers`). An in-flight record of
+//! a peer gateway (tag `InflightPeer`, written by older builds) reads as a free slot here.
 //!
 //! # Failure behaviour
 //! A garbled record reads as a free slot (its counts are ignored and its slot reusable). A
@@ -253,9 +245,6 @@ pub struct SlotRecord {
     /// When the owner last wrote, in ms.
     pub heartbeat_ms: u64,
     pub counts: InflightCounts,
-    /// Sent by another gateway replica ([`put_peer`]); `owner` is that gateway's nonce and
-    /// `heartbeat_ms` when this gateway received it.
-    pub foreign: bool,
 }
 
 /// What a slot holds.
@@ -265,33 +254,30 @@ enum Slot {
     Record(SlotRecord),
     /// Empty, or not a well-formed record: free for the taking.
     Free,
-    /// A record of a version this build does not read: a VM (or a peer) of another build owns
-    /// it. Never counted, never claimed or rewritten.
+    /// A record of a version this build does not read: a VM of another build owns it. Never
+    /// counted, never claimed or rewritten.
     Other,
 }
 
 fn read_slot(bytes: &[u8]) -> Slot {
-    for (tag, foreign) in [(Tag::InflightVm, false), (Tag::InflightPeer, true)] {
-        match codec::open(bytes, tag) {
-            Ok(mut r) => {
-                let rec = (|| {
-                    let owner = r.u64().filter(|&o| o != 0)?;
-                    let heartbeat_ms = r.u64()?;
-                    let counts = InflightCounts::read(&mut r)?;
-                    r.finish()?;
-                    Some(SlotRecord { owner, heartbeat_ms, counts, foreign })
-                })();
-                return rec.map_or(Slot::Free, Slot::Record);
-            }
-            Err(Refusal::UnknownVersion(_)) => return Slot::Other,
-            Err(Refusal::Malformed) => {}
+    match codec::open(bytes, Tag::InflightVm) {
+        Ok(mut r) => {
+            let rec = (|| {
+                let owner = r.u64().filter(|&o| o != 0)?;
+                let heartbeat_ms = r.u64()?;
+                let counts = InflightCounts::read(&mut r)?;
+                r.finish()?;
+                Some(SlotRecord { owner, heartbeat_ms, counts })
+            })();
+            rec.map_or(Slot::Free, Slot::Record)
         }
+        Err(Refusal::UnknownVersion(_)) => Slot::Other,
+        Err(Refusal::Malformed) => Slot::Free,
     }
-    Slot::Free
 }
 
-/// Parses a slot record (tag `InflightVm`, or `InflightPeer` for another gateway's: `u64 owner
-/// · u64 heartbeat_ms · counts`, [`InflightCounts::read`]). `None` for an empty value (a free
+/// Parses a slot record (tag `InflightVm`: `u64 owner · u64 heartbeat_ms · counts`,
+/// [`InflightCounts::read`]). `None` for an empty value (a free
 /// slot), anything that is not a well-formed record (treated as free), or a record of another
 /// build's version (skipped: not counted, and its slot is never taken). Pure; never panics.
 pub fn decode(bytes: &[u8]) -> Option<SlotRecord> {
@@ -303,133 +289,29 @@ pub fn decode(bytes: &[u8]) -> Option<SlotRecord> {
 
 /// Serialises a slot record (see [`decode`]).
 pub fn encode(rec: &SlotRecord) -> Vec<u8> {
-    encode_record(rec.owner, rec.heartbeat_ms, &rec.counts, rec.foreign)
+    encode_record(rec.owner, rec.heartbeat_ms, &rec.counts)
 }
 
-fn encode_record(owner: u64, heartbeat_ms: u64, counts: &InflightCounts, foreign: bool) -> Vec<u8> {
-    let tag = if foreign { Tag::InflightPeer } else { Tag::InflightVm };
-    let mut w = Writer::new(tag, 20 + counts.counts.len() * 40);
+fn encode_record(owner: u64, heartbeat_ms: u64, counts: &InflightCounts) -> Vec<u8> {
+    let mut w = Writer::new(Tag::InflightVm, 20 + counts.counts.len() * 40);
     w.u64(owner).u64(heartbeat_ms);
     counts.write(&mut w);
     w.finish()
 }
 
-/// The live VMs of this Envoy: (slot, owner nonce) of every VM record (not a peer gateway's)
-/// not older than [`TTL_MS`] at `now_ms` (the poller reads their placement rings,
+/// The live VMs of this Envoy: (slot, owner nonce) of every VM record not older than [`TTL_MS`] at `now_ms` (the poller reads their placement rings,
 /// `crate::state::feed`). One host read per written slot.
 pub fn live_vms(store: &dyn SharedStore, now_ms: u64) -> Result<Vec<(usize, u64)>, StoreError> {
     let mut out = Vec::new();
     for k in 0..MAX_SLOTS {
         let Some((bytes, _)) = store.get(&slot_key(k))? else { break };
         if let Some(rec) = decode(&bytes) {
-            if !rec.foreign && now_ms.saturating_sub(rec.heartbeat_ms) <= TTL_MS {
+            if now_ms.saturating_sub(rec.heartbeat_ms) <= TTL_MS {
                 out.push((k, rec.owner));
             }
         }
     }
     Ok(out)
-}
-
-/// This gateway's own in-flight counts: every live VM record of this Envoy, summed, without the
-/// records other gateways sent ([`put_peer`], in their own slots; or in the VM slots by an older
-/// release). What the poller sends to its peers
-/// (`peers.load_interval_ms`). One host read per written slot.
-pub fn gateway_counts(store: &dyn SharedStore, now_ms: u64) -> Result<InflightCounts, StoreError> {
-    let mut total = InflightCounts::default();
-    for k in 0..MAX_SLOTS {
-        let Some((bytes, _)) = store.get(&slot_key(k))? else { break };
-        if let Some(r) = decode(&bytes) {
-            if !r.foreign && now_ms.saturating_sub(r.heartbeat_ms) <= TTL_MS {
-                total.add_all(&r.counts);
-            }
-        }
-    }
-    Ok(total)
-}
-
-/// Prefix of the peer slot keys: `inference-picker/inflight-peer/<k>`, `k` in
-/// `0..MAX_PEER_SLOTS`. Peers' records live here, apart from the VMs' slots, so no number of
-/// peer reports can take a slot a worker needs ([`put_peer`]).
-pub const PEER_SLOT_KEY_PREFIX: &str = "inference-picker/inflight-peer/";
-/// Most peer gateways (a gateway's other replicas, `peers.addresses`), and so most peer records
-/// ever written: one per peer.
-pub const MAX_PEER_SLOTS: usize = 64;
-
-/// The shared-data key of peer slot `k`.
-pub fn peer_slot_key(k: usize) -> String {
-    format!("{PEER_SLOT_KEY_PREFIX}{k}")
-}
-
-/// What [`put_peer`] did with a peer's report.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum PeerPut {
-    /// Written: in the sender's record, or in a free one.
-    Applied,
-    /// Refused: `limit` other senders already have a live record (more senders than this
-    /// gateway has peers: a flood of sender ids, or a restarted peer whose old record has not
-    /// aged out yet). Nothing was written.
-    Full,
-}
-
-/// Writes the counts another gateway replica sent (`owner`: that gateway's sender nonce) as its
-/// record in the peer slots, stamped with this gateway's clock (`now_ms`), so every reader of
-/// this Envoy adds them to its own ([`InflightTable::read`]): in the record that carries
-/// `owner` if there is one, else in the lowest free, garbled or stale peer slot, as long as
-/// fewer than `limit` other senders have a live record (`limit`: how many peers this gateway
-/// has, at most [`MAX_PEER_SLOTS`]). So a peer holding the token can take at most `limit`
-/// peer slots and never a VM's slot. A peer that stops sending ages out after [`TTL_MS`]. Two
-/// workers receiving the same new sender at once may, rarely, leave a second copy in another
-/// slot; it is never rewritten and ages out within [`TTL_MS`].
-pub fn put_peer(
-    store: &dyn SharedStore,
-    owner: u64,
-    counts: &InflightCounts,
-    now_ms: u64,
-    limit: usize,
-) -> Result<PeerPut, StoreError> {
-    let owner = owner.max(1);
-    let limit = limit.min(MAX_PEER_SLOTS);
-    let mine = encode_record(owner, now_ms, counts, true);
-    let mut last = StoreError::CasMismatch;
-    for _ in 0..MAX_SYNC_ATTEMPTS {
-        let mut found = None;
-        let mut free = None;
-        let mut live_others = 0usize;
-        for k in 0..MAX_PEER_SLOTS {
-            match store.get(&peer_slot_key(k))? {
-                None => {
-                    free = free.or(Some((k, CREATE_CAS)));
-                    break;
-                }
-                Some((bytes, cas)) => match read_slot(&bytes) {
-                    Slot::Record(r) if r.foreign && r.owner == owner => {
-                        found = Some((k, cas));
-                        break;
-                    }
-                    Slot::Record(r) if r.foreign && now_ms.saturating_sub(r.heartbeat_ms) <= TTL_MS => {
-                        live_others += 1
-                    }
-                    // Another build's record: its slot is not ours to take.
-                    Slot::Other => {}
-                    _ => free = free.or(Some((k, cas))),
-                },
-            }
-        }
-        let target = match found {
-            Some(f) => f,
-            None if live_others >= limit => return Ok(PeerPut::Full),
-            None => match free {
-                Some(f) => f,
-                None => return Ok(PeerPut::Full),
-            },
-        };
-        match store.set(&peer_slot_key(target.0), &mine, target.1) {
-            Ok(()) => return Ok(PeerPut::Applied),
-            Err(StoreError::CasMismatch) => last = StoreError::CasMismatch,
-            Err(e) => return Err(e),
-        }
-    }
-    Err(last)
 }
 
 /// This VM's in-flight counts and its slot in shared data. One per VM, kept for its lifetime.
@@ -442,37 +324,24 @@ pub struct InflightTable {
     last_beat_ms: u64,
     /// Decoded records of the other slots, by CAS token, so unchanged ones are not re-parsed.
     cache: Vec<Option<(u32, Option<SlotRecord>)>>,
-    /// [`InflightTable::with_peers`]: also read the peer slots, cached the same way.
-    read_peers: bool,
-    peer_cache: Vec<Option<(u32, Option<SlotRecord>)>>,
 }
 
-/// A family of slot keys: the VMs' ([`slot_key`]) or the peers' ([`peer_slot_key`]).
-struct Space {
-    max: usize,
-    key: fn(usize) -> String,
-}
-
-const VM_SPACE: Space = Space { max: MAX_SLOTS, key: slot_key };
-const PEER_SPACE: Space = Space { max: MAX_PEER_SLOTS, key: peer_slot_key };
-
-/// Adds to `total` the live records (not `owner`'s, not older than [`TTL_MS`]) of the slots of
-/// `space`, skipping slot `skip`, until the first never-written one. `cache` keeps each slot's
+/// Adds to `total` the live records (not `owner`'s, not older than [`TTL_MS`]) of the VM slots,
+/// skipping slot `skip`, until the first never-written one. `cache` keeps each slot's
 /// decoded record by CAS token, so an unchanged record is not parsed again.
 fn scan(
     store: &dyn SharedStore,
     now_ms: u64,
     owner: u64,
     skip: Option<usize>,
-    space: &Space,
     cache: &mut Vec<Option<(u32, Option<SlotRecord>)>>,
     total: &mut InflightCounts,
 ) -> Result<(), StoreError> {
-    for k in 0..space.max {
+    for k in 0..MAX_SLOTS {
         if Some(k) == skip {
             continue;
         }
-        let Some((bytes, cas)) = store.get(&(space.key)(k))? else {
+        let Some((bytes, cas)) = store.get(&slot_key(k))? else {
             break;
         };
         if cache.len() <= k {
@@ -500,8 +369,6 @@ impl InflightTable {
             slot: None,
             last_beat_ms: 0,
             cache: Vec::new(),
-            read_peers: false,
-            peer_cache: Vec::new(),
         }
     }
 
@@ -515,7 +382,7 @@ impl InflightTable {
     }
 
     /// The other live VMs of this Envoy as of the last [`InflightTable::read`]: (slot, owner
-    /// nonce) of each record that is not ours, not a peer gateway's and not older than
+    /// nonce) of each record that is not ours and not older than
     /// [`TTL_MS`] at `now_ms` (`crate::state::feed` reads their placements).
     pub fn live_others(&self, now_ms: u64, out: &mut Vec<(usize, u64)>) {
         out.clear();
@@ -523,7 +390,6 @@ impl InflightTable {
             if let Some((_, Some(rec))) = entry {
                 if Some(k) != self.slot
                     && rec.owner != self.owner
-                    && !rec.foreign
                     && now_ms.saturating_sub(rec.heartbeat_ms) <= TTL_MS
                 {
                     out.push((k, rec.owner));
@@ -537,23 +403,11 @@ impl InflightTable {
         &self.local
     }
 
-    /// Also read the peer slots ([`put_peer`]) in [`InflightTable::read`]: set when this
-    /// gateway has `peers` (it applies peers' reports whatever its own `load_interval_ms`).
-    /// Without it a read costs no host call for them.
-    pub fn with_peers(mut self, read_peers: bool) -> Self {
-        self.read_peers = read_peers;
-        self
-    }
-
     /// Every live VM's counts summed: ours from memory, the others' from their slots (records
-    /// older than [`TTL_MS`] ignored), and, [`InflightTable::with_peers`], the peer gateways'
-    /// records. Each scan stops at its first never-written slot.
+    /// older than [`TTL_MS`] ignored). The scan stops at the first never-written slot.
     pub fn read(&mut self, store: &dyn SharedStore, now_ms: u64) -> Result<InflightCounts, StoreError> {
         let mut total = self.local.clone();
-        scan(store, now_ms, self.owner, self.slot, &VM_SPACE, &mut self.cache, &mut total)?;
-        if self.read_peers {
-            scan(store, now_ms, self.owner, None, &PEER_SPACE, &mut self.peer_cache, &mut total)?;
-        }
+        scan(store, now_ms, self.owner, self.slot, &mut self.cache, &mut total)?;
         Ok(total)
     }
 
@@ -654,7 +508,7 @@ impl InflightTable {
                 self.slot = None;
                 continue;
             }
-            match store.set(&key, &encode_record(self.owner, now_ms, &self.local, false), cas) {
+            match store.set(&key, &encode_record(self.owner, now_ms, &self.local), cas) {
                 Ok(()) => {
                     self.last_beat_ms = now_ms;
                     return Ok(());
@@ -669,7 +523,7 @@ impl InflightTable {
     /// Takes the lowest slot that is never written, free, garbled or stale, and writes our record
     /// there.
     fn claim(&mut self, store: &dyn SharedStore, now_ms: u64) -> Result<(), StoreError> {
-        let mine = encode_record(self.owner, now_ms, &self.local, false);
+        let mine = encode_record(self.owner, now_ms, &self.local);
         for k in 0..MAX_SLOTS {
             let key = slot_key(k);
             let written = match store.get(&key)? {

@@ -11,8 +11,8 @@ and the next. The current build skips what it cannot read.
   through both listeners, concurrently, while both builds rewrite the records in their own
   version: every request is answered 200 by a pod, and the current build counted records it
   skipped (`inference_picker_records_skipped_total`), so the versions were really mixed.
-- Two Envoys exchanging peer messages (`peers`, prefix batches and load reports), one of each
-  build: every request succeeds, the current replica ignores the next one's messages (204,
+- Two Envoys exchanging peer messages (`peers`, prefix batches and placement batches), one of
+  each build: every request succeeds, the current replica ignores the next one's messages (204,
   counted as skipped), and neither replica sees a failed send.
 """
 
@@ -107,7 +107,7 @@ def _peers_config(sims, peer_port):
     return picker_config(
         [endpoint(s) for s in sims],
         peers={"addresses": [f"127.0.0.1:{peer_port}"], "token": TOKEN, "interval_ms": 200,
-               "timeout_ms": 200, "load_interval_ms": 100},
+               "timeout_ms": 200},
     )
 
 
@@ -123,17 +123,23 @@ def test_replicas_of_two_builds_exchange_peer_messages_without_errors():
         b.wait_routable()
 
         def exchanged():
-            """Messages each replica took from the other so far: A skips B's, B applies A's."""
+            """Messages each replica took from the other so far: A skips B's, B applies A's
+            (prefix batches, counted per record or batch; placement batches, per placement or
+            batch)."""
             return (a.metric("inference_picker_peer_records_total", outcome="skipped")
-                    + a.metric("inference_picker_peer_load_reports_total", outcome="skipped"),
+                    + a.metric("inference_picker_peer_placements_total", outcome="skipped"),
                     b.metric("inference_picker_peer_records_total", outcome="applied")
-                    + b.metric("inference_picker_peer_load_reports_total", outcome="applied"))
+                    + b.metric("inference_picker_peer_placements_total", outcome="applied"))
 
         def failures():
             return [gw.metric("inference_picker_peer_send_failures_total") for gw in (a, b)]
 
-        # Sends before the other replica listened failed (as with one build); from the first
-        # message each way on, none may fail.
+        # Messages go out only after picks: one request through each replica, then a message
+        # each way. Sends before the other replica listened failed (as with one build); from
+        # the first message each way on, none may fail.
+        for gw in (a, b):
+            r = gw.chat(content="warm up " + "lorem ipsum " * 80)
+            assert r.status_code == 200, r.text
         wait_until_shown(lambda: all(x > 0 for x in exchanged()), 15, "a message each way",
                          lambda: (_series(a, "inference_picker_peer"), _series(b, "inference_picker_peer")))
         failed_before = failures()
@@ -142,21 +148,22 @@ def test_replicas_of_two_builds_exchange_peer_messages_without_errors():
             gw = a if i % 2 else b
             r = gw.chat(content=f"turn {i} " + "the quick brown fox " * 80)
             assert r.status_code == 200, r.text
-        # The current replica ignores the next one's batches and load reports (204, counted),
-        # and the next one applies the current one's (it reads both versions): both go on.
+        # The current replica ignores the next one's prefix and placement batches (204,
+        # counted), and the next one applies the current one's (it reads both versions): both
+        # go on.
         wait_until_shown(
             lambda: a.metric("inference_picker_peer_records_total", outcome="skipped") > 0
-            and a.metric("inference_picker_peer_load_reports_total", outcome="skipped") > 0
+            and a.metric("inference_picker_peer_placements_total", outcome="skipped") > 0
             and all(x > y for x, y in zip(exchanged(), seen)),
             15, "replica A to skip replica B's messages and B to apply A's",
             lambda: (_series(a, "inference_picker_peer"), _series(b, "inference_picker_peer")))
-        wait_until(lambda: b.metric("inference_picker_peer_load_reports_total", outcome="applied") > 0, 15,
-                   "replica B to apply replica A's load reports")
+        wait_until(lambda: b.metric("inference_picker_peer_placements_total", outcome="applied") > 0, 15,
+                   "replica B to apply replica A's placements")
         assert _skipped(a) > 0
         assert failures() == failed_before, (failed_before, _series(a, "inference_picker_peer"),
                                              _series(b, "inference_picker_peer"))
         for gw in (a, b):
             assert gw.metric("inference_picker_peer_records_total", outcome="refused") == 0
-            assert gw.metric("inference_picker_peer_load_reports_total", outcome="refused") == 0
+            assert gw.metric("inference_picker_peer_placements_total", outcome="refused") == 0
     finally:
         stop_each(a, b, *sims)

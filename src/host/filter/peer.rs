@@ -1,15 +1,15 @@
-//! The peers exchange on the filter's path: a peer gateway's prefix records and load reports
+//! The peers exchange on the filter's path: a peer gateway's prefix records and placements
 //! (`crate::poll::peers`), answered here and never sent to a pod.
 
 use proxy_wasm::types::Action;
 
 use super::super::io;
 use super::Filter;
+use crate::base::codec::Tag;
 use crate::base::errors::Rejection;
 use crate::base::ports::SharedStore;
 use crate::base::telemetry;
 use crate::poll::peers;
-use crate::state::inflight;
 
 impl Filter {
     /// `peers`: the exchange path's head. Only a POST with the shared token goes on (to its body);
@@ -63,8 +63,8 @@ impl Filter {
             return Action::Pause;
         }
         let body = if body_size == 0 { Vec::new() } else { io::request_body(body_size).unwrap_or_default() };
-        if peers::is_load_report(&body) {
-            return self.peer_load(&body);
+        if peers::is_retired_load_report(&body) {
+            return self.retired_peer_load();
         }
         if peers::is_placement_batch(&body) {
             return self.peer_placements(&body);
@@ -108,72 +108,20 @@ impl Filter {
         }
     }
 
-    /// `peers.load_interval_ms`: a peer's in-flight counts, written as its record in the peer
-    /// slots of the in-flight table (`inflight::put_peer`), which every worker here then adds to
-    /// its own. Fails closed: when this gateway's own sender nonce cannot be read, the report
-    /// is not applied (it may be this gateway's own, which would double its counts).
-    pub(super) fn peer_load(&mut self, body: &[u8]) -> Action {
-        let store = io::HostStore;
-        let Some(pc) = self.worker.cfg.peers.as_ref() else { return Action::Continue };
-        let outcome = match peers::decode_load(body) {
-            Err(peers::WireError::UnknownVersion(_)) => LoadOutcome::Skipped,
-            Err(e) => LoadOutcome::Refused(format!("{e:?}")),
-            Ok((sender, counts)) => match store.get(peers::LOAD_SENDER_KEY) {
-                Err(e) => LoadOutcome::Error(format!("this gateway's sender nonce cannot be read: {e:?}")),
-                // This gateway's own report (it lists itself among its peers): nothing to add.
-                Ok(own) if peers::is_own_report(own.as_ref().map(|(v, _)| v.as_slice()), sender) => {
-                    LoadOutcome::Own
-                }
-                Ok(_) => {
-                    let published = store.get(peers::PEER_COUNT_KEY).ok().flatten();
-                    let limit = peers::load_sender_limit(pc, published.as_ref().map(|(v, _)| v.as_slice()));
-                    match inflight::put_peer(&store, sender, &counts, io::now_ms(), limit) {
-                        Ok(inflight::PeerPut::Applied) => LoadOutcome::Applied,
-                        Ok(inflight::PeerPut::Full) => LoadOutcome::Full(limit),
-                        Err(e) => LoadOutcome::Error(format!("the in-flight table refused them: {e:?}")),
-                    }
-                }
-            },
-        };
+    /// A load report (tag `PeerLoadReport`) from a replica of an older build: the load exchange
+    /// was removed, so nothing is applied. Answered 204, like a message of a version this build
+    /// does not read, so that replica logs no send failure; counted in
+    /// `inference_picker_records_skipped_total{reason="peer_load"}`.
+    fn retired_peer_load(&mut self) -> Action {
         self.worker
             .metrics
             .borrow_mut()
-            .count(telemetry::name(telemetry::PEER_LOAD_REPORTS, &[("outcome", outcome.tag())]));
-        match outcome {
-            LoadOutcome::Applied | LoadOutcome::Own | LoadOutcome::Skipped => {
-                self.ex.borrow_mut().answered = true;
-                io::send_local_reply(204, &[], &[]);
-                Action::Pause
-            }
-            LoadOutcome::Refused(why) => self.reject(&Rejection::new(
-                400,
-                "invalid_request_error",
-                "bad_peer_load",
-                format!("The in-flight report was refused: {why}."),
-            )),
-            LoadOutcome::Full(limit) => self.reject(
-                &Rejection::new(
-                    429,
-                    "rate_limit_error",
-                    "peer_load_full",
-                    format!(
-                        "The in-flight report was refused: {limit} other senders already report here, \
-                     as many as this gateway has peers."
-                    ),
-                )
-                .with_retry_after(1),
-            ),
-            LoadOutcome::Error(why) => self.reject(&Rejection::new(
-                503,
-                "server_error",
-                "peer_load_unavailable",
-                format!("The in-flight report was not applied: {why}."),
-            )),
-        }
+            .count(telemetry::name(telemetry::RECORDS_SKIPPED, &[("reason", Tag::PeerLoadReport.name())]));
+        self.ex.borrow_mut().answered = true;
+        io::send_local_reply(204, &[], &[]);
+        Action::Pause
     }
-}
 
-impl Filter {
     /// A peer's picks (`peers::decode_placements`): into this worker's prefix index, and into
     /// its placement ring (marked foreign, so the poller does not send them on) for the other
     /// workers here. This gateway's own batch (it lists itself among its peers) is ignored.
@@ -182,7 +130,7 @@ impl Filter {
         let outcome = match &decoded {
             Err(peers::WireError::UnknownVersion(_)) => "skipped",
             Err(_) => "refused",
-            Ok((sender, _)) => match io::HostStore.get(peers::LOAD_SENDER_KEY) {
+            Ok((sender, _)) => match io::HostStore.get(peers::SENDER_KEY) {
                 Ok(own) if peers::is_own_report(own.as_ref().map(|(v, _)| v.as_slice()), *sender) => "own",
                 // Unreadable: applying our own placements again costs nothing wrong (they name
                 // the pods we sent them to), so they are applied.
@@ -216,33 +164,5 @@ impl Filter {
         self.ex.borrow_mut().answered = true;
         io::send_local_reply(204, &[], &[]);
         Action::Pause
-    }
-}
-
-/// What became of a peer's in-flight report (`Filter::peer_load`), as counted in
-/// `inference_picker_peer_load_reports_total{outcome}`.
-enum LoadOutcome {
-    Applied,
-    Own,
-    /// Another build's report (a version this one does not read): ignored (204).
-    Skipped,
-    /// Malformed: refused whole (400).
-    Refused(String),
-    /// More senders than peers (`inflight::PeerPut::Full`, 429).
-    Full(usize),
-    /// The shared store failed: not applied (503).
-    Error(String),
-}
-
-impl LoadOutcome {
-    fn tag(&self) -> &'static str {
-        match self {
-            LoadOutcome::Applied => "applied",
-            LoadOutcome::Own => "own",
-            LoadOutcome::Skipped => "skipped",
-            LoadOutcome::Refused(_) => "refused",
-            LoadOutcome::Full(_) => "refused_full",
-            LoadOutcome::Error(_) => "error",
-        }
     }
 }

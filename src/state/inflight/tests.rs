@@ -21,7 +21,7 @@ fn one_vm_counts_and_releases() {
     // Releasing below zero saturates instead of wrapping.
     assert_eq!(a.adjust(&s, "10.0.0.1:8000", -1, T0).unwrap(), 0);
     let rec = decode(&s.get(&slot_key(0)).unwrap().unwrap().0).unwrap();
-    assert_eq!((rec.owner, rec.heartbeat_ms, rec.foreign), (0xA, T0, false));
+    assert_eq!((rec.owner, rec.heartbeat_ms), (0xA, T0));
     assert_eq!(rec.counts, InflightCounts::from_text(b"10.0.0.2:8000=1"));
     assert_eq!(s.keys(), vec![slot_key(0)]);
 }
@@ -63,7 +63,7 @@ fn records_with_and_without_a_prefill_part_decode() {
     assert_eq!((c.get("b:1"), pf("b:1")), (1, (0.0, 0)));
     assert_eq!((c.get("c:1"), pf("c:1")), (2, (0.0, 0)));
     assert_eq!((c.get("d:1"), c.get("e:1")), (0, 0));
-    let rec = SlotRecord { owner: 1, heartbeat_ms: 2, counts: c.clone(), foreign: false };
+    let rec = SlotRecord { owner: 1, heartbeat_ms: 2, counts: c.clone() };
     assert_eq!(decode(&encode(&rec)).map(|r| r.counts), Some(c.clone()));
     assert_eq!(c, InflightCounts::from_text(b"a:1=3/2/7000;b:1=1;c:1=2"));
     // In the binary form too: a zero count is dropped, a prefill part beyond the count dropped.
@@ -182,12 +182,7 @@ fn a_clobbered_slot_is_detected_on_the_next_tick_and_the_loser_moves_with_its_st
     b.adjust(&s, "e", 1, T0).unwrap(); // slot 1
     s.set(
         &slot_key(0),
-        &encode(&SlotRecord {
-            owner: 0xB,
-            heartbeat_ms: T0,
-            counts: InflightCounts::from_text(b"e=1"),
-            foreign: false,
-        }),
+        &encode(&SlotRecord { owner: 0xB, heartbeat_ms: T0, counts: InflightCounts::from_text(b"e=1") }),
         0,
     )
     .unwrap();
@@ -214,15 +209,9 @@ fn a_stalled_vm_whose_slot_was_reused_moves_and_loses_nothing() {
 
 #[test]
 fn records_round_trip_and_garbage_reads_as_free() {
-    let rec = SlotRecord {
-        owner: 7,
-        heartbeat_ms: 42,
-        counts: InflightCounts::from_text(b"[fd00::1]:8000=3;a=1"),
-        foreign: false,
-    };
+    let rec =
+        SlotRecord { owner: 7, heartbeat_ms: 42, counts: InflightCounts::from_text(b"[fd00::1]:8000=3;a=1") };
     assert_eq!(decode(&encode(&rec)), Some(rec.clone()));
-    let foreign = SlotRecord { foreign: true, ..rec.clone() };
-    assert_eq!(decode(&encode(&foreign)), Some(foreign));
     let good = encode(&rec);
     let mut longer = good.clone();
     longer.push(0);
@@ -256,12 +245,7 @@ fn records_round_trip_and_garbage_reads_as_free() {
 #[test]
 fn a_record_of_another_release_is_skipped_and_its_slot_kept() {
     let s = MemStore::new();
-    let theirs = SlotRecord {
-        owner: 0xC,
-        heartbeat_ms: T0,
-        counts: InflightCounts::from_text(b"e=5"),
-        foreign: false,
-    };
+    let theirs = SlotRecord { owner: 0xC, heartbeat_ms: T0, counts: InflightCounts::from_text(b"e=5") };
     let theirs = codec::as_next(&encode(&theirs), Tag::InflightVm);
     s.set(&slot_key(0), &theirs, 0).unwrap();
     let mut a = InflightTable::new(0xA);
@@ -276,17 +260,6 @@ fn a_record_of_another_release_is_skipped_and_its_slot_kept() {
         let mut c = InflightTable::new(0xD);
         c.adjust(&s, "e", 1, T0 + 10 * TTL_MS).unwrap();
         assert_ne!(c.slot(), Some(0));
-    }
-    // Peer slots: another build's record is neither counted nor taken.
-    let p = MemStore::new();
-    let peer =
-        SlotRecord { owner: 0xF, heartbeat_ms: T0, counts: InflightCounts::from_text(b"e=2"), foreign: true };
-    let peer = codec::as_next(&encode(&peer), Tag::InflightPeer);
-    p.set(&peer_slot_key(0), &peer, 0).unwrap();
-    assert_eq!(put_peer(&p, 0x10, &InflightCounts::from_text(b"e=1"), T0, 4).unwrap(), PeerPut::Applied);
-    if !next {
-        assert_eq!(p.get(&peer_slot_key(0)).unwrap().unwrap().0, peer);
-        assert!(decode(&p.get(&peer_slot_key(1)).unwrap().unwrap().0).is_some());
     }
 }
 
@@ -332,7 +305,6 @@ fn a_full_table_keeps_counting_locally() {
                 owner: 1000 + k as u64,
                 heartbeat_ms: T0,
                 counts: InflightCounts::default(),
-                foreign: false,
             }),
             0,
         )
@@ -344,103 +316,25 @@ fn a_full_table_keeps_counting_locally() {
     assert_eq!(s.key_count(), MAX_SLOTS);
 }
 
-fn peer_slots(s: &MemStore) -> usize {
-    (0..MAX_PEER_SLOTS).map_while(|k| s.get(&peer_slot_key(k)).unwrap()).count()
-}
-
+/// A peer gateway's in-flight record as older builds wrote it (tag `InflightPeer`, from the
+/// removed load exchange), in a VM slot or in their peer key space: never counted, and the VM
+/// slot it sits in is free for the taking.
 #[test]
-fn a_peer_gateways_counts_are_read_by_every_vm_but_never_sent_on() {
+fn an_older_builds_peer_record_is_not_counted_and_its_slot_is_free() {
+    let mut w = Writer::new(Tag::InflightPeer, 64);
+    w.u64(0xF00).u64(T0);
+    InflightCounts::from_text(b"p=3/2/9000").write(&mut w);
+    let old = w.finish();
+    assert_eq!(decode(&old), None);
     let s = MemStore::new();
-    let mut a = InflightTable::new(0xA).with_peers(true);
-    let mut b = InflightTable::new(0xB).with_peers(true);
-    a.adjust(&s, "p", 1, T0).unwrap();
-    // Another gateway (nonce 0xF00) has 3 requests on p, 2 of them in prefill, and 1 on q.
-    let peer = InflightCounts::from_text(b"p=3/2/9000;q=1");
-    assert_eq!(put_peer(&s, 0xF00, &peer, T0, 1).unwrap(), PeerPut::Applied);
-    // Every VM of this gateway reads them with its own and the other VMs' counts.
-    let seen = b.read(&s, T0).unwrap();
-    assert_eq!(seen.get("p"), 4);
-    assert_eq!(seen.get("q"), 1);
-    assert_eq!(seen.load_hashed(address_hash("p"), "p").prefill_tokens, 9000);
-    // A reader of a gateway without `peers` reads the VM slots only.
-    assert_eq!(InflightTable::new(0xC).read(&s, T0).unwrap().get("p"), 1);
-    // What this gateway sends to its peers: its own VMs' counts only.
-    let own = gateway_counts(&s, T0).unwrap();
-    assert_eq!((own.get("p"), own.get("q")), (1, 0));
-    // The peer's next report replaces its record in place (same slot), even an empty one.
-    put_peer(&s, 0xF00, &InflightCounts::from_text(b"q=2"), T0 + 100, 1).unwrap();
-    put_peer(&s, 0xF00, &InflightCounts::default(), T0 + 200, 1).unwrap();
-    let seen = b.read(&s, T0 + 200).unwrap();
-    assert_eq!((seen.get("p"), seen.get("q")), (1, 0));
-    assert_eq!(peer_slots(&s), 1);
-    // The peer record never sits in a VM slot: a VM claiming one takes the next VM slot.
-    b.adjust(&s, "q", 1, T0 + 200).unwrap();
-    assert_eq!((a.slot(), b.slot()), (Some(0), Some(1)));
-    assert_eq!(a.read(&s, T0 + 200).unwrap().get("q"), 1);
-}
-
-#[test]
-fn a_peer_that_stops_sending_ages_out_and_its_slot_is_reused() {
-    let s = MemStore::new();
-    put_peer(&s, 0xF00, &InflightCounts::from_text(b"p=5"), T0, 1).unwrap();
-    let mut a = InflightTable::new(0xA).with_peers(true);
-    assert_eq!(a.read(&s, T0 + TTL_MS).unwrap().get("p"), 5);
-    assert_eq!(a.read(&s, T0 + TTL_MS + 1).unwrap().get("p"), 0);
-    // While it is live, a second sender does not fit a gateway with one peer.
-    assert_eq!(put_peer(&s, 0xF01, &InflightCounts::from_text(b"p=1"), T0 + 1, 1).unwrap(), PeerPut::Full);
-    // Once it is stale its slot is free for another sender (a restarted peer's new nonce).
-    let put = put_peer(&s, 0xF01, &InflightCounts::from_text(b"p=1"), T0 + TTL_MS + 1, 1).unwrap();
-    assert_eq!(put, PeerPut::Applied);
-    assert_eq!(peer_slots(&s), 1, "slot 0 was reused");
-    assert_eq!(a.read(&s, T0 + TTL_MS + 1).unwrap().get("p"), 1);
-}
-
-#[test]
-fn a_flood_of_sender_ids_cannot_hide_the_workers_counts() {
-    // A peer holding the token invents 1,000 sender ids, each reporting load on "p".
-    let s = MemStore::new();
-    let mut applied = 0;
-    for id in 0..1_000u64 {
-        if put_peer(&s, 0x1_0000 + id, &InflightCounts::from_text(b"p=1"), T0, 2).unwrap() == PeerPut::Applied
-        {
-            applied += 1;
-        }
-    }
-    // Only as many as this gateway has peers are taken; the rest are refused.
-    assert_eq!((applied, peer_slots(&s)), (2, 2));
-    // Even with the largest limit, never more than the peer slots, and never a VM slot.
-    for id in 0..1_000u64 {
-        let _ = put_peer(&s, 0x2_0000 + id, &InflightCounts::from_text(b"p=1"), T0, usize::MAX).unwrap();
-    }
-    assert_eq!(peer_slots(&s), MAX_PEER_SLOTS);
-    assert!(s.get(&slot_key(0)).unwrap().is_none(), "a peer record took a VM slot");
-    // The workers still claim their slots and see each other's counts.
-    let mut w1 = InflightTable::new(0xA).with_peers(true);
-    let mut w2 = InflightTable::new(0xB).with_peers(true);
-    w1.adjust(&s, "q", 1, T0).unwrap();
-    w2.adjust(&s, "q", 1, T0).unwrap();
-    assert_eq!((w1.slot(), w2.slot()), (Some(0), Some(1)));
-    assert_eq!(w1.read(&s, T0).unwrap().get("q"), 2);
-    assert_eq!(w2.read(&s, T0).unwrap().get("q"), 2);
-    // A known sender still updates its record while the table is full.
-    assert_eq!(put_peer(&s, 0x1_0000, &InflightCounts::from_text(b"p=7"), T0, 2).unwrap(), PeerPut::Applied);
-}
-
-#[test]
-fn records_an_older_release_wrote_as_foreign_in_the_vm_slots_are_read_but_not_reported() {
-    let s = MemStore::new();
-    let old = SlotRecord {
-        owner: 0xF00,
-        heartbeat_ms: T0,
-        counts: InflightCounts::from_text(b"p=3"),
-        foreign: true,
-    };
-    s.set(&slot_key(0), &encode(&old), 0).unwrap();
+    s.set(&slot_key(0), &old, 0).unwrap();
+    s.set("inference-picker/inflight-peer/0", &old, 0).unwrap();
     let mut a = InflightTable::new(0xA);
     a.adjust(&s, "p", 1, T0).unwrap();
-    assert_eq!(a.slot(), Some(1), "the live old record keeps its slot");
-    assert_eq!(a.read(&s, T0).unwrap().get("p"), 4);
-    assert_eq!(gateway_counts(&s, T0).unwrap().get("p"), 1);
+    assert_eq!(a.slot(), Some(0), "an old peer record's VM slot is free");
+    let mut b = InflightTable::new(0xB);
+    assert_eq!(b.read(&s, T0).unwrap().get("p"), 1);
+    assert!(live_vms(&s, T0).unwrap().iter().all(|&(_, owner)| owner != 0xF00));
 }
 
 #[test]

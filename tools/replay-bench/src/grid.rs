@@ -410,7 +410,6 @@ pub fn run_config(cell: &Cell, policy: Policy, load: f64, common: &suite::Common
         seed: cell.seed,
         ours_overrides: None,
         peer_sync_ms: None,
-        peer_sync_load: false,
         no_feed: common.no_feed,
         pod_mix: cell.pod_mix(),
         slo: None,

@@ -65,12 +65,6 @@ struct Args {
     /// Replicas of ours share nothing (no `peers` section).
     #[arg(long, conflicts_with = "peer_sync_ms")]
     no_peer_sync: bool,
-    /// A study, not what ships: the exchange also carries each replica's in-flight counts and
-    /// queued prefill, as the module's opt-in `peers.load_interval_ms` does (FINDINGS.md,
-    /// "Replicas re-examined": a tie on Mooncake as recorded, 0.69 → 0.85 of 1 × 1 with its
-    /// arrivals spread, the LoRA mix slower).
-    #[arg(long, conflicts_with = "no_peer_sync")]
-    peer_sync_load: bool,
     /// A study, not what ships: ours' workers share no placement feed (each knows exactly only
     /// the prefixes it placed, the others' from the cross-worker table alone), as before it.
     #[arg(long)]
@@ -182,7 +176,6 @@ fn real_main() -> Result<(), String> {
         } else {
             Some(args.peer_sync_ms.unwrap_or(inference_picker::poll::peers::DEFAULT_INTERVAL_MS))
         },
-        peer_sync_load: args.peer_sync_load,
         no_feed: args.no_feed,
     };
     if args.bursts {

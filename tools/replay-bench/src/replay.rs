@@ -80,10 +80,6 @@ pub struct RunConfig {
     /// the module, records a replica received count as changed at its next send (sent on once).
     /// `None`: replicas share nothing (no `peers` section).
     pub peer_sync_ms: Option<u64>,
-    /// With `peer_sync_ms`: each exchange also copies every other replica's in-flight record
-    /// (counts and queued prefill, `inference_picker::state::inflight`) into this replica's store, where
-    /// its readers add it to their own as they add another worker's.
-    pub peer_sync_load: bool,
     /// A study: ours' workers share no placement feed (`inference_picker::state::feed`), as before
     /// it: each knows exactly only the prefixes it placed, and the others' through the table.
     pub no_feed: bool,
@@ -140,9 +136,6 @@ impl RunConfig {
                 "metrics delay ({} ms) must be shorter than the poll interval ({} ms)",
                 self.metrics_delay_ms, self.poll_ms
             ));
-        }
-        if self.peer_sync_load && self.peer_sync_ms.is_none() {
-            return Err("the load exchange needs an exchange interval (peer_sync_ms)".into());
         }
         if self.peer_sync_ms == Some(0) {
             return Err("the peer exchange interval must be at least 1 ms".into());
@@ -305,8 +298,7 @@ pub fn run(trace: &Trace, policy: Policy, rc: &RunConfig) -> Result<RunResult, S
     let replicas: Vec<Replica> = (0..n_replicas)
         .map(|ri| Replica {
             store: MemStore::new(),
-            // One owner nonce per replica: a replica's reader skips its own record by it (and the
-            // `peer_sync_load` study copies the others' records in).
+            // One owner nonce per replica: a replica's reader skips its own record by it.
             inflight: std::cell::RefCell::new(inflight::InflightTable::new(1 + ri as u64)),
             poller: Poller::new(&cfg),
             next_poll: rng.next_f64() * rc.poll_ms as f64,
@@ -387,7 +379,6 @@ pub fn run(trace: &Trace, policy: Policy, rc: &RunConfig) -> Result<RunResult, S
             .keys()
             .to_vec(),
             entries: cfg.scheduler.prefix.shared_entries_per_shard.max(1),
-            load: rc.peer_sync_load,
             sent: vec![Vec::new(); n_replicas],
             placements: (0..n_replicas).map(|_| peers::PlacementExporter::default()).collect(),
             workers_per_replica: n_workers,
@@ -528,22 +519,6 @@ impl Sim<'_> {
                     }
                 }
                 let _ = rep.store.set(key, &v, 0);
-            }
-        }
-        if ps.load {
-            // Each replica's own record is its slot 0 (claimed first, lowest free); the others'
-            // go to slots 1.. in replica order, rewritten at every exchange (their heartbeats
-            // keep them alive while the exchange runs more often than `inflight::TTL_MS`).
-            let own: Vec<Option<Vec<u8>>> = self
-                .replicas
-                .iter()
-                .map(|r| r.store.get(&inflight::slot_key(0)).ok().flatten().map(|v| v.0))
-                .collect();
-            for (ri, rep) in self.replicas.iter().enumerate() {
-                let others = own.iter().enumerate().filter(|(j, _)| *j != ri).map(|(_, v)| v);
-                for (k, v) in others.enumerate() {
-                    let _ = rep.store.set(&inflight::slot_key(k + 1), v.as_deref().unwrap_or_default(), 0);
-                }
             }
         }
         ps.sent = read_now;
@@ -1187,8 +1162,6 @@ struct PeerSync {
     next: f64,
     keys: Vec<String>,
     entries: usize,
-    /// `RunConfig::peer_sync_load`.
-    load: bool,
     /// Per replica, per shard: its value at the last exchange.
     sent: Vec<Vec<Vec<u8>>>,
     /// Per replica, its poller's side of the placements exchange (`peers::PlacementExporter`).

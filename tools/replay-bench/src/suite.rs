@@ -55,8 +55,6 @@ pub struct Common {
     /// `RunConfig::peer_sync_ms` of every run: by default `peers.interval_ms`'s default, as
     /// the README deploys several replicas; `None` with `--no-peer-sync`.
     pub peer_sync_ms: Option<u64>,
-    /// `RunConfig::peer_sync_load` of every run.
-    pub peer_sync_load: bool,
     /// `RunConfig::no_feed` of every run.
     pub no_feed: bool,
 }
@@ -71,7 +69,6 @@ impl Default for Common {
             seeds: (1..=DEFAULT_SEEDS).collect(),
             ours_overrides: None,
             peer_sync_ms: Some(inference_picker::poll::peers::DEFAULT_INTERVAL_MS),
-            peer_sync_load: false,
             no_feed: false,
         }
     }
@@ -696,7 +693,6 @@ pub fn execute(
                     seed: t.seed,
                     ours_overrides: common.ours_overrides.clone(),
                     peer_sync_ms: common.peer_sync_ms,
-                    peer_sync_load: common.peer_sync_load,
                     no_feed: common.no_feed,
                     pod_mix: w.pod_mix.clone(),
                     slo: w.slo,
