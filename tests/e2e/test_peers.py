@@ -144,8 +144,8 @@ def test_a_dead_and_a_hung_peer_cost_no_request_and_do_not_stop_the_exchange():
             assert r.status_code == 200, r.text
         wait_until(lambda: b.metric("inference_picker_peer_records_total", outcome="applied") > applied, 10,
                    "replica B to apply A's newer records while A's other peers fail")
-        wait_until(lambda: b.metric("inference_picker_peer_placements_total", outcome="applied") >= placed + 10,
-                   10, "replica B to apply A's ten newer placements while A's other peers fail")
+        wait_until(lambda: b.metric("inference_picker_peer_placements_total", outcome="applied") > placed, 10,
+                   "replica B to apply A's newer placements while A's other peers fail")
         wait_until(lambda: a.metric("inference_picker_peer_send_failures_total") >= failures + 4, 10,
                    "replica A to count the failed sends of its newer records and placements")
         for i in range(3):

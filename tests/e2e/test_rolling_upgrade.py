@@ -138,7 +138,7 @@ def test_replicas_of_two_builds_exchange_peer_messages_without_errors():
         # each way. Sends before the other replica listened failed (as with one build); from
         # the first message each way on, none may fail.
         for gw in (a, b):
-            r = gw.chat(content="warm up " + "lorem ipsum " * 80)
+            r = gw.chat(content="warm up " + "the quick brown fox " * 80)
             assert r.status_code == 200, r.text
         wait_until_shown(lambda: all(x > 0 for x in exchanged()), 15, "a message each way",
                          lambda: (_series(a, "inference_picker_peer"), _series(b, "inference_picker_peer")))
