@@ -205,6 +205,7 @@ impl<'a> From<&'a Config> for crate::scheduler::config::Setup<'a> {
             catalog: cfg.catalog(),
             stale_after_ms: cfg.poller.stale_after_ms,
             replicas: cfg.poller.replicas,
+            peers: cfg.peers.is_some(),
             failure_mode: cfg.filter.failure_mode,
             health: &cfg.health,
         }

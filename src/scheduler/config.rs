@@ -117,7 +117,12 @@ settings! {
         /// so with one replica there is no credit). Default 0.5: in the replay benchmark (3 seeds,
         /// 4 replicas × 4 workers, `poller.replicas` 4) it took Mooncake at load 4.5 from 2.57 s to
         /// 1.93 s TTFT p90 and the shared-prefix trace at half speed from 108 s to 26 s; one replica
-        /// is unchanged. Set `poller.replicas` to the number of gateway replicas.
+        /// is unchanged. Set `poller.replicas` to the number of gateway replicas. With a `peers`
+        /// section there is no credit: the replicas exchange their placements, so each knows
+        /// where the others sent a prefix instead of guessing (in the replay at 4 × 4 with the
+        /// exchange, no credit took Mooncake from 1.65 s to 1.48 s and shared-prefix-slow from
+        /// 0.43 s to 0.36 s; without the exchange the credit is what keeps them at 1.93 s and
+        /// 24 s, against 2.67 s and 110 s).
         #[range(min = 0.0, max = 1.0)]
         #[reason = "must be a number in {min}..={max}"]
         pub rendezvous_credit: f64 = 0.5,
@@ -457,6 +462,9 @@ pub struct Setup<'a> {
     pub stale_after_ms: u64,
     /// `poller.replicas`: gateway replicas polling the same pods.
     pub replicas: u32,
+    /// A `peers` section is set: the replicas exchange their placements, so none needs to
+    /// guess where another sent a prefix (no rendezvous credit; `predict`).
+    pub peers: bool,
     /// `filter.failure_mode`.
     pub failure_mode: FailureMode,
     pub health: &'a HealthConfig,

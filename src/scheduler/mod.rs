@@ -255,6 +255,8 @@ pub struct Scheduler {
     /// Gateway replicas polling the same pods (`poller.replicas`): the share of the traffic
     /// this gateway does not see is `1 − 1 / gateways` (the rendezvous credit's scale).
     gateways: u32,
+    /// `peers` is set: the replicas exchange placements, and the rendezvous credit is off.
+    peers: bool,
     failure_mode: FailureMode,
     /// Passive-health settings (max ejection percent, phantom load).
     health: HealthConfig,
@@ -289,6 +291,7 @@ impl Scheduler {
         Scheduler {
             stale_after_ms: setup.stale_after_ms,
             gateways: setup.replicas.max(1),
+            peers: setup.peers,
             failure_mode: setup.failure_mode,
             health: setup.health.clone(),
             models: ModelTable::new(&setup.catalog, &sc.rewrites),

@@ -441,7 +441,7 @@ impl Scheduler {
         // traffic other gateways see (`predict`, "Rendezvous credit"). Not for an adapter
         // request: where its adapter is loaded is a signal every gateway scrapes alike, and the
         // LoRA factor already follows it.
-        let credit_share = if ask.resolved.adapter.is_some() {
+        let credit_share = if ask.resolved.adapter.is_some() || self.peers {
             0.0
         } else {
             predict::rendezvous_credit_share(pr.rendezvous_credit, self.gateways)

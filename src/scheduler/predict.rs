@@ -98,7 +98,10 @@
 //! ```
 //! `1 − 1 / replicas` is the share of the traffic other replicas see; a gateway's own workers
 //! share the cross-worker prefix table, so with one replica a prefix none of them placed was
-//! placed by no one, and there is no credit. An adapter request gets none: where its adapter is
+//! placed by no one, and there is no credit. With a `peers` section there is none either: the
+//! replicas exchange their placements, so a prefix another replica placed is known where it is
+//! (up to `peers.interval_ms` late), and the guess only herds the others' new prefixes onto the
+//! winner (in the replay at 4 × 4, Mooncake 1.48 s without it against 1.65 s with it). An adapter request gets none: where its adapter is
 //! loaded is scraped alike by every replica, and the LoRA factor follows it. With the credit,
 //! replicas that share nothing still send a conversation's turns, and a group's requests, to
 //! one pod; without it each replica placed them by its own view of the queues, and a hot prefix

@@ -792,8 +792,13 @@ fn a_pod_without_kv_usage_never_looks_emptier_than_one_that_reports_it() {
 /// The primary of a fresh 8 KiB prompt (`id`) on four idle, equal pods, with a given
 /// `affinity_slack`, `poller.replicas` and model, and the tie-break seed `seed`.
 fn idle_pick(id: u32, slack: f64, replicas: u32, model: &str, seed: u64) -> String {
+    idle_pick_with(id, slack, replicas, model, seed, "")
+}
+
+/// [`idle_pick`] with more top-level configuration sections (`extra`, starting with a comma).
+fn idle_pick_with(id: u32, slack: f64, replicas: u32, model: &str, seed: u64, extra: &str) -> String {
     let cfg = config_ttft(&format!(
-        r#","poller":{{"replicas":{replicas}}},"scheduler":{{"predicted":{{"affinity_slack":{slack}}}}}"#
+        r#","poller":{{"replicas":{replicas}}},"scheduler":{{"predicted":{{"affinity_slack":{slack}}}}}{extra}"#
     ));
     let mut s = Scheduler::new(&cfg);
     let sn = snap((1..=4).map(|i| ep(&format!("10.0.0.{i}:8000"), &["llama"], 0.0, 0.2)).collect());
@@ -821,6 +826,12 @@ fn with_several_replicas_a_prefix_nobody_told_apart_goes_to_its_rendezvous_winne
         let adapter: std::collections::HashSet<String> =
             (0..24).map(|seed| idle_pick(id, 0.0, 4, "sql-lora", seed)).collect();
         assert!(adapter.len() > 1, "prompt {id}: adapter requests are not credited");
+        // Replicas that exchange placements (`peers`) know where the others sent a prefix, so
+        // none is credited: ties spread again.
+        let peers = r#","peers":{"addresses":["10.1.0.2:8080"],"token":"0123456789abcdef"}"#;
+        let exchanged: std::collections::HashSet<String> =
+            (0..24).map(|seed| idle_pick_with(id, 0.0, 4, "llama", seed, peers)).collect();
+        assert!(exchanged.len() > 1, "prompt {id}: with peers there is no credit");
     }
 }
 

@@ -291,6 +291,16 @@ pub fn run(trace: &Trace, policy: Policy, rc: &RunConfig) -> Result<RunResult, S
     if policy.is_ours() && !policy.central() && !poller_overridden {
         cfg.poller.replicas = u32::try_from(rc.replicas.max(1)).unwrap_or(u32::MAX);
     }
+    // Ours' replicas that exchange are deployed with a `peers` section, as the module's would be
+    // (its addresses are not used: the replay carries the exchange itself).
+    if policy.is_ours()
+        && !policy.central()
+        && rc.replicas > 1
+        && rc.peer_sync_ms.is_some()
+        && cfg.peers.is_none()
+    {
+        cfg.peers = Some(peers::PeersConfig::default());
+    }
     let sat = cfg.saturation.params(cfg.poller.stale_after_ms);
     let mut rng = SplitMix64::new(rc.seed ^ 0x5eed);
     // A central picker (GIE's EPP, the oracle) is one state for the whole topology.
