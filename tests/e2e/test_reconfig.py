@@ -126,3 +126,30 @@ def test_a_key_written_twice_in_a_map_is_refused():
     finally:
         envoy.stop()
         a.stop()
+
+
+def test_a_removed_setting_is_refused_with_why():
+    """`peers.load_interval_ms` was removed: an update that still sets it is refused by name and
+    reason (not silently ignored, which would leave its user believing the exchange runs), and
+    the old configuration keeps serving."""
+    a = Sim("rm-a")
+    cfg = picker_config([endpoint(a)])
+    envoy = LdsEnvoy(cfg, concurrency=1, pool_hosts=[a.address])
+    try:
+        envoy.wait_routable()
+        assert served_by(envoy, 0) == "rm-a"
+        peers = {"addresses": ["127.0.0.1:9"], "token": "t" * 32, "interval_ms": 2000}
+        # The same peers section without the removed setting is accepted (so the refusal below
+        # is the removed setting's, not the section's).
+        accepted = envoy.lds_counter("update_success")
+        envoy.set_picker_config(json.dumps(dict(cfg, peers=peers)))
+        wait_until(lambda: envoy.lds_counter("update_success") > accepted, 15, "LDS update accepted")
+        rejected = envoy.lds_counter("update_rejected")
+        envoy.set_picker_config(json.dumps(dict(cfg, peers=dict(peers, load_interval_ms=200))))
+        wait_until(lambda: envoy.lds_counter("update_rejected") > rejected, 15, "LDS update rejected")
+        wait_log(envoy, "peers.load_interval_ms")
+        assert "was removed" in envoy.log_path.read_text()
+        assert {served_by(envoy, 1 + i) for i in range(4)} == {"rm-a"}
+    finally:
+        envoy.stop()
+        a.stop()
