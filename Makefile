@@ -20,7 +20,7 @@ ENVOY_VERSION := 1.40.0
 # E2E_JOBS=1 runs the suite in one process.
 E2E_JOBS ?= 2
 
-.PHONY: all toolchain run test test-rust test-python wasm wasm-crash sim venv fmt-check clippy unit validate deploy-check e2e bench bench-check bench-routing schema config-docs oci fuzz clean passthrough-wasm wrk wasm-opt wasm-small bench-envoy bench-envoy-check ext-proc-epp docs-check wasm-next bench-robust bench-slo
+.PHONY: all toolchain run test test-rust test-python wasm wasm-crash sim venv fmt-check clippy unit validate deploy-check e2e bench bench-check bench-routing schema config-docs oci fuzz clean passthrough-wasm wrk wasm-opt wasm-small bench-envoy bench-envoy-check ext-proc-epp ratelimit-budget docs-check wasm-next bench-robust bench-slo
 
 all: wasm
 
@@ -135,7 +135,7 @@ config-docs:
 	cargo run -q -p config-schema -- --reference > docs/configuration.md
 
 ## e2e: the suite in real Envoy, E2E_JOBS (default 2) files at a time with pytest-xdist.
-e2e: wasm wasm-crash wasm-next sim venv
+e2e: wasm wasm-crash wasm-next sim ratelimit-budget venv
 	PICKER_CRASH_WASM=$(CURDIR)/$(CRASH_WASM) PICKER_NEXT_WASM=$(CURDIR)/$(NEXT_WASM) $(VENV)/bin/pytest -q \
 	  $(if $(filter-out 0 1,$(E2E_JOBS)),-n $(E2E_JOBS) --dist loadfile) tests/e2e
 
@@ -198,6 +198,12 @@ EXT_PROC_EPP := target/tools/ext-proc-epp
 ext-proc-epp:
 	cargo build -p ext-proc-epp --profile tools
 
+## ratelimit-budget: the rate limit service of tests/e2e/test_token_budget.py (tools/ratelimit-budget):
+## an Envoy envoy.service.ratelimit.v3 gRPC server with a token budget per descriptor entry, printing
+## every call it answers.
+ratelimit-budget:
+	cargo build -p ratelimit-budget --profile tools
+
 ## wrk: the load generator of bench-envoy, from the distribution's packages (apt-get, as root).
 ## Not root, or no apt-get: fails and says what to run (bench-envoy-check, and so `make test`,
 ## needs it: its smoke run does not skip).
@@ -230,7 +236,7 @@ bench-envoy-check: wasm passthrough-wasm ext-proc-epp venv wrk
 
 ## test: every check. fmt-check first (seconds: a formatting slip fails at once), then two lanes
 ## at once: the Rust lane (clippy unit bench-check, in target/debug) and the Python lane (wasm
-## wasm-crash wasm-next sim passthrough-wasm venv built in parallel, then docs-check validate deploy-check e2e
+## wasm-crash wasm-next sim passthrough-wasm ext-proc-epp ratelimit-budget venv built in parallel, then docs-check validate deploy-check e2e
 ## bench-envoy-check). Cargo locks each profile's directory, not all of target/, so the builds the
 ## Python lane needs (release, crash-test, codec-next, tools) go at full speed while the Rust lane runs at
 ## nice 19 in the CPU they and the e2e suite's Envoys leave (on 2 cores the suite, two files at a
@@ -258,7 +264,7 @@ test-rust:
 
 ## test-python: the Python lane of `make test`: its builds and the venv in parallel, then the
 ## checks one after another (the e2e suite itself runs E2E_JOBS files at a time).
-test-python: venv wasm sim wasm-crash wasm-next passthrough-wasm ext-proc-epp
+test-python: venv wasm sim wasm-crash wasm-next passthrough-wasm ext-proc-epp ratelimit-budget
 	@$(MAKE) --no-print-directory docs-check
 	@$(MAKE) --no-print-directory validate
 	@$(MAKE) --no-print-directory deploy-check

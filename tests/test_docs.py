@@ -624,3 +624,18 @@ def test_decision_record_is_documented_logged_and_traced():
         assert f"`wasm.{key}`" in reference, f"{key} is not in docs/observability.md"
         assert state in log_format, f"{key} is not in envoy/envoy.yaml's access log"
         assert state in tags, f"{key} is not a tracing custom tag in envoy/envoy.yaml"
+
+
+def test_token_budget_page_shows_the_tested_example_whole():
+    """docs/token-budget.md shows envoy/examples/token-budget.yaml as it is (the file
+    tests/e2e/test_token_budget.py runs), and the example charges the keys the module sets."""
+    example = (ROOT / "envoy" / "examples" / "token-budget.yaml").read_text()
+    page = (ROOT / "docs" / "token-budget.md").read_text()
+    assert f"```yaml\n{example}```\n" in page, "docs/token-budget.md does not show the example as it is"
+    usage = (ROOT / "src" / "request" / "usage.rs").read_text()
+    keys = re.findall(r'pub const [A-Z_]+_PROPERTY: &str = "(inference_picker_[a-z_]+)";', usage)
+    assert sorted(keys) == ["inference_picker_completion_tokens", "inference_picker_prompt_tokens"], keys
+    doc = yaml.safe_load(example)
+    limits = doc["route_typed_per_filter_config"]["envoy.filters.http.ratelimit"]["rate_limits"]
+    charged = [rl["hits_addend"]["format"] for rl in limits if rl.get("apply_on_stream_done")]
+    assert charged == [f"%FILTER_STATE(wasm.{k}:PLAIN)%" for k in sorted(keys, reverse=True)], charged

@@ -11,6 +11,7 @@ import select
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -27,6 +28,7 @@ from envoy_config import (POOL_CLUSTER, dict_nodes, first_hcm, free_port, set_cl
 
 WASM = Path(os.environ.get("PICKER_WASM", REPO / "target/wasm32-wasip1/release/inference_picker.wasm"))
 SIM = Path(os.environ.get("PICKER_SIM", REPO / "target/tools/model-server-sim"))
+RATELIMIT = Path(os.environ.get("PICKER_RATELIMIT", REPO / "target/tools/ratelimit-budget"))
 ENVOY = Path(os.environ.get("PICKER_ENVOY", REPO / ".venv/bin/envoy"))
 ENVOY_YAML = REPO / "envoy" / "envoy.yaml"
 
@@ -180,6 +182,45 @@ class Sim:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(timeout=5)
+
+
+class RateLimitService:
+    """One tools/ratelimit-budget process: an Envoy rate limit service with a token budget per
+    descriptor entry (`budgets`: `"KEY=VALUE:TOKENS"` each). Every ShouldRateLimit call it answers
+    is kept, in arrival order, as the JSON record it prints (`calls()`)."""
+
+    def __init__(self, budgets=()):
+        cmd = [str(RATELIMIT), "--port", "0"]
+        for b in budgets:
+            cmd += ["--budget", b]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        _live.append(self.proc)
+        line = _read_line(self.proc, time.time() + 20)
+        if not line or not line.startswith("READY "):
+            self.stop()
+            raise RuntimeError(f"ratelimit-budget did not start: {line!r}")
+        self.port = int(line.split()[1])
+        self._calls: list[dict] = []
+        self._lock = threading.Lock()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for raw in self.proc.stdout:
+            with self._lock:
+                self._calls.append(json.loads(raw))
+
+    def calls(self) -> list[dict]:
+        with self._lock:
+            return list(self._calls)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=5)
 
 
 def endpoint(sim: Sim, *models: str) -> dict:
