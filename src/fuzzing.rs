@@ -74,11 +74,12 @@ const PATHS: &[&str] = &[
     "/v1/responses",
     "/v1/embeddings",
     "/v1/messages",
+    "/v1/messages/count_tokens",
     "/v1/other",
 ];
 
-/// Request body parser (`body::parse_request`) on every API path (Anthropic's Messages API
-/// included), and `rewrite_model`.
+/// Request body parser (`body::parse_request`) on every API path (Anthropic's Messages API and
+/// its token count included), and `rewrite_model`.
 pub fn body(data: &[u8]) {
     let top_model = serde_json::from_slice::<serde_json::Value>(data)
         .ok()

@@ -639,3 +639,36 @@ def test_token_budget_page_shows_the_tested_example_whole():
     limits = doc["route_typed_per_filter_config"]["envoy.filters.http.ratelimit"]["rate_limits"]
     charged = [rl["hits_addend"]["format"] for rl in limits if rl.get("apply_on_stream_done")]
     assert charged == [f"%FILTER_STATE(wasm.{k}:PLAIN)%" for k in sorted(keys, reverse=True)], charged
+
+
+def label_values(code: str, enum: str) -> list[str]:
+    """The strings an enum's `as_str` gives (`Enum::Variant => "value"` arms)."""
+    return re.findall(rf'\b{enum}::\w+ => "([a-z_]+)"', code)
+
+
+def row_problems(reference: str, row_start: str, values: list[str], what: str) -> list[str]:
+    """Every value is named (in backticks) in the reference table's row that starts with `row_start`."""
+    rows = [l for l in reference.splitlines() if l.startswith(row_start)]
+    if len(rows) != 1:
+        return [f"{what}: {len(rows)} rows start with {row_start!r}"]
+    return [f"{what}: `{v}` is not in the row {row_start!r}" for v in values if f"`{v}`" not in rows[0]]
+
+
+def test_decision_reasons_and_pick_outcomes_are_documented():
+    reference = METRICS_REFERENCE.read_text()
+    reasons = label_values((ROOT / "src" / "request" / "decision.rs").read_text(), "Reason")
+    outcomes = label_values((ROOT / "src" / "scheduler" / "mod.rs").read_text(), "PickReason")
+    assert "count_tokens" in reasons and "load" in reasons, reasons
+    assert "count_tokens" in outcomes and "scored" in outcomes, outcomes
+    problems = row_problems(reference, "| `wasm.inference_picker_reason`", reasons, "decision reason")
+    problems += row_problems(reference, "| `inference_picker_requests_total`", outcomes, "requests outcome")
+    assert problems == [], problems
+
+
+def test_self_check_reasons():
+    doc = "| `wasm.inference_picker_reason` | x | `load` |\n| other | `prefix_hit` |\n"
+    assert row_problems(doc, "| `wasm.inference_picker_reason`", ["load"], "r") == []
+    assert row_problems(doc, "| `wasm.inference_picker_reason`", ["load", "prefix_hit"], "r") == [
+        "r: `prefix_hit` is not in the row '| `wasm.inference_picker_reason`'"]
+    assert row_problems(doc, "| `missing`", ["load"], "r")[0].startswith("r: 0 rows")
+    assert label_values('Reason::Load => "load",\n PickReason::Scored => "scored"', "Reason") == ["load"]

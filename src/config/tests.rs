@@ -562,6 +562,9 @@ fn passthrough_prefixes_must_be_paths_that_cover_no_inference_path() {
     let cfg =
         parse(&with(base(), "/filter", json!({"passthrough_prefixes": ["/v1/models", "/admin"]}))).unwrap();
     assert_eq!(cfg.filter.passthrough_prefixes.len(), 2);
+    // The token count is routed, but not a generation: a configuration that sends it to a backend
+    // of its own stays valid.
+    parse(&with(base(), "/filter", json!({"passthrough_prefixes": ["/v1/messages/count_tokens"]}))).unwrap();
     assert!(!cfg.filter.expose_served_endpoint);
     let cfg = parse(&with(base(), "/filter", json!({"expose_served_endpoint": true}))).unwrap();
     assert!(cfg.filter.expose_served_endpoint);

@@ -74,6 +74,7 @@ pub(crate) struct Exchange {
     slo: Option<slo::Watch>,
 }
 
+mod count;
 mod feed;
 mod peer;
 mod slo;
@@ -187,6 +188,22 @@ impl Filter {
         self.ex.borrow_mut().prepared = Some(prepared);
         if !ready {
             return self.before_metrics(&worker, snapshot, &inflight, now_ms);
+        }
+        // A token count is no generation: flow control neither holds nor sheds it (`count`).
+        if self.ex.borrow().head.is_count_tokens() {
+            let health = timed!("health_view", health_view(&worker, &store, now_ms));
+            let state = PickState {
+                snapshot: &snapshot,
+                inflight: &inflight,
+                health: &health,
+                store: &store,
+                now_ms,
+            };
+            let routed = go(&worker, &mut self.ex.borrow_mut(), state);
+            return match routed {
+                Ok(()) => Action::Continue,
+                Err(rej) => self.reject(&rej),
+            };
         }
         // Flow control judges capacity without the endpoints passive health ejected.
         let health = timed!("health_view", health_view(&worker, &store, now_ms));
@@ -313,6 +330,9 @@ fn set_decision(fields: &[(&'static str, std::borrow::Cow<'_, str>)]) {
 /// the snapshot and counts its admission just read) or after being held (with fresh ones).
 /// `inputs`: the state of that moment, the passive-health view included.
 fn go(worker: &Worker, ex: &mut Exchange, inputs: PickState<'_>) -> Result<(), Rejection> {
+    if ex.head.is_count_tokens() {
+        return count::go(worker, ex, inputs);
+    }
     let Some(prepared) = ex.prepared.take() else {
         return Err(Rejection::new(500, "internal_error", "internal", "request state lost before routing"));
     };
@@ -548,12 +568,12 @@ impl Filter {
     fn record_health(&mut self) {
         let worker = self.worker.clone();
         let cfg = &worker.cfg.health;
-        let destinations = {
+        let (destinations, generation) = {
             let mut ex = self.ex.borrow_mut();
             if ex.answered || !cfg.enabled {
                 return;
             }
-            std::mem::take(&mut ex.destinations)
+            (std::mem::take(&mut ex.destinations), !ex.head.is_count_tokens())
         };
         if destinations.is_empty() {
             return;
@@ -564,7 +584,14 @@ impl Filter {
         let now_ms = io::now_ms();
         let store = io::HostStore;
         let mut metrics = worker.metrics.borrow_mut();
-        for (addr, o) in tried {
+        let heard = tried.into_iter().filter_map(|(addr, o)| {
+            if generation {
+                Some((addr, o))
+            } else {
+                health::from_non_generation(o).map(|o| (addr, o))
+            }
+        });
+        for (addr, o) in heard {
             let kind = match o {
                 health::Outcome::Success => "success",
                 health::Outcome::Failure { gateway: false } => "failure",
@@ -842,7 +869,8 @@ impl Filter {
             let ex = self.ex.borrow();
             ex.primary.is_some() && !ex.answered && !ex.passthrough
         };
-        let usage = routed && self.worker.cfg.filter.token_usage;
+        // A token count's answer (`{"input_tokens": N}`) is no usage: nothing was generated.
+        let usage = routed && self.worker.cfg.filter.token_usage && !self.ex.borrow().head.is_count_tokens();
         let slo_watch = routed && self.ex.borrow().slo.is_some();
         let content_type = if self.ex.borrow().ticket != 0 || usage || slo_watch {
             timed!("rsp.content_type", io::response_header("content-type"))

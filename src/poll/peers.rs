@@ -134,7 +134,7 @@ impl PeersConfig {
             || p.bytes().any(|b| !b.is_ascii_graphic())
         {
             push("path", format!("must be an absolute path of printable ASCII without a query, got {p:?}"));
-        } else if crate::request::protocol::INFERENCE_PATHS
+        } else if crate::request::protocol::ROUTED_PATHS
             .iter()
             .any(|i| crate::request::protocol::prefix_matches(p, i))
             || [crate::request::protocol::MODELS_PATH]

@@ -1,13 +1,16 @@
-//! The body of Anthropic's Messages API (`POST /v1/messages`): what the filter checks in it, and
-//! the canonical prompt text it gives the prefix scorer. `request::body::parse_request` reads the
-//! `model` (the same rules as every other path) and calls this for the rest.
+//! The body of Anthropic's Messages API (`POST /v1/messages`, and the token count's,
+//! `POST /v1/messages/count_tokens`, which is the same body without `max_tokens`): what the filter
+//! checks in it, and the canonical prompt text it gives the prefix scorer.
+//! `request::body::parse_request` reads the `model` (the same rules as every other path) and
+//! calls this for the rest.
 //!
 //! Read: `model`, `stream`, `max_tokens`, `system`, `messages`, `tools`. Every other field
 //! (`tool_choice`, `thinking`, `metadata`, `temperature`, ...) is skipped without being built.
 //!
 //! Checked, as Anthropic's API checks them (each a 400 `invalid_request_error`):
 //! - `max_tokens` is required and a positive integer (`missing_max_tokens`,
-//!   `invalid_max_tokens`);
+//!   `invalid_max_tokens`), on a message only: a token count does not take it, and the filter
+//!   leaves one it sends to the pod;
 //! - `messages` is required (`missing_messages`), a list of objects, each with a string `role`
 //!   when it has one;
 //! - `stream`, when set, is a boolean, and the body is one JSON object (`invalid_json`).
@@ -73,9 +76,11 @@ fn bad_request(code: &'static str, message: impl Into<String>) -> Rejection {
 }
 
 impl MessagesRequest<'_> {
-    /// The 400s of the fields Anthropic requires (besides `model`).
-    pub fn check(&self) -> Result<(), Rejection> {
+    /// The 400s of the fields Anthropic requires (besides `model`): `max_tokens` only with
+    /// `max_tokens_required` (a message; a token count takes none), `messages` always.
+    pub fn check(&self, max_tokens_required: bool) -> Result<(), Rejection> {
         match self.max_tokens.map(|v| v.get()) {
+            _ if !max_tokens_required => {}
             None | Some("null") => {
                 return Err(bad_request("missing_max_tokens", "max_tokens: Field required"));
             }

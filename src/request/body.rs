@@ -8,7 +8,9 @@
 //! - embeddings: `input` (string, list of strings, or token ids);
 //! - Anthropic messages (`/v1/messages`): `system` and `messages` (string content or content
 //!   blocks), `tools`, and the required `max_tokens`; read by `request::anthropic`, which
-//!   writes the same canonical text as chat bodies.
+//!   writes the same canonical text as chat bodies;
+//! - Anthropic token counts (`/v1/messages/count_tokens`): the same body, read by the same
+//!   parser, without `max_tokens` (the API does not take it).
 //!
 //! Parsing is typed and borrows from the body where it can: unknown fields are skipped without
 //! being built, so a large body costs one pass.
@@ -30,7 +32,7 @@ use serde_json::value::RawValue;
 
 use crate::base::errors::Rejection;
 use crate::request::anthropic::MessagesRequest;
-use crate::request::protocol::{route_path, MESSAGES_PATH};
+use crate::request::protocol::{route_path, COUNT_TOKENS_PATH, MESSAGES_PATH};
 
 /// Which API the body is for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -41,6 +43,9 @@ pub enum ApiKind {
     Embeddings,
     /// Anthropic's Messages API: the path is exactly `/v1/messages`.
     Messages,
+    /// Anthropic's token count: the path is exactly `/v1/messages/count_tokens`. A Messages
+    /// body without `max_tokens`; not a generation.
+    CountTokens,
     /// A path we do not recognise; only `model` is read.
     Other,
 }
@@ -49,8 +54,11 @@ impl ApiKind {
     /// Classifies a request path (query string ignored).
     pub fn from_path(path: &str) -> ApiKind {
         let p = path.split('?').next().unwrap_or("").trim_end_matches('/');
-        if route_path(path) == MESSAGES_PATH {
+        let routed = route_path(path);
+        if routed == MESSAGES_PATH {
             ApiKind::Messages
+        } else if routed == COUNT_TOKENS_PATH {
+            ApiKind::CountTokens
         } else if p.ends_with("/chat/completions") {
             ApiKind::ChatCompletions
         } else if p.ends_with("/completions") {
@@ -274,8 +282,8 @@ fn model_of(raw: Option<&RawValue>) -> Result<String, Rejection> {
 /// Parses a request body. Errors are the 400s the filter answers with.
 pub fn parse_request(path: &str, body: &[u8]) -> Result<ParsedRequest, Rejection> {
     let mut kind = ApiKind::from_path(path);
-    if kind == ApiKind::Messages {
-        return parse_messages(body);
+    if matches!(kind, ApiKind::Messages | ApiKind::CountTokens) {
+        return parse_messages(body, kind);
     }
     let raw: RawRequest<'_> = serde_json::from_slice(body).map_err(invalid_json)?;
     let model = model_of(raw.model)?;
@@ -331,22 +339,17 @@ pub fn parse_request(path: &str, body: &[u8]) -> Result<ParsedRequest, Rejection
     })
 }
 
-/// An Anthropic Messages body (`request::anthropic`): the model as on every path, then the
-/// fields Anthropic requires, then the prompt text.
-fn parse_messages(body: &[u8]) -> Result<ParsedRequest, Rejection> {
+/// An Anthropic Messages body (`request::anthropic`), of a message or of a token count (`kind`):
+/// the model as on every path, then the fields Anthropic requires there (a token count takes no
+/// `max_tokens`), then the prompt text.
+fn parse_messages(body: &[u8], kind: ApiKind) -> Result<ParsedRequest, Rejection> {
     let raw: MessagesRequest<'_> = serde_json::from_slice(body).map_err(invalid_json)?;
     let model = model_of(raw.model)?;
-    raw.check()?;
+    raw.check(kind == ApiKind::Messages)?;
     // As for the other APIs: the prompt is built from the body's own text, in one reservation.
     let mut prompt = String::with_capacity(body.len());
     raw.write_prompt(&mut prompt);
-    Ok(ParsedRequest {
-        kind: ApiKind::Messages,
-        model,
-        stream: raw.stream.unwrap_or(false),
-        cache_salt: None,
-        prompt,
-    })
+    Ok(ParsedRequest { kind, model, stream: raw.stream.unwrap_or(false), cache_salt: None, prompt })
 }
 
 fn push_message(
@@ -725,6 +728,7 @@ mod tests {
         fn never_panics(s in ".{0,200}") {
             let _ = parse("/v1/chat/completions", &s);
             let _ = parse("/v1/messages", &s);
+            let _ = parse("/v1/messages/count_tokens", &s);
             let _ = rewrite_model(s.as_bytes(), "m");
         }
 

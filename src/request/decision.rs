@@ -79,6 +79,9 @@ pub enum Reason {
     /// No pod held the prompt and no session applied: the least-cost pod by load (queue, KV
     /// use, in-flight requests, predicted TTFT).
     Load,
+    /// Anthropic's token count (`/v1/messages/count_tokens`), not a generation: the healthy pod
+    /// serving the model with the fewest requests in flight, unscored.
+    CountTokens,
     /// The module answered the request itself.
     Rejected,
 }
@@ -91,6 +94,7 @@ impl Reason {
             Reason::PrefixHit => "prefix_hit",
             Reason::Session => "session",
             Reason::Load => "load",
+            Reason::CountTokens => "count_tokens",
             Reason::Rejected => "rejected",
         }
     }
@@ -100,6 +104,7 @@ impl Reason {
         match pick.reason {
             PickReason::SessionToken => Reason::SessionToken,
             PickReason::FailOpen => Reason::FailOpen,
+            PickReason::TokenCount => Reason::CountTokens,
             PickReason::Scored if pick.prefix_score > 0.0 => Reason::PrefixHit,
             PickReason::Scored if session => Reason::Session,
             PickReason::Scored => Reason::Load,
@@ -218,6 +223,8 @@ mod tests {
         assert_eq!(Reason::of(&pick(PickReason::Scored, 0.25), true), Reason::PrefixHit);
         assert_eq!(Reason::of(&pick(PickReason::Scored, 0.0), true), Reason::Session);
         assert_eq!(Reason::of(&pick(PickReason::Scored, 0.0), false), Reason::Load);
+        assert_eq!(Reason::of(&pick(PickReason::TokenCount, 0.0), true), Reason::CountTokens);
+        assert_eq!(Reason::CountTokens.as_str(), "count_tokens");
     }
 
     #[test]

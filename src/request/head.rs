@@ -8,8 +8,8 @@ use crate::base::errors::{ErrorShape, Rejection};
 use crate::flow::priority::{self, PriorityHeaders};
 use crate::request::config::Settings;
 use crate::request::protocol::{
-    error_shape, prefix_matches, route_path, CLIENT_ROUTING_HEADERS, CONFORMANCE_SELECTION_HEADER,
-    HEALTH_PATHS, INFERENCE_PATHS, MAX_SELECTION_ENTRIES, MODELS_PATH,
+    error_shape, is_count_tokens, prefix_matches, route_path, CLIENT_ROUTING_HEADERS,
+    CONFORMANCE_SELECTION_HEADER, HEALTH_PATHS, MAX_SELECTION_ENTRIES, MODELS_PATH, ROUTED_PATHS,
 };
 use crate::state::snapshot::Snapshot;
 
@@ -41,6 +41,12 @@ impl RequestHead {
     /// Anthropic's on `/v1/messages`, OpenAI's elsewhere).
     pub fn error_shape(&self) -> ErrorShape {
         error_shape(&self.path)
+    }
+
+    /// An Anthropic token count (`protocol::COUNT_TOKENS_PATH`): routed, but not a generation
+    /// (`crate::request::pipeline::route_token_count`).
+    pub fn is_count_tokens(&self) -> bool {
+        is_count_tokens(&self.path)
     }
 }
 
@@ -164,7 +170,8 @@ pub(super) fn clip(s: &str) -> &str {
 /// 2. `OPTIONS` (CORS preflight) on any other path: 204 with `allow`, and no
 ///    `access-control-allow-*` headers, so browsers get no cross-origin access from this filter
 ///    (put Envoy's CORS filter before it to grant some; that filter answers preflights itself);
-/// 3. an inference path ([`INFERENCE_PATHS`]): `POST` reads the body; any other method 405;
+/// 3. a routed path ([`ROUTED_PATHS`]: the inference paths and Anthropic's token count): `POST`
+///    reads the body; any other method 405;
 /// 4. `GET`/`HEAD /v1/models` (the list) and `/v1/models/{id}` (one model, or 404
 ///    `model_not_found`), answered locally; other methods 405;
 /// 5. `GET`/`HEAD` on a health path ([`HEALTH_PATHS`]): 200 `{"status":"ok"}`; other methods 405;
@@ -179,14 +186,14 @@ pub fn on_head(cfg: &Settings<'_>, head: &RequestHead, end_of_stream: bool) -> H
         return HeadDecision::PassThrough;
     }
     if method == "OPTIONS" {
-        let allow = if INFERENCE_PATHS.contains(&path) { "POST, OPTIONS" } else { "GET, HEAD, OPTIONS" };
+        let allow = if ROUTED_PATHS.contains(&path) { "POST, OPTIONS" } else { "GET, HEAD, OPTIONS" };
         return HeadDecision::Local(LocalReply {
             status: 204,
             headers: vec![("allow", allow.into())],
             body: Vec::new(),
         });
     }
-    if INFERENCE_PATHS.contains(&path) {
+    if ROUTED_PATHS.contains(&path) {
         if method != "POST" {
             return HeadDecision::wrong_method(method, path, "POST, OPTIONS");
         }
@@ -221,7 +228,7 @@ pub fn on_head(cfg: &Settings<'_>, head: &RequestHead, end_of_stream: bool) -> H
             "No route for {} {}: this gateway serves POST {}, and GET {}.",
             clip(method),
             clip(path),
-            INFERENCE_PATHS.join(", "),
+            ROUTED_PATHS.join(", "),
             MODELS_PATH
         ),
     ))
@@ -325,9 +332,9 @@ mod tests {
     }
 
     #[test]
-    fn only_the_inference_paths_are_routed() {
+    fn only_the_routed_paths_are_routed() {
         let c = cfg();
-        for p in INFERENCE_PATHS {
+        for p in ROUTED_PATHS {
             assert_eq!(on_head(&c.request(), &head_of("POST", p), false), HeadDecision::ReadBody, "{p}");
             // Query string and a trailing slash do not change the path.
             assert_eq!(
@@ -353,7 +360,8 @@ mod tests {
             ("POST", "/v1/load_lora_adapter"),
             ("GET", "/metrics"),
             ("POST", "/v1/chat/completions-x"),
-            ("POST", "/v1/messages/count_tokens"),
+            ("POST", "/v1/messages/batches"),
+            ("POST", "/v1/messages/count_tokens/x"),
             ("POST", "/openai/v1/chat/completions"),
             ("GET", "/"),
             ("POST", ""),
@@ -427,6 +435,12 @@ mod tests {
         }
         // Inference paths are still routed.
         assert_eq!(on_head(&c.request(), &head_of("POST", "/v1/completions"), false), HeadDecision::ReadBody);
+        // The token count is routed unless a prefix names it (configurations that sent it to a
+        // backend of their own keep doing so).
+        let count = head_of("POST", "/v1/messages/count_tokens");
+        assert_eq!(on_head(&c.request(), &count, false), HeadDecision::ReadBody);
+        c.filter.passthrough_prefixes.push("/v1/messages/count_tokens".into());
+        assert_eq!(on_head(&c.request(), &count, false), HeadDecision::PassThrough);
         assert!(prefix_matches("/v1/", "/v1/completions") && !prefix_matches("/v1/c", "/v1/completions"));
     }
 

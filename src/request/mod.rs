@@ -12,6 +12,10 @@
 //! 4. when the request goes on (at once, or when flow control releases it): [`route`] picks the
 //!    endpoint with the metrics and in-flight counts of *that* moment.
 //!
+//! Anthropic's token count (`POST /v1/messages/count_tokens`) is not a generation: it skips step
+//! 3, and [`route_token_count`] picks the least-loaded healthy pod serving its model, recording
+//! nothing (no prefix placement, no prefill, no in-flight count: the host adds none).
+//!
 //! The files: `head` (the request headers: [`RequestHead`], [`on_head`] and its path policy),
 //! `pipeline` ([`prepare`], [`route`], [`on_body`]) and `models` (the model list); their items are
 //! re-exported here.
@@ -38,5 +42,6 @@ pub use self::head::{
 };
 pub use self::models::{model_list, model_object, models_reply};
 pub use self::pipeline::{
-    criticality_of, on_body, prepare, prepare_routed, route, truncate_prompt, Prepared, Routed,
+    criticality_of, on_body, prepare, prepare_routed, route, route_token_count, truncate_prompt, Prepared,
+    Routed,
 };

@@ -173,6 +173,30 @@ pub fn route(
     pd::pick(cfg, scheduler, input)
 }
 
+/// Picks the pod of a prepared token count (`POST /v1/messages/count_tokens`), which is not a
+/// generation: the pod only tokenizes, in milliseconds, with no GPU work and no KV cache. So the
+/// scheduler's least-loaded pick ([`Scheduler::pick_least_loaded`]: the healthy, non-ejected
+/// pods serving the model, fewest in flight, equal counts at random), not the predicted-TTFT
+/// one: no prefix placement, no prefill in the ledger, no score. With a `pd` section only the
+/// pods that decode are candidates (where every request of the model enters). Conformance
+/// mode: the test's endpoint selection narrows the pick. Flow control is the caller's to skip.
+pub fn route_token_count(
+    cfg: &Settings<'_>,
+    scheduler: &Scheduler,
+    rng: &mut dyn Rng,
+    head: &RequestHead,
+    prepared: &Prepared,
+    state: PickState<'_>,
+) -> Result<Pick, Rejection> {
+    let (request, restricted) = pick_request(cfg, head, prepared, state.snapshot)?;
+    // A token count has no latency target to meet.
+    let request = PickRequest { slo: None, ..request };
+    let state = PickState { snapshot: restricted.as_ref().unwrap_or(state.snapshot), ..state };
+    let decodes = |e: &crate::state::snapshot::EndpointStatus| e.role.decodes();
+    let scope = PickScope { allow: cfg.pd.map(|_| &decodes as &dyn Fn(&_) -> bool), ..PickScope::default() };
+    scheduler.pick_least_loaded(PickInput { route: &prepared.route, request, state, scope, rng })
+}
+
 /// [`prepare`] then [`route`] at once, for a request that is never held.
 pub fn on_body(
     cfg: &Settings<'_>,
@@ -343,6 +367,75 @@ mod tests {
         let r = on_body(&c.request(), &mut sched, &mut rng, &h, br#"{"model":"alias","prompt":"x"}"#, inputs)
             .unwrap();
         assert_eq!((r.pick.primary.as_str(), r.requested_model.as_str()), ("10.0.0.2:8000", "alias"));
+    }
+
+    #[test]
+    fn a_token_count_goes_to_the_least_loaded_pod_of_its_model_and_records_nothing() {
+        use crate::scheduler::PickReason;
+        let c = cfg();
+        let sched = Scheduler::new(&c);
+        let mut rng = SplitMix64::new(5);
+        let mut h = RequestHead {
+            method: "POST".into(),
+            path: "/v1/messages/count_tokens?beta=true".into(),
+            ..RequestHead::default()
+        };
+        assert!(h.is_count_tokens() && !head(PriorityHeaders::default()).is_count_tokens());
+        // No max_tokens; the model is resolved and rewritten as for a message (alias → base-b).
+        let body = br#"{"model":"alias","messages":[{"role":"user","content":"how many?"}]}"#;
+        let p = prepare(&c.request(), &sched, &mut rng, &h, body, &snapshot()).unwrap();
+        assert_eq!((p.route.base.as_str(), p.route.model_rewritten), ("base-b", true));
+        let store = MemStore::new();
+        let counts = InflightCounts::default();
+        let snap = snapshot();
+        let health = HealthView::default();
+        let inputs =
+            PickState { snapshot: &snap, inflight: &counts, health: &health, store: &store, now_ms: 1100 };
+        let pick = route_token_count(&c.request(), &sched, &mut rng, &h, &p, inputs).unwrap();
+        assert_eq!(
+            (pick.primary.as_str(), pick.reason, pick.ticket, pick.target_model.as_str()),
+            ("10.0.0.2:8000", PickReason::TokenCount, 0, "base-b")
+        );
+        assert_eq!(store.key_count(), 0);
+        // An unknown model is the 404 of /v1/messages, before any pick.
+        let e = prepare(&c.request(), &sched, &mut rng, &h, br#"{"model":"nope","messages":[]}"#, &snap);
+        assert_eq!(e.map_err(|r| (r.status, r.code)).unwrap_err(), (404, "model_not_found"));
+        // The conformance test's selection narrows it too.
+        h.test_selection = Some(vec!["10.0.0.1".into()]);
+        let e = route_token_count(&c.request(), &sched, &mut rng, &h, &p, inputs).unwrap_err();
+        assert_eq!((e.status, e.code), (503, "no_endpoint"));
+    }
+
+    #[test]
+    fn with_a_pd_section_a_token_count_goes_to_a_pod_that_decodes() {
+        use crate::state::catalog::Role;
+        let c = crate::config::Config::from_json(
+            br#"{"version":1,"endpoints":[{"address":"10.0.0.1:8000","models":["m"],"role":"prefill"},
+                {"address":"10.0.0.2:8000","models":["m"],"role":"decode"}],
+                "models":[{"name":"m"}],"pd":{}}"#,
+        )
+        .unwrap();
+        let sched = Scheduler::new(&c);
+        let h = RequestHead {
+            method: "POST".into(),
+            path: "/v1/messages/count_tokens".into(),
+            ..RequestHead::default()
+        };
+        let mut snap = snapshot();
+        for (e, role) in snap.endpoints.iter_mut().zip([Role::Prefill, Role::Decode]) {
+            e.models = vec!["m".into()];
+            e.role = role;
+        }
+        let body = br#"{"model":"m","messages":[]}"#;
+        let (store, counts, health) = (MemStore::new(), InflightCounts::default(), HealthView::default());
+        let inputs =
+            PickState { snapshot: &snap, inflight: &counts, health: &health, store: &store, now_ms: 1100 };
+        for seed in 0..10 {
+            let mut rng = SplitMix64::new(seed);
+            let p = prepare(&c.request(), &sched, &mut rng, &h, body, &snap).unwrap();
+            let pick = route_token_count(&c.request(), &sched, &mut rng, &h, &p, inputs).unwrap();
+            assert_eq!((pick.primary.as_str(), pick.fallbacks.len()), ("10.0.0.2:8000", 0));
+        }
     }
 
     #[test]

@@ -76,6 +76,21 @@ pub const MESSAGES_PATH: &str = "/v1/messages";
 /// query (a trailing `/` is ignored: [`route_path`]).
 pub const INFERENCE_PATHS: [&str; 5] =
     ["/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings", MESSAGES_PATH];
+/// Anthropic's token count (`POST /v1/messages/count_tokens`): routed to a pod that serves the
+/// model, with a Messages body (`max_tokens` not required), but not a generation: the pod only
+/// tokenizes (`crate::request::pipeline::route_token_count`). Not one of [`INFERENCE_PATHS`]: a
+/// `filter.passthrough_prefixes` entry may name it (and then wins), as it may not name those.
+pub const COUNT_TOKENS_PATH: &str = "/v1/messages/count_tokens";
+/// Every path the filter routes to a pod (POST only): the [`INFERENCE_PATHS`], then
+/// [`COUNT_TOKENS_PATH`].
+pub const ROUTED_PATHS: [&str; 6] = [
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/responses",
+    "/v1/embeddings",
+    MESSAGES_PATH,
+    COUNT_TOKENS_PATH,
+];
 /// Answered locally: the pool's model list, and one model by id (`/v1/models/{id}`).
 pub const MODELS_PATH: &str = "/v1/models";
 /// Health checks answered locally with 200 `{"status":"ok"}`: the gateway (this filter) is up.
@@ -92,10 +107,16 @@ pub fn route_path(path: &str) -> &str {
     }
 }
 
+/// True on [`COUNT_TOKENS_PATH`] (query and a trailing `/` aside): a token count, not a
+/// generation.
+pub fn is_count_tokens(path: &str) -> bool {
+    route_path(path) == COUNT_TOKENS_PATH
+}
+
 /// The shape of the errors the filter answers on `path`: Anthropic's on [`MESSAGES_PATH`] and
-/// below it (`/v1/messages/count_tokens`, `/v1/messages/batches`: not routed, but their clients
-/// are Anthropic clients, and read a 404 in that shape), OpenAI's everywhere else. The one place
-/// the choice is made; the host renders every rejection of a request with it.
+/// below it ([`COUNT_TOKENS_PATH`]; `/v1/messages/batches`, not routed, but its clients are
+/// Anthropic clients, and read a 404 in that shape), OpenAI's everywhere else. The one place the
+/// choice is made; the host renders every rejection of a request with it.
 pub fn error_shape(path: &str) -> ErrorShape {
     match route_path(path).strip_prefix(MESSAGES_PATH) {
         Some(rest) if rest.is_empty() || rest.starts_with('/') => ErrorShape::Anthropic,
@@ -128,5 +149,20 @@ mod tests {
             assert_eq!(error_shape(p), ErrorShape::OpenAi, "{p}");
         }
         assert_eq!((route_path("/a/?q#f"), route_path(""), route_path("//")), ("/a", "/", "/"));
+    }
+
+    #[test]
+    fn routed_paths_are_the_inference_paths_then_the_token_count() {
+        let mut want = INFERENCE_PATHS.to_vec();
+        want.push(COUNT_TOKENS_PATH);
+        assert_eq!(ROUTED_PATHS.to_vec(), want);
+        for p in
+            ["/v1/messages/count_tokens", "/v1/messages/count_tokens/", "/v1/messages/count_tokens?beta=true"]
+        {
+            assert!(is_count_tokens(p), "{p}");
+        }
+        for p in ["/v1/messages", "/v1/messages/count_tokensx", "/v1/messages/batches", "/count_tokens"] {
+            assert!(!is_count_tokens(p), "{p}");
+        }
     }
 }

@@ -23,6 +23,10 @@
 //!    order.
 //! 7. The primary records the request's prefix blocks (local index and cross-worker table).
 //!
+//! A request that is not a generation (Anthropic's token count) takes stages 1 and 2 only, then
+//! the least-loaded healthy endpoint ([`Scheduler::pick_least_loaded`]): no score, no prediction,
+//! nothing recorded.
+//!
 //! Passive health (`crate::state::health`, [`PickState::health`]): endpoints ejected for
 //! failing requests are removed before stage 2's health filter (never more than
 //! `health.max_ejection_percent` of the serving ones), and recent failures and 429s count as
@@ -112,6 +116,9 @@ pub enum PickReason {
     SessionToken,
     /// No healthy endpoint: lowest in-flight count among the serving ones.
     FailOpen,
+    /// Not a generation (an Anthropic token count, [`Scheduler::pick_least_loaded`]): the
+    /// healthy endpoint with the fewest requests in flight, unscored, nothing recorded.
+    TokenCount,
 }
 
 impl PickReason {
@@ -120,6 +127,7 @@ impl PickReason {
             PickReason::Scored => "scored",
             PickReason::SessionToken => "session_token",
             PickReason::FailOpen => "fail_open",
+            PickReason::TokenCount => "count_tokens",
         }
     }
 }
@@ -521,3 +529,5 @@ mod feed_tests;
 mod slo_tests;
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod token_count_tests;

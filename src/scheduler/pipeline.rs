@@ -205,6 +205,50 @@ impl Scheduler {
         })
     }
 
+    /// The pick of a request that is not a generation (Anthropic's token count: the pod only
+    /// tokenizes): steps 1 to 3 as [`Scheduler::pick`] takes them (the model's serving endpoints
+    /// allowed by the scope, passive health's ejections left out, the healthy ones; none healthy:
+    /// fail open as `filter.failure_mode` says), then the healthy endpoint with the fewest
+    /// requests in flight (passive health's phantom load counted), equal counts chosen at random
+    /// so that such calls spread over the pods, and fallbacks by count. No score, no prediction,
+    /// no prefix hashed; `&self`: nothing is recorded (no ledger entry, ticket 0; no prefix
+    /// placement in this worker's index, the cross-worker table or the feed). The request's
+    /// prompt, session and target are not read.
+    pub fn pick_least_loaded(&self, input: PickInput<'_>) -> Result<Pick, Rejection> {
+        let PickInput { route, request, state, scope, rng } = input;
+        let ask = self.model_step(route, request, state, scope);
+        let filtered = self.filter_step(&ask)?;
+        if filtered.healthy.is_empty() {
+            return self.fail_open_step(&ask, filtered, rng);
+        }
+        let (inflight, health, now_ms) = (state.inflight, state.health, state.now_ms);
+        let load =
+            |addr: &str| inflight.get(addr).saturating_add(health.phantom_load(addr, now_ms, &self.health));
+        // As in `fail_open`: fewer in flight is better, a tie epsilon of 0.5 groups equal counts.
+        let totals: Vec<f64> = filtered.healthy.iter().map(|e| -f64::from(load(&e.address))).collect();
+        let order = picker::order(&totals, 0.5, 1, self.cfg.fallbacks, rng);
+        let mut addrs = order.iter().filter_map(|&i| filtered.healthy.get(i)).map(|e| e.address.clone());
+        let primary = addrs.next().unwrap_or_default();
+        Ok(Pick {
+            session_token: self.session_keys.token_for(&primary),
+            primary,
+            fallbacks: addrs.collect(),
+            target_model: route.target_model.clone(),
+            model_rewritten: route.model_rewritten,
+            fail_open: false,
+            debug_scores: None,
+            reason: PickReason::TokenCount,
+            serving: filtered.n_serving,
+            healthy: filtered.healthy.len(),
+            overloaded: 0,
+            prefix_score: 0.0,
+            prefix_blocks: 0,
+            predicted_ms: None,
+            slo: None,
+            ticket: 0,
+        })
+    }
+
     /// Step 1, Model (resolved by `route_model`): the base model and adapter, and the weights of the
     /// target model as the scope maps them.
     fn model_step<'a>(

@@ -276,6 +276,17 @@ pub fn attribute<'a>(
     out
 }
 
+/// What a request that is no generation (Anthropic's token count: the pod only tokenizes) says
+/// about an endpoint: its failures and 429s, as any request's, but not its successes. A pod
+/// whose generations fail (a wedged GPU) may still tokenize, and those successes would reset
+/// the consecutive failures that eject it, and dilute its failure rate.
+pub fn from_non_generation(outcome: Outcome) -> Option<Outcome> {
+    match outcome {
+        Outcome::Success => None,
+        o => Some(o),
+    }
+}
+
 /// What is remembered about one endpoint.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Entry {

@@ -1,7 +1,8 @@
 """Anthropic's Messages API (`POST /v1/messages`) through the gateway, with the official `anthropic`
 client, in a real Envoy 1.40 running the built .wasm in front of simulated model servers: plain
 and streamed messages, the errors the module answers in Anthropic's shape (each as the client's
-own exception type), and the turns of one conversation landing on the pod that holds its prefix."""
+own exception type), the turns of one conversation landing on the pod that holds its prefix, and
+the token count (`POST /v1/messages/count_tokens`), routed to a pod but no generation."""
 import json
 
 import anthropic  # in tests/requirements.txt: a missing client is a broken venv, not a skip
@@ -12,6 +13,7 @@ from harness import LLAMA, REPO, Envoy, Sim, endpoint, picker_config
 
 SERVED = "x-gateway-destination-endpoint-served"
 REJECT = "x-inference-picker-reject"
+SCORES = "x-inference-picker-scores"
 FIXTURES = REPO / "tests" / "fixtures" / "requests"
 
 
@@ -20,7 +22,8 @@ def pool():
     sims = [Sim(f"anth-{i}", loras=("sql-lora",)) for i in range(3)]
     envoy = None
     try:
-        envoy = Envoy(picker_config([endpoint(s) for s in sims], filter={"expose_served_endpoint": True}))
+        envoy = Envoy(picker_config([endpoint(s) for s in sims], filter={"expose_served_endpoint": True},
+                                    scheduler={"debug_scores": True}))
         envoy.wait_routable()
         yield envoy, sims
     finally:
@@ -71,9 +74,14 @@ def test_a_message_and_a_streamed_message_through_the_gateway(pool):
     assert lora.model == "sql-lora"
 
 
+def reached(sims) -> list:
+    """What reached each pod: its generations and its token counts."""
+    return [(st["requests_total"], st["count_tokens_total"]) for st in (s.stats() for s in sims)]
+
+
 def test_b_errors_are_anthropic_shaped_with_the_clients_exception_types(pool):
     envoy, sims = pool
-    before = [s.requests_total() for s in sims]
+    before = reached(sims)
     c = client(envoy)
     hi = [{"role": "user", "content": "hi"}]
     cases = [
@@ -87,9 +95,11 @@ def test_b_errors_are_anthropic_shaped_with_the_clients_exception_types(pool):
         (lambda: c.messages.create(model=LLAMA, max_tokens=5,
                                    messages=[{"role": "user", "content": "x" * (5 * 1024 * 1024)}]),
          anthropic.RequestTooLargeError, 413, "request_too_large", "request_too_large"),
-        # Not routed (only /v1/messages is), and answered in the shape its client reads.
-        (lambda: c.messages.count_tokens(model=LLAMA, messages=hi),
-         anthropic.NotFoundError, 404, "not_found_error", "not_found"),
+        # The token count resolves its model as /v1/messages does, and checks its body alike.
+        (lambda: c.messages.count_tokens(model="no-such-model", messages=hi),
+         anthropic.NotFoundError, 404, "not_found_error", "model_not_found"),
+        (lambda: c.messages.count_tokens(model=LLAMA, messages=anthropic.NOT_GIVEN),
+         anthropic.BadRequestError, 400, "invalid_request_error", "missing_messages"),
     ]
     for call, exc, status, kind, code in cases:
         with pytest.raises(exc) as err:
@@ -110,8 +120,11 @@ def test_b_errors_are_anthropic_shaped_with_the_clients_exception_types(pool):
     # The OpenAI paths keep OpenAI's shape.
     r = requests.post(envoy.url + "/v1/chat/completions", json={"model": "no-such-model", "messages": hi}, timeout=10)
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
-    # None of them reached a pod.
-    assert [s.requests_total() for s in sims] == before
+    # The paths below /v1/messages that are not routed: a 404 in the shape their clients read.
+    r = requests.post(envoy.url + "/v1/messages/batches", json={"requests": []}, timeout=10)
+    assert (r.status_code, r.headers[REJECT], r.json()["error"]["type"]) == (404, "not_found", "not_found_error")
+    # None of them reached a pod, as a generation or as a token count.
+    assert reached(sims) == before
 
 
 def test_c_the_turns_of_a_conversation_land_on_one_pod(pool):
@@ -169,3 +182,62 @@ def test_d_envoys_own_replies_on_the_messages_path_are_anthropic_shaped():
         if envoy is not None:
             envoy.stop()
         sim.stop()
+
+
+def prefix_scores(headers) -> dict:
+    """Each pod's prefix score in the debug score header (scheduler.debug_scores)."""
+    out = {}
+    for entry in headers.get(SCORES, "").split(", "):
+        fields = entry.split()
+        if fields:
+            out[fields[0]] = float(next(f for f in fields if f.startswith("p=")).split("=")[1])
+    return out
+
+
+def test_e_a_token_count_is_routed_counts_what_the_message_uses_and_leaves_no_prefix(pool):
+    """`messages.count_tokens` goes to a pod serving the model, gets that pod's count, and is no
+    generation: the message that follows with the same conversation uses exactly that many input
+    tokens and finds no pod holding its prompt (the count recorded no prefix), while the message
+    itself is recorded, as the next one shows."""
+    envoy, sims = pool
+    pods = by_address(sims)
+    doc = json.loads((FIXTURES / "chat_shared_prefix_1.request.json").read_text())
+    system = "[count tokens] " + doc["messages"][0]["content"]
+    messages = [{"role": "user", "content": [{"type": "text", "text": doc["messages"][1]["content"] + "\nHow long?"}]}]
+    before = reached(sims)
+    counted_before = envoy.metric("inference_picker_requests_total", model=LLAMA, outcome="count_tokens")
+    raw = client(envoy).messages.with_raw_response.count_tokens(model=LLAMA, system=system, messages=messages)
+    counted = raw.parse()
+    assert raw.headers[SERVED] in pods
+    assert counted.input_tokens > 1000, counted
+    # It reached the pod that served it as a token count, and no pod as a generation.
+    after = reached(sims)
+    assert [(g - g0, c - c0) for (g, c), (g0, c0) in zip(after, before)] == [
+        (0, 1 if s.address == raw.headers[SERVED] else 0) for s in sims], (before, after)
+    assert envoy.metric("inference_picker_requests_total", model=LLAMA, outcome="count_tokens") == counted_before + 1
+
+    first = client(envoy).messages.with_raw_response.create(model=LLAMA, max_tokens=1, system=system,
+                                                            messages=messages)
+    usage = first.parse().usage
+    assert usage.cache_read_input_tokens == 0, usage
+    assert usage.input_tokens == counted.input_tokens, (usage, counted)
+    scores = prefix_scores(first.headers)
+    assert sorted(scores) == sorted(pods), scores
+    assert all(p == 0 for p in scores.values()), f"the token count left a prefix behind: {scores}"
+    second = client(envoy).messages.with_raw_response.create(model=LLAMA, max_tokens=1, system=system,
+                                                             messages=messages)
+    assert prefix_scores(second.headers)[first.headers[SERVED]] > 0, prefix_scores(second.headers)
+    assert second.headers[SERVED] == first.headers[SERVED]
+
+
+def test_f_token_counts_spread_over_the_pods_without_max_tokens(pool):
+    envoy, sims = pool
+    served = set()
+    for i in range(12):
+        raw = client(envoy).messages.with_raw_response.count_tokens(
+            model=LLAMA, messages=[{"role": "user", "content": f"count me ({i})"}])
+        assert raw.parse().input_tokens > 0
+        served.add(raw.headers[SERVED])
+    # Idle pods have equal counts in flight: the calls spread, with no prefix to pull them.
+    assert len(served) >= 2, served
+    assert served <= set(by_address(sims))

@@ -159,6 +159,39 @@ fn what_anthropic_requires_is_a_400_in_its_shape() {
 }
 
 #[test]
+fn a_token_count_is_a_messages_body_without_max_tokens() {
+    const COUNT: &str = "/v1/messages/count_tokens";
+    let count = |body: &Value| parse_request(COUNT, body.to_string().as_bytes());
+    let conversation = json!({"model": "m", "system": "Be brief.", "tools": [{"name": "t", "input_schema": {}}],
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}]});
+    let r = count(&conversation).unwrap();
+    assert_eq!((r.kind, r.model.as_str(), r.stream), (ApiKind::CountTokens, "m", false));
+    // The same text as the message it counts for.
+    let mut message = conversation.clone();
+    message["max_tokens"] = json!(8);
+    assert_eq!(r.prompt, parse(&message).unwrap().prompt);
+    // A max_tokens it sends is left to the pod, whatever it is.
+    for m in [json!(8), json!(0), json!("x"), json!(null)] {
+        let mut body = conversation.clone();
+        body["max_tokens"] = m;
+        assert_eq!(count(&body).unwrap().prompt, r.prompt);
+    }
+    // Everything else is checked as on /v1/messages.
+    for (body, code) in [
+        (json!({"model": "m"}), "missing_messages"),
+        (json!({"messages": []}), "missing_model"),
+        (json!({"model": 7, "messages": []}), "invalid_model"),
+        (json!({"model": "m", "messages": [5]}), "invalid_json"),
+        (json!("a string"), "invalid_json"),
+    ] {
+        let e = count(&body).unwrap_err();
+        assert_eq!((e.status, e.code), (400, code), "{body}");
+    }
+    // On /v1/messages the same body without max_tokens is still a 400.
+    assert_eq!(parse(&conversation).unwrap_err().code, "missing_max_tokens");
+}
+
+#[test]
 fn odd_content_is_left_to_the_model_server() {
     // Shapes Anthropic would refuse, but that the filter does not need: routed, their text
     // skipped; the pod answers them.

@@ -383,3 +383,11 @@ fn a_record_of_another_release_is_skipped_and_left_alone() {
         assert_eq!(stored, theirs, "another build's record is not overwritten");
     }
 }
+
+#[test]
+fn a_token_count_reports_failures_and_load_never_success() {
+    assert_eq!(from_non_generation(Outcome::Success), None);
+    for o in [Outcome::Failure { gateway: true }, Outcome::Failure { gateway: false }, Outcome::Load] {
+        assert_eq!(from_non_generation(o), Some(o));
+    }
+}

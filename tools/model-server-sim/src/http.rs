@@ -1,5 +1,6 @@
 //! The HTTP shell: runs the pure [`Server`] model in real time behind an OpenAI-compatible API,
-//! and Anthropic's Messages API (`POST /v1/messages`, [`Api::Messages`]).
+//! and Anthropic's Messages API (`POST /v1/messages`, [`Api::Messages`]) with its token count
+//! (`POST /v1/messages/count_tokens`, [`count_tokens`]).
 //!
 //! Model time is wall-clock milliseconds since the shell started. A background task (see
 //! [`engine_loop`]) advances the model to "now", hands every event to the request that owns it,
@@ -403,6 +404,8 @@ struct Stats {
     last_prefiller: Option<String>,
     /// Inference requests parked by /sim/hold.
     held_total: u64,
+    /// `POST /v1/messages/count_tokens` calls (not inference requests: not in `requests_total`).
+    count_tokens_total: u64,
     /// The last [`ARRIVALS_KEPT`] inference requests, oldest first.
     arrivals: VecDeque<Arrival>,
 }
@@ -530,6 +533,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
         .route("/v1/messages", post(messages))
+        .route("/v1/messages/count_tokens", post(count_tokens))
         .route("/v1/models", get(list_models))
         .route("/health", get(health))
         .route("/metrics", get(metrics))
@@ -866,6 +870,36 @@ async fn messages(
     body: Bytes,
 ) -> Response {
     inference(st, Api::Messages, &ext, headers, body).await
+}
+
+/// Anthropic's token count (`POST /v1/messages/count_tokens`, which vLLM serves too):
+/// `{"input_tokens": N}`, N the prompt tokens a `POST /v1/messages` with the same `model`,
+/// `system` and `messages` has (its `usage.input_tokens` when none of the prompt is cached,
+/// `input_tokens + cache_read_input_tokens` otherwise). No `max_tokens`; the same 400s on
+/// `system` and `messages`, and the 404 of an unknown model, in Anthropic's shape. It only
+/// tokenizes: no engine time, no KV cache, never held (`/sim/hold`) or failed (`/sim/chaos`), no
+/// arrival; counted in `count_tokens_total`.
+async fn count_tokens(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
+    let api = Api::Messages;
+    lock(&st.stats).count_tokens_total += 1;
+    let value: Value = match serde_json::from_slice(&body) {
+        Ok(v) => v,
+        Err(e) => return api.error(StatusCode::BAD_REQUEST, format!("invalid JSON body: {e}")),
+    };
+    let Some(obj) = value.as_object() else {
+        return api.error(StatusCode::BAD_REQUEST, "request body must be a JSON object");
+    };
+    let Some(model) = obj.get("model").and_then(Value::as_str) else {
+        return api.error(StatusCode::BAD_REQUEST, "model: Field required (a string)");
+    };
+    let served = st.cfg.models.iter().any(|m| m == model) || lock(&st.loras).iter().any(|l| l == model);
+    if !served {
+        return api.error(StatusCode::NOT_FOUND, format!("The model `{model}` does not exist."));
+    }
+    match messages_prompt_text(obj.get("system"), obj.get("messages")) {
+        Ok(text) => axum::Json(json!({ "input_tokens": prompt::estimate_tokens(&text) })).into_response(),
+        Err(m) => api.error(StatusCode::BAD_REQUEST, m),
+    }
 }
 
 /// The OpenAI error type vLLM's clients expect for a status.

@@ -181,6 +181,48 @@ async fn anthropic_message_has_usage_and_names_the_server() {
 }
 
 #[tokio::test]
+async fn a_token_count_is_the_input_tokens_of_the_same_message() {
+    let app = app(Engine::Vllm);
+    let conversation = json!({"model": "ad1", "system": [{"type": "text", "text": "Be brief."}],
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "hello"}]},
+                     {"role": "assistant", "content": "hi"},
+                     {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": "42"}]}]});
+    let (status, server, text) =
+        call(&app, "POST", "/v1/messages/count_tokens", &conversation.to_string()).await;
+    assert_eq!((status, server.as_str()), (StatusCode::OK, "sim-test"));
+    let counted = parse(&text);
+    assert_eq!(counted.as_object().map(|o| o.len()), Some(1), "{text}");
+    let mut message = conversation.clone();
+    message["max_tokens"] = json!(2);
+    let usage = parse(&call(&app, "POST", "/v1/messages", &message.to_string()).await.2)["usage"].clone();
+    assert_eq!(usage["cache_read_input_tokens"], 0);
+    assert_eq!(counted["input_tokens"], usage["input_tokens"]);
+    // "system: Be brief.\nuser: hello\nassistant: hi\nuser: 42\n" = 53 chars = 14 tokens.
+    assert_eq!(counted["input_tokens"], 14);
+    // Not an inference request: counted apart, no arrival.
+    let stats = parse(&call(&app, "GET", "/sim/stats", "").await.2);
+    assert_eq!((stats["count_tokens_total"].as_u64(), stats["requests_total"].as_u64()), (Some(1), Some(1)));
+    assert_eq!(stats["arrivals"].as_array().map(Vec::len), Some(1));
+    // Errors in Anthropic's shape: an unknown model, no messages, not JSON.
+    for (body, want, kind) in [
+        (
+            json!({"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]}).to_string(),
+            404,
+            "not_found_error",
+        ),
+        (json!({"model": "base"}).to_string(), 400, "invalid_request_error"),
+        ("{".to_string(), 400, "invalid_request_error"),
+    ] {
+        let (status, _, text) = call(&app, "POST", "/v1/messages/count_tokens", &body).await;
+        let v = parse(&text);
+        assert_eq!(
+            (status.as_u16(), v["type"].as_str(), v["error"]["type"].as_str()),
+            (want, Some("error"), Some(kind))
+        );
+    }
+}
+
+#[tokio::test]
 async fn anthropic_stream_sends_the_documented_events_in_order() {
     let app = app(Engine::Vllm);
     let body = json!({"model": "base", "max_tokens": 3, "stream": true,
