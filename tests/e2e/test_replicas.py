@@ -63,9 +63,11 @@ def test_a_hot_prefix_burst_through_two_replicas_is_spread_and_a_cold_prompt_fin
             wait_until(lambda: sum(_held(sims).values()) == i + 1, 30, f"request {i} of the burst parked")
         held = _held(sims)
         assert sum(1 for n in held.values() if n > 0) > 1, f"the whole burst herded onto one pod: {held}"
-        # Both replicas see every pod's queue as its /metrics reports it now.
+        # Both replicas see every pod's queue as its /metrics reports it now: the two pollers
+        # share the scrapes (`poller.replicas` 2), and 4 of them could all be one poller's, so
+        # wait for enough that each has scraped every pod since the burst parked.
         for s in sims:
-            s.wait_scraped()
+            s.wait_scraped(n=12, timeout=30)
         least = min(held.values())
         cold = pool.submit(a.chat, content="Translate 'good morning' into French.", max_tokens=4)
         wait_until(lambda: sum(_held(sims).values()) == BURST + 1, 30, "the cold prompt parked")
